@@ -1,0 +1,37 @@
+"""tpu_utility: move a PyTorch training loop from CUDA to TPUs with a few edited lines.
+
+    from tpu_utility import setup_tpu, get_device, step_optimizer, make_sampler, one_cycle_fit
+    info = setup_tpu()                # platform, versions, PJRT device, compile cache
+    device = get_device()             # was: torch.device("cuda")
+    sampler = make_sampler(train_ds)  # DistributedSampler when several cores, else None
+    step_optimizer(opt)               # was: opt.step()
+    history = one_cycle_fit(model, train_ds, valid_data=valid_ds, epochs=5, max_lr=3e-3, cores="all")
+
+Importing this package never imports torch_xla; it works without it (CUDA, else CPU).
+"""
+
+from .checkpoint import load_checkpoint
+from .data import make_sampler
+from .device import get_device
+from .environment import TpuInfo, setup_tpu
+from .fit import one_cycle_fit
+from .history import EpochRecord, History
+from .lr_finder import LRFinderResult, find_lr
+from .optim import step_optimizer
+from .schedule import one_cycle, one_cycle_curve
+
+__all__ = [
+    "EpochRecord",
+    "History",
+    "LRFinderResult",
+    "TpuInfo",
+    "find_lr",
+    "get_device",
+    "load_checkpoint",
+    "make_sampler",
+    "one_cycle",
+    "one_cycle_curve",
+    "one_cycle_fit",
+    "setup_tpu",
+    "step_optimizer",
+]

@@ -1,0 +1,84 @@
+"""get_device(): the line that replaces ``torch.device("cuda")``, and a model
+move that keeps tied weights tied."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from . import xla
+
+
+def _check_index(index: int, count: int, what: str) -> None:
+    if isinstance(index, bool) or not isinstance(index, int):
+        raise TypeError(f"index must be an int or None, but given {index!r} ({type(index).__name__})")
+    if not 0 <= index < count:
+        raise ValueError(f"index must be between 0 and {count - 1} ({count} {what}), but given {index}")
+
+
+def get_device(index: int | None = None) -> torch.device:
+    """The device to train on: XLA (TPU) when there is one, else CUDA, else CPU.
+
+    XLA is used when a TPU is attached or ``PJRT_DEVICE`` is set (and torch_xla
+    is installed). Inside a multi-core launch it returns that process's device.
+
+    Args:
+        index: One core (like Lightning's ``tpu_cores=[5]``) or one GPU. None takes
+            the default device of this process.
+
+    Returns:
+        torch.device: ``xla:N``, ``cuda:N`` or ``cpu``.
+
+    Raises:
+        ValueError: ``index`` is outside the devices this process can address.
+        TypeError: ``index`` is not an int.
+        RuntimeError: ``PJRT_DEVICE=TPU`` but no TPU is attached.
+
+    Example:
+        >>> # was: device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        >>> device = get_device()
+        >>> model = MyModel().to(device)    # doctest: +SKIP
+    """
+    if xla.xla_requested():
+        if index is None:
+            return xla.device()
+        _check_index(index, xla.addressable_device_count(), "XLA devices in this process")
+        return xla.device(index)
+    if torch.cuda.is_available():
+        if index is None:
+            return torch.device("cuda", torch.cuda.current_device())
+        _check_index(index, torch.cuda.device_count(), "CUDA devices")
+        return torch.device("cuda", index)
+    if index is not None:
+        _check_index(index, 1, "CPU device; no TPU or GPU found")
+    return torch.device("cpu")
+
+
+def tied_parameter_groups(model: nn.Module) -> list[list[str]]:
+    """Names of parameters that are one tensor (tied weights), grouped."""
+    groups: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(param), []).append(name)
+    return [names for names in groups.values() if len(names) > 1]
+
+
+def _set_parameter(model: nn.Module, name: str, param: nn.Parameter) -> None:
+    owner_name, _, attr = name.rpartition(".")
+    owner = model.get_submodule(owner_name) if owner_name else model
+    setattr(owner, attr, param)
+
+
+def move_model(model: nn.Module, device: torch.device) -> nn.Module:
+    """``model.to(device)`` that keeps tied weights tied.
+
+    Moving to XLA replaces each parameter with a new one, so an output layer that
+    shared the embedding weight gets its own copy and the tie is silently lost.
+    We record the ties before the move and restore them after.
+    """
+    groups = tied_parameter_groups(model)
+    model.to(device)
+    for names in groups:
+        keep = model.get_parameter(names[0])
+        for name in names[1:]:
+            _set_parameter(model, name, keep)
+    return model

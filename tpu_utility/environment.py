@@ -1,0 +1,215 @@
+"""setup_tpu(): the first cell of a notebook.
+
+Finds where it runs (Kaggle, Colab, a TPU VM or a local machine), checks the
+torch/torch_xla pair, picks the PJRT device, turns on the persistent compile
+cache and prints what it found. It never starts the XLA runtime, so a
+multi-core launch can still follow.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from dataclasses import asdict, dataclass
+from typing import Literal, get_args
+
+import torch
+
+from . import xla
+
+Platform = Literal["kaggle", "colab", "tpu-vm", "local"]
+DeviceChoice = Literal["auto", "TPU", "CPU"]
+
+
+@dataclass(frozen=True)
+class TpuInfo:
+    """What setup_tpu found; printed as a short summary."""
+
+    platform: str
+    device_type: str  # "TPU", "CPU" (XLA on the host CPU), "CUDA" or "cpu" (no XLA)
+    device_kind: str | None
+    num_devices: int
+    xla: bool
+    host_cpus: int
+    host_ram_gb: float
+    torch_version: str
+    torch_xla_version: str | None
+    cache_dir: str | None
+    num_workers: int
+
+    def summary(self) -> str:
+        if self.xla:
+            backend = "XLA"
+        elif self.torch_xla_version is None:
+            backend = "no XLA: torch_xla is not installed"
+        else:
+            backend = "no XLA: no TPU found and PJRT_DEVICE not set"
+        kind = f" {self.device_kind}" if self.device_kind else ""
+        lines = [
+            f"tpu_utility on {self.platform}: {self.device_type}{kind} x {self.num_devices} via {backend}",
+            f"  host: {self.host_cpus} CPUs, {self.host_ram_gb:.1f} GiB RAM;"
+            f" suggested DataLoader num_workers={self.num_workers}",
+            f"  torch {self.torch_version}, torch_xla {self.torch_xla_version or 'not installed'}",
+            f"  compile cache: {self.cache_dir or 'off'}",
+        ]
+        return "\n".join(lines)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def detect_platform(environ: dict[str, str] | None = None, tpu_chips: int | None = None) -> Platform:
+    """Names the platform from environment variables and the TPU on the PCI bus."""
+    env = os.environ if environ is None else environ
+    if "KAGGLE_KERNEL_RUN_TYPE" in env or "KAGGLE_URL_BASE" in env:
+        return "kaggle"
+    if "COLAB_RELEASE_TAG" in env or "COLAB_GPU" in env or "COLAB_TPU_ADDR" in env:
+        return "colab"
+    chips = xla.detect_tpu().chips if tpu_chips is None else tpu_chips
+    if chips or "TPU_ACCELERATOR_TYPE" in env or "TPU_NAME" in env:
+        return "tpu-vm"
+    return "local"
+
+
+def default_cache_dir(platform: str, process_rank: int | None, environ: dict[str, str] | None = None) -> str:
+    """Where compiled graphs survive a kernel restart; one folder per launched process."""
+    env = os.environ if environ is None else environ
+    if platform == "kaggle":
+        base = "/kaggle/working/xla_cache"
+    else:
+        cache_home = env.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        base = os.path.join(cache_home, "tpu_utility", "xla_cache")
+    return base if process_rank is None else os.path.join(base, f"process_{process_rank}")
+
+
+def suggest_num_workers(host_cpus: int, processes: int = 1) -> int:
+    """DataLoader workers per process: leave one CPU per process to feed the device."""
+    return max(0, min(8, host_cpus // max(processes, 1) - 1))
+
+
+def _host_ram_gb() -> float:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    except (ValueError, OSError, AttributeError):
+        return float("nan")
+
+
+_last_info: TpuInfo | None = None
+
+
+def setup_tpu(
+    device: DeviceChoice = "auto",
+    cache_dir: str | None = None,
+    compile_cache: bool = True,
+    verbose: bool = True,
+) -> TpuInfo:
+    """Prepares this process for XLA and prints what it found.
+
+    Call it first, before anything touches a device. It does not start the XLA
+    runtime, so ``one_cycle_fit(..., cores="all")`` can still launch processes.
+
+    Args:
+        device: ``"auto"`` picks TPU when one is attached and otherwise leaves
+            XLA off (``get_device`` then falls back to CUDA or CPU). ``"TPU"`` or
+            ``"CPU"`` (XLA on the host CPU) force a PJRT device. A ``PJRT_DEVICE``
+            environment variable the user set always wins over ``"auto"``.
+        cache_dir: Folder for torch_xla's persistent compile cache. Default:
+            ``/kaggle/working/xla_cache`` on Kaggle, ``~/.cache/tpu_utility/xla_cache``
+            elsewhere, with a ``process_<rank>`` subfolder per launched process.
+        compile_cache: Set False to leave the compile cache off.
+        verbose: Print the summary.
+
+    Returns:
+        TpuInfo: platform, device type and kind, device count, host CPUs and RAM,
+        versions, cache folder and a suggested DataLoader ``num_workers``.
+
+    Raises:
+        ValueError: ``device`` is not one of "auto", "TPU", "CPU".
+        RuntimeError: torch and torch_xla versions differ (the message has the pip
+            command), ``PJRT_DEVICE=TPU`` with no TPU attached, or the XLA runtime
+            already runs on a different device type than the one asked for.
+
+    Example:
+        >>> # was: (nothing; on CUDA there is no set-up cell)
+        >>> from tpu_utility import setup_tpu
+        >>> info = setup_tpu()          # doctest: +SKIP
+        tpu_utility on kaggle: TPU v3 x 8 via XLA ...
+    """
+    global _last_info
+    if device not in get_args(DeviceChoice):
+        raise ValueError(f"device must be one of {get_args(DeviceChoice)}, but given {device!r}")
+
+    tpu = xla.detect_tpu()
+    platform = detect_platform(tpu_chips=tpu.chips)
+    torch_xla_version = xla.installed_version("torch_xla") if xla.XLA_INSTALLED else None
+    xla.check_versions(torch.__version__, torch_xla_version)
+
+    user_choice = xla.pjrt_device()
+    if device != "auto" and user_choice is not None and user_choice != device:
+        raise RuntimeError(
+            f"setup_tpu(device={device!r}) conflicts with PJRT_DEVICE={user_choice!r} set in "
+            f"the environment. Unset one of them."
+        )
+    wanted = user_choice or (device if device != "auto" else ("TPU" if tpu.chips else None))
+
+    running = xla.runtime_device_type()
+    if running is not None and wanted is not None and running != wanted:
+        raise RuntimeError(
+            f"The XLA runtime already started on {running!r} in this process, so it cannot "
+            f"switch to {wanted!r}. Restart the kernel and call setup_tpu() first."
+        )
+    if wanted == "TPU" and tpu.chips == 0:
+        raise RuntimeError(
+            "PJRT_DEVICE='TPU' is requested but this machine has no TPU chip. Allowed: "
+            "unset PJRT_DEVICE (CUDA/CPU fallback) or use device='CPU' for XLA on the host."
+        )
+    if wanted is not None and not xla.XLA_INSTALLED:
+        raise ModuleNotFoundError(f"PJRT_DEVICE={wanted!r} needs torch_xla. Install it with: {xla.INSTALL_HINT}")
+    if wanted is not None:
+        os.environ["PJRT_DEVICE"] = wanted
+
+    use_xla = wanted is not None
+    rank = xla.local_process_rank()
+    chosen_cache = None
+    if use_xla and compile_cache:
+        chosen_cache = cache_dir or default_cache_dir(platform, rank)
+        if cache_dir and rank is not None:
+            chosen_cache = os.path.join(cache_dir, f"process_{rank}")
+        os.makedirs(chosen_cache, exist_ok=True)
+        if not xla.initialize_cache(chosen_cache):
+            warnings.warn(
+                "The compile cache could not be switched on: XLA already compiled a graph in "
+                "this process. Call setup_tpu() before any XLA work to keep compiled graphs "
+                "across kernel restarts.",
+                stacklevel=2,
+            )
+            chosen_cache = None
+
+    if wanted == "TPU":
+        device_type, kind, count = "TPU", tpu.kind, tpu.devices
+    elif wanted == "CPU":
+        device_type, kind, count = "CPU", "XLA:CPU", int(os.environ.get("CPU_NUM_DEVICES", "1"))
+    elif torch.cuda.is_available():
+        device_type, kind, count = "CUDA", torch.cuda.get_device_name(0), torch.cuda.device_count()
+    else:
+        device_type, kind, count = "cpu", None, 1
+
+    cpus = os.cpu_count() or 1
+    processes = tpu.chips if wanted == "TPU" and tpu.chips else 1
+    info = TpuInfo(
+        platform=platform,
+        device_type=device_type,
+        device_kind=kind,
+        num_devices=count,
+        xla=use_xla,
+        host_cpus=cpus,
+        host_ram_gb=_host_ram_gb(),
+        torch_version=torch.__version__,
+        torch_xla_version=torch_xla_version,
+        cache_dir=chosen_cache,
+        num_workers=suggest_num_workers(cpus, processes),
+    )
+    if verbose and info != _last_info:
+        print(info.summary())
+    _last_info = info
+    return info

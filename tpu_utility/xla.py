@@ -1,0 +1,438 @@
+"""The one place that talks to torch_xla.
+
+Every other module asks this one. It answers "is an XLA device here, and which
+kind?" without importing torch_xla or starting its runtime, and maps torch_xla's
+API across versions 2.5 to 2.9+ (``torch_xla.device``/``sync``/``launch`` and
+``torch_xla.runtime`` replace ``xm.xla_device``, ``xm.mark_step``,
+``xm.xrt_world_size`` and ``xm.get_ordinal``).
+
+torch_xla is imported lazily, inside functions: importing it has side effects
+(it registers the XLA backend and reads ``PJRT_DEVICE``), and starting its
+runtime before a multi-process launch breaks the launch.
+"""
+
+from __future__ import annotations
+
+import glob
+import importlib
+import importlib.metadata
+import importlib.util
+import os
+import sys
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+
+XLA_INSTALLED: bool = importlib.util.find_spec("torch_xla") is not None
+
+INSTALL_HINT = 'pip install "torch_xla[tpu]==<your torch version>"'
+
+_GOOGLE_PCI_VENDOR = "0x1ae0"
+# PCI device ids of TPU chips (as torch_xla._internal.tpu lists them) and the
+# number of XLA devices (cores) each chip exposes under PJRT.
+_TPU_PCI_KINDS = {
+    "0x0027": ("v2/v3", 2),
+    "0x005e": ("v4", 1),
+    "0x0063": ("v5e", 1),
+    "0x0062": ("v5p", 1),
+    "0x006f": ("v6e", 1),
+    "0x0076": ("7x", 1),
+}
+
+
+@dataclass(frozen=True)
+class TpuHardware:
+    """TPU chips attached to this host, found without starting any runtime."""
+
+    chips: int
+    kind: str | None
+    cores_per_chip: int
+
+    @property
+    def devices(self) -> int:
+        return self.chips * self.cores_per_chip
+
+
+def detect_tpu(pci_root: str = "/sys/bus/pci/devices") -> TpuHardware:
+    """Counts TPU chips on the PCI bus: reading sysfs, so nothing is started."""
+    chips, kind, cores = 0, None, 1
+    for vendor_path in sorted(glob.glob(os.path.join(pci_root, "*", "vendor"))):
+        try:
+            with open(vendor_path) as f:
+                if f.read().strip() != _GOOGLE_PCI_VENDOR:
+                    continue
+            with open(os.path.join(os.path.dirname(vendor_path), "device")) as f:
+                device_id = f.read().strip()
+        except OSError:
+            continue
+        if device_id in _TPU_PCI_KINDS:
+            chips += 1
+            kind, cores = _TPU_PCI_KINDS[device_id]
+    accelerator = os.environ.get("TPU_ACCELERATOR_TYPE")  # e.g. "v3-8" on TPU VMs
+    if chips and accelerator:
+        kind = accelerator.split("-")[0]
+    return TpuHardware(chips, kind, cores)
+
+
+def pjrt_device() -> str | None:
+    """The PJRT device the user (or setup_tpu) chose, upper-cased, or None."""
+    value = os.environ.get("PJRT_DEVICE")
+    return value.split("_")[0].upper() if value else None
+
+
+def xla_requested() -> bool:
+    """True when XLA should be used: torch_xla installed and a TPU or PJRT_DEVICE."""
+    return XLA_INSTALLED and (pjrt_device() is not None or detect_tpu().chips > 0)
+
+
+def xla_loaded() -> bool:
+    """True when torch_xla has already been imported in this process."""
+    return "torch_xla" in sys.modules
+
+
+def installed_version(package: str) -> str | None:
+    """A package's installed version, read from its metadata without importing it."""
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def check_versions(torch_version: str, xla_version: str | None) -> None:
+    """Raises RuntimeError with the pip command to fix it if the versions differ.
+
+    torch_xla is built against one torch release; a mismatch fails at import
+    with an undefined-symbol error, so we check the metadata first.
+    """
+    if xla_version is None:
+        return
+    torch_mm = torch_version.split("+")[0].split(".")[:2]
+    xla_mm = xla_version.split("+")[0].split(".")[:2]
+    if torch_mm != xla_mm:
+        fix_version = ".".join(xla_version.split("+")[0].split(".")[:3])
+        raise RuntimeError(
+            f"torch {torch_version} does not match torch_xla {xla_version}: torch_xla "
+            f"only works with the torch release it was built for. Fix it with:\n"
+            f'    pip install "torch=={fix_version}" "torch_xla[tpu]=={fix_version}"\n'
+            f"then restart the kernel."
+        )
+
+
+def require_xla() -> Any:
+    """Imports torch_xla, or raises ModuleNotFoundError with the install command."""
+    if not XLA_INSTALLED:
+        raise ModuleNotFoundError(f"torch_xla is not installed. Install it with: {INSTALL_HINT}")
+    check_versions(torch.__version__, installed_version("torch_xla"))
+    _refuse_missing_tpu()
+    return importlib.import_module("torch_xla")
+
+
+def _refuse_missing_tpu() -> None:
+    # torch_xla's own failure here is a C++ error deep in client start-up.
+    if pjrt_device() == "TPU" and detect_tpu().chips == 0 and not runtime_started():
+        raise RuntimeError(
+            "PJRT_DEVICE='TPU' is set but this machine has no TPU chip (no Google TPU on "
+            "the PCI bus). Allowed here: unset PJRT_DEVICE to fall back to CUDA/CPU, or set "
+            "PJRT_DEVICE='CPU' to run XLA on the host CPU."
+        )
+
+
+def runtime_started() -> bool:
+    """True when torch_xla's runtime is running in this process (never starts it)."""
+    if not xla_loaded():
+        return False
+    return bool(sys.modules["torch_xla"]._XLAC._xla_runtime_is_initialized())
+
+
+def runtime_device_type() -> str | None:
+    """The device type the running runtime uses ("TPU", "CPU"...), or None if not started."""
+    if not runtime_started():
+        return None
+    import torch_xla
+
+    return torch_xla.real_devices()[0].split(":")[0] if hasattr(torch_xla, "real_devices") else pjrt_device()
+
+
+def in_launched_process() -> bool:
+    """True inside a process started by torch_xla.launch / xmp.spawn."""
+    return "PJRT_LOCAL_PROCESS_RANK" in os.environ
+
+
+def local_process_rank() -> int | None:
+    rank = os.environ.get("PJRT_LOCAL_PROCESS_RANK")
+    return int(rank) if rank is not None else None
+
+
+# ----------------------------------------------------------------- devices
+def device(index: int | None = None) -> torch.device:
+    """The XLA device (this process's, or core ``index``). Starts the runtime."""
+    torch_xla = require_xla()
+    return torch_xla.device(index)
+
+
+def addressable_device_count() -> int:
+    """XLA devices this process can address (starts the runtime)."""
+    require_xla()
+    import torch_xla.runtime as xr
+
+    return xr.addressable_runtime_device_count() if xr.is_spmd() else xr.addressable_device_count()
+
+
+def global_device_count() -> int:
+    """All XLA devices of the job (the SPMD mesh size). Starts the runtime."""
+    require_xla()
+    import torch_xla.runtime as xr
+
+    return xr.global_runtime_device_count()
+
+
+def is_xla_device(dev: torch.device | str) -> bool:
+    return torch.device(dev).type == "xla"
+
+
+def sync(wait: bool = False) -> None:
+    """Cuts the lazy graph here and runs it (torch_xla.sync, was xm.mark_step)."""
+    torch_xla = require_xla()
+    if hasattr(torch_xla, "sync"):
+        torch_xla.sync(wait=wait)
+    else:  # torch_xla < 2.6
+        import torch_xla.core.xla_model as xm
+
+        xm.mark_step(wait=wait)
+
+
+def wait_device_ops() -> None:
+    import torch_xla.core.xla_model as xm
+
+    xm.wait_device_ops()
+
+
+def world_size() -> int:
+    """Replicas (processes x threads) in the job, without starting a runtime needlessly.
+
+    Outside a launch, and before the runtime starts, the answer is 1 (or
+    torch.distributed's world size when that is initialised, for CUDA DDP).
+    """
+    if xla_loaded() and (runtime_started() or in_launched_process()):
+        import torch_xla.runtime as xr
+
+        return xr.world_size()
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_world_size()
+    return 1
+
+
+def ordinal() -> int:
+    """This replica's global rank (xr.global_ordinal, was xm.get_ordinal)."""
+    if xla_loaded() and (runtime_started() or in_launched_process()):
+        import torch_xla.runtime as xr
+
+        return xr.global_ordinal()
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank()
+    return 0
+
+
+def is_master() -> bool:
+    return ordinal() == 0
+
+
+def launch(fn: Callable[..., Any], args: tuple = (), start_method: str = "spawn") -> None:
+    """Runs ``fn(index, *args)`` once per device in fresh processes."""
+    torch_xla = require_xla()
+    if runtime_started():
+        raise RuntimeError(
+            "The XLA runtime already started in this process, so a multi-process launch "
+            "cannot follow. Restart the kernel and launch before touching the XLA device "
+            "(no get_device(), no tensors on 'xla'), or use strategy='spmd'."
+        )
+    if hasattr(torch_xla, "launch"):
+        torch_xla.launch(fn, args=args, start_method=start_method)
+    else:  # torch_xla < 2.5
+        import torch_xla.distributed.xla_multiprocessing as xmp
+
+        xmp.spawn(fn, args=args, start_method=start_method)
+
+
+def initialize_cache(path: str) -> bool:
+    """Turns on the persistent compile cache; False if it is too late in this process."""
+    require_xla()
+    import torch_xla
+    import torch_xla.runtime as xr
+
+    if torch_xla._XLAC._xla_computation_cache_is_initialized():
+        return os.environ.get("XLA_PERSISTENT_CACHE_PATH") == path
+    xr.initialize_cache(path, readonly=False)
+    return True
+
+
+# --------------------------------------------------------------- training
+def reduce_gradients(optimizer: torch.optim.Optimizer) -> None:
+    """All-reduces (averages) gradients across replicas; a no-op on one replica."""
+    import torch_xla.core.xla_model as xm
+
+    xm.reduce_gradients(optimizer)
+
+
+def all_reduce(tensors: list[torch.Tensor], op: str = "sum") -> list[torch.Tensor]:
+    """Reduces each tensor over replicas ("sum", "min" or "max"); identity on one replica.
+
+    Under SPMD there is one replica: the graph already spans every device.
+    """
+    if world_size() == 1:
+        return tensors
+    import torch_xla.core.xla_model as xm
+
+    reduce_type = {"sum": xm.REDUCE_SUM, "min": xm.REDUCE_MIN, "max": xm.REDUCE_MAX}[op]
+    return [xm.all_reduce(reduce_type, t) for t in tensors]
+
+
+def rendezvous(tag: str) -> None:
+    if world_size() > 1:
+        import torch_xla.core.xla_model as xm
+
+        xm.rendezvous(tag)
+
+
+def set_rng_seed(seed: int) -> None:
+    import torch_xla.core.xla_model as xm
+
+    xm.set_rng_state(seed)
+
+
+def get_rng_state() -> int:
+    import torch_xla.core.xla_model as xm
+
+    return int(xm.get_rng_state())
+
+
+def set_rng_state(state: int) -> None:
+    import torch_xla.core.xla_model as xm
+
+    xm.set_rng_state(state)
+
+
+def bf16_autocast_available() -> bool:
+    """torch_xla's autocast supports TPU (and CUDA builds), but refuses XLA:CPU."""
+    return runtime_device_type() == "TPU"
+
+
+def autocast(dev: torch.device, dtype: torch.dtype) -> Any:
+    from torch_xla.amp import autocast as xla_autocast
+
+    return xla_autocast(dev, dtype=dtype)
+
+
+# ------------------------------------------------------------------- SPMD
+def use_spmd() -> None:
+    """Switches this process to SPMD (one process, the mesh of all devices)."""
+    require_xla()
+    import torch_xla.runtime as xr
+
+    if not xr.is_spmd():
+        xr.use_spmd()
+
+
+def is_spmd() -> bool:
+    if not xla_loaded():
+        return False
+    import torch_xla.runtime as xr
+
+    return xr.is_spmd()
+
+
+class _BatchSharding:
+    """Shards every tensor of a batch along dim 0 over a 1-D data mesh.
+
+    torch_xla's ShardingSpec applies only to tensors of its own rank; a batch
+    holds images (4-D) and labels (1-D), so we build one spec per rank.
+    """
+
+    minibatch = False
+
+    def __init__(self, mesh: Any) -> None:
+        self._mesh = mesh
+        self._specs: dict[int, Any] = {}
+
+    def xla_spec(self, t: torch.Tensor) -> Any:
+        import torch_xla.distributed.spmd as xs
+
+        if t.dim() == 0:
+            return None
+        if t.dim() not in self._specs:
+            self._specs[t.dim()] = xs.ShardingSpec(self._mesh, ("data",) + (None,) * (t.dim() - 1))
+        return self._specs[t.dim()].xla_spec(t)
+
+
+def device_loader(loader: Any, dev: torch.device, spmd_devices: int | None = None) -> Any:
+    """torch_xla's MpDeviceLoader: background host-to-device copies, one graph cut per batch.
+
+    With ``spmd_devices``, each batch is sharded along dim 0 over that many devices.
+    """
+    import torch_xla.distributed.parallel_loader as pl
+
+    sharding = None
+    if spmd_devices:
+        import numpy as np
+        import torch_xla.distributed.spmd as xs
+
+        mesh = xs.Mesh(np.arange(spmd_devices), (spmd_devices,), ("data",))
+        sharding = _BatchSharding(mesh)
+    return pl.MpDeviceLoader(loader, dev, input_sharding=sharding)
+
+
+# ---------------------------------------------------------------- metrics
+def clear_metrics() -> None:
+    import torch_xla.debug.metrics as met
+
+    met.clear_all()
+
+
+def compile_count() -> int:
+    """Graphs compiled so far in this process (torch_xla's CompileTime metric)."""
+    if not xla_loaded():
+        return 0
+    import torch_xla.debug.metrics as met
+
+    data = met.metric_data("CompileTime")
+    return int(data[0]) if data else 0
+
+
+def host_sync_count() -> int:
+    """Device-to-host reads forced by Python (``.item()``, ``bool(t)``, printing)."""
+    if not xla_loaded():
+        return 0
+    import torch_xla.debug.metrics as met
+
+    return int(met.counter_value("aten::_local_scalar_dense") or 0)
+
+
+def transfer_from_device_count() -> int:
+    """Times tensors were copied device-to-host (``.cpu()``, ``.item()``, ...)."""
+    if not xla_loaded():
+        return 0
+    import torch_xla.debug.metrics as met
+
+    data = met.metric_data("TransferFromDeviceTime")
+    return int(data[0]) if data else 0
+
+
+def fallback_ops() -> list[str]:
+    """Ops that ran on the host CPU because XLA has no lowering for them."""
+    if not xla_loaded():
+        return []
+    import torch_xla.debug.metrics as met
+
+    return sorted(met.executed_fallback_ops())
+
+
+def to_cpu(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Copies XLA tensors to the host in one transfer (CPU tensors pass through)."""
+    xla = [t for t in tensors if t.device.type == "xla"]
+    if not xla:
+        return [t.detach().cpu() for t in tensors]
+    import torch_xla
+
+    moved = iter(torch_xla._XLAC._xla_get_cpu_tensors(xla))
+    return [next(moved) if t.device.type == "xla" else t.detach().cpu() for t in tensors]
