@@ -40,7 +40,7 @@ from .data import eval_loader, train_loader, unpack_loader
 from .device import get_device, move_model
 from .history import EpochRecord, History
 from .optim import step_optimizer
-from .schedule import one_cycle
+from .schedule import one_cycle_curve
 
 Strategy = Literal["auto", "spmd", "multiprocess"]
 Precision = Literal["fp32", "bf16"]
@@ -413,18 +413,54 @@ def _device_batches(loader: Any, device: torch.device, spmd_devices: int | None)
     return (_move_batch(b, device) for b in loader)
 
 
-def _set_schedule(opt: torch.optim.Optimizer, step: int, total: int, cfg: FitConfig, max_lr: float) -> float:
-    lr, momentum = one_cycle(
-        min(step, total - 1), total, max_lr, cfg.pct_start, cfg.div_factor, cfg.final_div_factor,
-        cfg.base_momentum, cfg.max_momentum,
-    )  # fmt: skip
-    for group in opt.param_groups:
-        group["lr"] = lr
-        if "betas" in group:
-            group["betas"] = (momentum, group["betas"][1])
-        elif group.get("momentum", 0) > 0:
-            group["momentum"] = momentum
-    return lr
+class _OneCycleDriver:
+    """Feeds the one-cycle schedule to the optimizer before every step.
+
+    On XLA, Adam-family optimizers get ``lr`` and ``betas`` as device tensors
+    (``capturable=True``) copied from a table of the whole schedule, uploaded
+    once. Python-float hyperparameters would change the graph whenever a value
+    happens to round to a special constant (``1 - lr * wd == 1.0`` in float32 late
+    in the schedule), because torch_xla uploads scalars by value: recompiles.
+    Other optimizers (SGD) take Python floats, the only form their step accepts
+    without a host sync.
+    """
+
+    def __init__(self, opt: torch.optim.Optimizer, cfg: FitConfig, total: int, max_lr: float,
+                 device: torch.device, start_step: int) -> None:  # fmt: skip
+        self.lrs, self.moms = one_cycle_curve(
+            total, max_lr, pct_start=cfg.pct_start, div_factor=cfg.div_factor,
+            final_div_factor=cfg.final_div_factor, base_momentum=cfg.base_momentum, max_momentum=cfg.max_momentum,
+        )  # fmt: skip
+        self.total, self.step_index = total, start_step
+        self.on_device = device.type == "xla" and all("betas" in g and "capturable" in g for g in opt.param_groups)
+        if self.on_device:
+            self.table = torch.tensor([self.lrs, self.moms], dtype=torch.float32).T.contiguous().to(device)
+            self.device_index = torch.tensor([min(start_step, total - 1)], device=device)
+            self.lr = torch.tensor(self.lrs[0], device=device)
+            self.beta1 = torch.tensor(self.moms[0], device=device)
+            for group in opt.param_groups:
+                group["capturable"] = True
+                group["lr"] = self.lr
+                # beta2 stays constant; as a device tensor, Adam's addcmul_(value=1 - beta2) would
+                # .item() it every step, so it is a CPU tensor (torch requires both betas tensors).
+                group["betas"] = (self.beta1, torch.tensor(float(group["betas"][1])))
+
+    def before_step(self, opt: torch.optim.Optimizer) -> float:
+        i = min(self.step_index, self.total - 1)
+        self.step_index += 1
+        if self.on_device:
+            row = self.table.index_select(0, self.device_index).squeeze(0)
+            self.lr.copy_(row[0])
+            self.beta1.copy_(row[1])
+            self.device_index.add_(1).clamp_(max=self.total - 1)
+            return self.lrs[i]
+        for group in opt.param_groups:
+            group["lr"] = self.lrs[i]
+            if "betas" in group:
+                group["betas"] = (self.moms[i], group["betas"][1])
+            elif group.get("momentum", 0) > 0:
+                group["momentum"] = self.moms[i]
+        return self.lrs[i]
 
 
 def _fit_in_process(model: nn.Module, train_ds: Any, valid_ds: Any, cfg: FitConfig) -> tuple[nn.Module, History]:
@@ -474,6 +510,7 @@ def _fit_in_process(model: nn.Module, train_ds: Any, valid_ds: Any, cfg: FitConf
     ckpt_path = os.path.join(cfg.checkpoint_dir, CHECKPOINT_NAME) if cfg.checkpoint_dir else None
     if cfg.resume and ckpt_path and os.path.exists(ckpt_path):
         start_epoch, opt_step, history.records = _restore(ckpt_path, model, opt, total, on_xla)
+    schedule = _OneCycleDriver(opt, cfg, total, max_lr, device, opt_step)
     if master and cfg.progress:
         print(history.summary)
         if start_epoch:
@@ -485,14 +522,13 @@ def _fit_in_process(model: nn.Module, train_ds: Any, valid_ds: Any, cfg: FitConf
         started = time.perf_counter()
         tl.sampler.set_epoch(epoch)
         train_sums, opt_step, lr = _train_epoch(
-            model, opt, tl, device, spmd_devices, precision, cfg, epoch, opt_step, total, max_lr, master
+            model, opt, schedule, tl, device, spmd_devices, precision, cfg, epoch, opt_step, master
         )
         eval_sums = _eval_epoch(model, vl, device, spmd_devices, precision, cfg, loss_none) if vl is not None else []
-        loss_sum_t, bad_step_t, n_batches_t = train_sums
-        figures = torch.stack([t.float() for t in [loss_sum_t, n_batches_t, *eval_sums]])
-        figures, bad_step_t = xla.all_reduce([figures], "sum")[0], xla.all_reduce([bad_step_t], "min")[0]
-        values, (bad_step,) = (t.tolist() for t in xla.to_cpu([figures, bad_step_t.reshape(1)]))
-        seconds = time.perf_counter() - started  # one device read per epoch, just above
+        values, bad_step = _read_epoch(train_sums, eval_sums)
+        # Lazy views of these sums, if kept alive, would run as a graph of their own at the next sync.
+        del train_sums, eval_sums
+        seconds = time.perf_counter() - started
         loss_sum, n_batches = values[0], values[1]
         if bad_step < _NO_BAD_STEP or not math.isfinite(loss_sum):
             where = f"step {int(bad_step)}" if bad_step < _NO_BAD_STEP else "a step"
@@ -528,18 +564,17 @@ def _fit_in_process(model: nn.Module, train_ds: Any, valid_ds: Any, cfg: FitConf
 
 
 def _train_epoch(
-    model: nn.Module, opt: torch.optim.Optimizer, loader: Any, device: torch.device,
-    spmd_devices: int | None, precision: _Precision, cfg: FitConfig, epoch: int, opt_step: int,
-    total: int, max_lr: float, master: bool,
+    model: nn.Module, opt: torch.optim.Optimizer, schedule: _OneCycleDriver, loader: Any,
+    device: torch.device, spmd_devices: int | None, precision: _Precision, cfg: FitConfig, epoch: int,
+    opt_step: int, master: bool,
 ) -> tuple[list[torch.Tensor], int, float]:  # fmt: skip
     from tqdm.auto import tqdm
 
     model.train()
     opt.zero_grad(set_to_none=True)
-    loss_sum = torch.zeros((), device=device)
-    n_batches = torch.zeros((), device=device)
-    bad_step = torch.full((), _NO_BAD_STEP, device=device)  # 1-based step of the first non-finite loss
-    lr = opt.param_groups[0]["lr"]
+    # bad_step: 1-based step of the first non-finite loss
+    loss_sum, n_batches, bad_step = _device_values(device, 0.0, 0.0, _NO_BAD_STEP)
+    lr = schedule.lrs[min(opt_step, schedule.total - 1)]
     bar = tqdm(
         total=len(loader), desc=f"epoch {epoch + 1}/{cfg.epochs}", disable=not (cfg.progress and master),
         leave=False, dynamic_ncols=True,
@@ -558,7 +593,7 @@ def _train_epoch(
         bad_step = torch.where((bad_step == _NO_BAD_STEP) & ~torch.isfinite(loss), n_batches, bad_step)
         loss_sum = loss_sum + loss.detach()
         if (i + 1) % cfg.accumulate_steps == 0:
-            lr = _set_schedule(opt, opt_step, total, cfg, max_lr)
+            lr = schedule.before_step(opt)
             # MpDeviceLoader cuts the graph at every batch, so the step needs no barrier
             step_optimizer(opt, barrier=False, max_grad_norm=cfg.max_grad_norm)
             opt.zero_grad(set_to_none=True)
@@ -574,8 +609,7 @@ def _eval_epoch(
     precision: _Precision, cfg: FitConfig, loss_none: Callable,
 ) -> list[torch.Tensor]:  # fmt: skip
     model.eval()
-    sums = torch.zeros(1 + len(cfg.metrics), device=device)
-    count = torch.zeros((), device=device)
+    sums, count = _device_values(device, [0.0] * (1 + len(cfg.metrics)), 0.0)
     with torch.no_grad():
         for batch, mask in _device_batches(loader, device, spmd_devices):
             batch = precision.inputs(batch)
@@ -592,6 +626,25 @@ def _eval_epoch(
             sums = sums + (rows * weight).sum(dim=1)
             count = count + weight.sum()
     return [*sums.unbind(0), count]
+
+
+def _read_epoch(train_sums: list[torch.Tensor], eval_sums: list[torch.Tensor]) -> tuple[list[float], float]:
+    """The epoch's one device read: sums over replicas, then one transfer to the host."""
+    loss_sum, bad_step, n_batches = train_sums
+    figures = torch.stack([t.float() for t in [loss_sum, n_batches, *eval_sums]])
+    figures, bad_step = xla.all_reduce([figures], "sum")[0], xla.all_reduce([bad_step], "min")[0]
+    values, (first_bad,) = (t.tolist() for t in xla.to_cpu([figures, bad_step.reshape(1)]))
+    return values, first_bad
+
+
+def _device_values(device: torch.device, *values: Any) -> list[torch.Tensor]:
+    """Accumulators uploaded as data, like the previous step's outputs they stand for.
+
+    Created on the device (``torch.zeros(..., device=xla)``) they would be
+    constants in the graph, so an epoch's first step would compile a graph of
+    its own.
+    """
+    return [torch.tensor(v, dtype=torch.float32).to(device) for v in values]
 
 
 def _per_sample(values: torch.Tensor, batch: int) -> torch.Tensor:
