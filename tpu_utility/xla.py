@@ -24,7 +24,16 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-XLA_INSTALLED: bool = importlib.util.find_spec("torch_xla") is not None
+
+
+def _installed(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):  # an import hook that refuses it counts as absent
+        return False
+
+
+XLA_INSTALLED: bool = _installed("torch_xla")
 
 INSTALL_HINT = 'pip install "torch_xla[tpu]==<your torch version>"'
 

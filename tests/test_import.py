@@ -1,0 +1,52 @@
+"""import tpu_utility never imports torch_xla, and everything falls back to CPU without it."""
+
+from conftest import BLOCK_TORCH_XLA, run_python
+
+
+def test_import_does_not_import_torch_xla():
+    r = run_python("""
+        import sys, tpu_utility
+        print("loaded:", "torch_xla" in sys.modules)
+        print("runtime:", tpu_utility.xla.runtime_started())
+    """)
+    assert r.returncode == 0, r.stderr
+    assert "loaded: False" in r.stdout
+    assert "runtime: False" in r.stdout
+
+
+def test_everything_falls_back_without_torch_xla():
+    r = run_python(BLOCK_TORCH_XLA + """
+import torch
+import tpu_utility
+from tpu_utility import get_device, setup_tpu, step_optimizer, make_sampler
+assert not tpu_utility.xla.XLA_INSTALLED
+print("device:", get_device())
+model = torch.nn.Linear(3, 1)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+before = model.weight.detach().clone()
+model(torch.ones(2, 3)).sum().backward()
+step_optimizer(opt, max_grad_norm=1.0)
+print("stepped:", not torch.equal(before, model.weight))
+print("sampler:", make_sampler(list(range(10))))
+info = setup_tpu()
+print("xla:", info.xla, info.device_type)
+""", env={"PJRT_DEVICE": None})
+    assert r.returncode == 0, r.stderr
+    assert "device: cpu" in r.stdout
+    assert "stepped: True" in r.stdout
+    assert "sampler: None" in r.stdout
+    assert "no XLA: torch_xla is not installed" in r.stdout
+    assert "xla: False cpu" in r.stdout
+
+
+def test_pjrt_device_without_torch_xla_names_the_install_command():
+    r = run_python(BLOCK_TORCH_XLA + """
+from tpu_utility import setup_tpu
+try:
+    setup_tpu()
+except ModuleNotFoundError as e:
+    print("error:", e)
+""", env={"PJRT_DEVICE": "CPU"})
+    assert r.returncode == 0, r.stderr
+    assert "error: PJRT_DEVICE='CPU' needs torch_xla" in r.stdout
+    assert "pip install" in r.stdout
