@@ -670,7 +670,7 @@ def _summary(cfg: FitConfig, device: torch.device, cores: int, batches: int, tot
 
 def _versions() -> dict[str, str]:
     return {
-        "torch": torch.__version__,
+        "torch": str(torch.__version__),
         "torch_xla": xla.installed_version("torch_xla") or "",
         "tpu_utility": xla.installed_version("tpu_utility") or "",
     }
