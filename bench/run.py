@@ -44,14 +44,19 @@ def counters() -> tuple[int, int]:
     return (int(compiles[0]) if compiles else 0), int(met.counter_value("aten::_local_scalar_dense") or 0)
 
 
-def ideal_loop(ds: TensorDataset) -> list[float]:
-    """MpDeviceLoader, xm.optimizer_step, no .item(): torch_xla's recommended loop."""
-    device = torch_xla.device()
+def hand_written_setup(ds: TensorDataset, device: torch.device) -> tuple:
+    """What both hand-written loops share: model, AdamW at a constant lr, loss, loader."""
     torch.manual_seed(0)
     model = small_cnn().to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    loss_fn = nn.CrossEntropyLoss()
     loader = DataLoader(ds, batch_size=BATCH, shuffle=True, drop_last=True)
+    return model, opt, nn.CrossEntropyLoss(), loader
+
+
+def ideal_loop(ds: TensorDataset) -> list[float]:
+    """MpDeviceLoader, xm.optimizer_step, no .item(): torch_xla's recommended loop."""
+    device = torch_xla.device()
+    model, opt, loss_fn, loader = hand_written_setup(ds, device)
     seconds = []
     for _ in range(EPOCHS):
         start = time.perf_counter()
@@ -67,11 +72,7 @@ def ideal_loop(ds: TensorDataset) -> list[float]:
 def naive_port(ds: TensorDataset) -> list[float]:
     """The two-line port of a CUDA loop that logs loss.item() every step."""
     device = get_device()
-    torch.manual_seed(0)
-    model = small_cnn().to(device)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    loss_fn = nn.CrossEntropyLoss()
-    loader = DataLoader(ds, batch_size=BATCH, shuffle=True, drop_last=True)
+    model, opt, loss_fn, loader = hand_written_setup(ds, device)
     seconds = []
     for _ in range(EPOCHS):
         start, running = time.perf_counter(), 0.0
