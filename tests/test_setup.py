@@ -46,8 +46,8 @@ def test_setup_tpu_twice_is_harmless_and_the_cache_fills(tmp_path):
     r = run_python(f"""
         import os, torch
         from tpu_utility import setup_tpu, get_device, xla
-        first = setup_tpu(cache_dir={str(tmp_path)!r})
-        second = setup_tpu(cache_dir={str(tmp_path)!r})
+        first = setup_tpu(cache_dir={str(tmp_path)!r}, compile_cache=True)
+        second = setup_tpu(cache_dir={str(tmp_path)!r}, compile_cache=True)
         print("same:", first == second, "runtime:", xla.runtime_started())
         x = torch.arange(6.0, device=get_device()).reshape(2, 3)
         c = x.cpu()
@@ -60,3 +60,15 @@ def test_setup_tpu_twice_is_harmless_and_the_cache_fills(tmp_path):
     assert "same: True runtime: False" in r.stdout  # setup_tpu never starts the runtime
     assert "matches cpu: True" in r.stdout
     assert os.listdir(tmp_path), "the persistent compile cache wrote nothing"
+
+
+def test_compile_cache_is_off_by_default_on_xla_cpu_and_says_why():
+    r = run_python("""
+        import os
+        from tpu_utility import setup_tpu
+        info = setup_tpu()
+        print("cache:", info.cache_dir, "env:", os.environ.get("XLA_PERSISTENT_CACHE_PATH"))
+    """)
+    assert r.returncode == 0, r.stderr
+    assert "compile cache: off (XLA:CPU cannot reload compiled programs)" in r.stdout
+    assert "cache: None env: None" in r.stdout

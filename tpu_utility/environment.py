@@ -36,6 +36,7 @@ class TpuInfo:
     torch_xla_version: str | None
     cache_dir: str | None
     num_workers: int
+    cache_note: str = "off"
 
     def summary(self) -> str:
         if self.xla:
@@ -50,7 +51,7 @@ class TpuInfo:
             f"  host: {self.host_cpus} CPUs, {self.host_ram_gb:.1f} GiB RAM;"
             f" suggested DataLoader num_workers={self.num_workers}",
             f"  torch {self.torch_version}, torch_xla {self.torch_xla_version or 'not installed'}",
-            f"  compile cache: {self.cache_dir or 'off'}",
+            f"  compile cache: {self.cache_dir or self.cache_note}",
         ]
         return "\n".join(lines)
 
@@ -100,7 +101,7 @@ _last_info: TpuInfo | None = None
 def setup_tpu(
     device: DeviceChoice = "auto",
     cache_dir: str | None = None,
-    compile_cache: bool = True,
+    compile_cache: bool | None = None,
     verbose: bool = True,
 ) -> TpuInfo:
     """Prepares this process for XLA and prints what it found.
@@ -116,7 +117,9 @@ def setup_tpu(
         cache_dir: Folder for torch_xla's persistent compile cache. Default:
             ``/kaggle/working/xla_cache`` on Kaggle, ``~/.cache/tpu_utility/xla_cache``
             elsewhere, with a ``process_<rank>`` subfolder per launched process.
-        compile_cache: Set False to leave the compile cache off.
+        compile_cache: None (default) turns the cache on where torch_xla can reload
+            compiled programs, which is TPU; XLA:CPU writes them but cannot read them
+            back. True forces it on, False leaves it off.
         verbose: Print the summary.
 
     Returns:
@@ -171,6 +174,11 @@ def setup_tpu(
     use_xla = wanted is not None
     rank = xla.local_process_rank()
     chosen_cache = None
+    cache_note = "off"
+    if compile_cache is None:
+        compile_cache = wanted == "TPU"
+        if wanted == "CPU":
+            cache_note = "off (XLA:CPU cannot reload compiled programs)"
     if use_xla and compile_cache:
         chosen_cache = cache_dir or default_cache_dir(platform, rank)
         if cache_dir and rank is not None:
@@ -207,6 +215,7 @@ def setup_tpu(
         torch_version=torch.__version__,
         torch_xla_version=torch_xla_version,
         cache_dir=chosen_cache,
+        cache_note=cache_note,
         num_workers=suggest_num_workers(cpus, processes),
     )
     if verbose and info != _last_info:
