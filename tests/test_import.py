@@ -50,3 +50,24 @@ except ModuleNotFoundError as e:
     assert r.returncode == 0, r.stderr
     assert "error: PJRT_DEVICE='CPU' needs torch_xla" in r.stdout
     assert "pip install" in r.stdout
+
+
+def test_one_cycle_fit_runs_without_torch_xla():
+    r = run_python(BLOCK_TORCH_XLA + """
+import warnings; warnings.simplefilter("ignore")
+import torch
+from tpu_utility import one_cycle_fit
+from tpu_utility.demo import digits_datasets
+train, valid = digits_datasets()
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10))
+history = one_cycle_fit(model, train, valid_data=valid, epochs=3, max_lr=1e-2, batch_size=32, progress=False)
+print(history.summary)
+print("losses", [round(r.train_loss, 3) for r in history.records])
+print("accuracy", history.records[-1].metrics["accuracy"])
+""", env={"PJRT_DEVICE": None})
+    assert r.returncode == 0, r.stderr
+    assert "one_cycle_fit: single on 1 cpu core(s)" in r.stdout
+    losses = eval(r.stdout.split("losses ")[1].splitlines()[0])
+    assert losses[-1] < 0.5 * losses[0]
+    assert float(r.stdout.split("accuracy ")[1]) > 0.9
