@@ -253,3 +253,23 @@ def test_find_lr_sweeps_stops_on_divergence_and_restores_weights(tmp_path):
         assert torch.equal(value.cpu(), before[name]), name
     result.plot(str(tmp_path / "lr.png"))
     assert (tmp_path / "lr.png").exists()
+
+
+def test_accumulate_steps_shortens_the_schedule_and_still_learns(digits):
+    history = fit(small_mlp(), digits[0], valid_data=digits[1], accumulate_steps=2, max_lr=1e-2)
+    per_core = len(digits[0]) // 32
+    assert f"{per_core} batches/epoch per core x 3 epochs = {per_core // 2 * 3} optimizer steps" in history.summary
+    assert history.records[-1].train_loss < 0.5 * history.records[0].train_loss
+    assert history.records[0].compiles == history.records[-1].compiles
+
+
+def test_step_optimizer_clips_on_xla():
+    from tpu_utility import get_device, step_optimizer
+
+    device = get_device()
+    model = small_mlp().to(device)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    (model(torch.randn(8, 1, 8, 8, device=device)).pow(2).sum() * 1000).backward()
+    step_optimizer(opt, max_grad_norm=0.5)
+    norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters()])).item()
+    assert norm == pytest.approx(0.5, rel=1e-4)

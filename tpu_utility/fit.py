@@ -588,7 +588,7 @@ def _train_epoch(
                 x, y = _split_xy(batch, "train_step")
                 loss = cfg.loss_fn(model(x).float(), y)
         loss = loss.float()
-        (loss / cfg.accumulate_steps).backward() if cfg.accumulate_steps > 1 else loss.backward()
+        (loss / cfg.accumulate_steps if cfg.accumulate_steps > 1 else loss).backward()
         n_batches = n_batches + 1
         bad_step = torch.where((bad_step == _NO_BAD_STEP) & ~torch.isfinite(loss), n_batches, bad_step)
         loss_sum = loss_sum + loss.detach()

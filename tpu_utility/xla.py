@@ -2,9 +2,9 @@
 
 Every other module asks this one. It answers "is an XLA device here, and which
 kind?" without importing torch_xla or starting its runtime, and maps torch_xla's
-API across versions 2.5 to 2.9+ (``torch_xla.device``/``sync``/``launch`` and
-``torch_xla.runtime`` replace ``xm.xla_device``, ``xm.mark_step``,
-``xm.xrt_world_size`` and ``xm.get_ordinal``).
+API across versions 2.5 to 2.9+: ``torch_xla.device``/``sync``/``launch`` and
+``torch_xla.runtime`` stand in for xla_model's deprecated device and step calls
+and its removed world-size and ordinal calls.
 
 torch_xla is imported lazily, inside functions: importing it has side effects
 (it registers the XLA backend and reads ``PJRT_DEVICE``), and starting its
@@ -201,14 +201,9 @@ def is_xla_device(dev: torch.device | str) -> bool:
 
 
 def sync(wait: bool = False) -> None:
-    """Cuts the lazy graph here and runs it (torch_xla.sync, was xm.mark_step)."""
+    """Cuts the lazy graph here and runs it (torch_xla.sync)."""
     torch_xla = require_xla()
-    if hasattr(torch_xla, "sync"):
-        torch_xla.sync(wait=wait)
-    else:  # torch_xla < 2.6
-        import torch_xla.core.xla_model as xm
-
-        xm.mark_step(wait=wait)
+    torch_xla.sync(wait=wait)  # since torch_xla 2.4
 
 
 def wait_device_ops() -> None:
@@ -233,7 +228,7 @@ def world_size() -> int:
 
 
 def ordinal() -> int:
-    """This replica's global rank (xr.global_ordinal, was xm.get_ordinal)."""
+    """This replica's global rank (xr.global_ordinal)."""
     if xla_loaded() and (runtime_started() or in_launched_process()):
         import torch_xla.runtime as xr
 
