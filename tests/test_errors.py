@@ -64,7 +64,7 @@ def test_pjrt_device_tpu_without_a_tpu():
     """, env={"PJRT_DEVICE": "TPU"}, timeout=120)
     assert r.returncode == 0, r.stderr
     assert "setup_tpu -> PJRT_DEVICE='TPU' is requested but this machine has no TPU chip" in r.stdout
-    assert "get_device -> PJRT_DEVICE='TPU' is set but this machine has no TPU chip" in r.stdout
+    assert "get_device -> PJRT_DEVICE='TPU' is requested but this machine has no TPU chip" in r.stdout
 
 
 def test_setup_tpu_after_the_runtime_started_on_another_device(monkeypatch):
@@ -98,3 +98,10 @@ def test_one_cycle_fit_bad_arguments(kwargs, message):
     args = {"epochs": 1, "max_lr": 1e-3, "progress": False, **kwargs}
     with pytest.raises((ValueError, TypeError), match=message):
         one_cycle_fit(small_mlp(), flat_digits(), **args)
+
+
+def test_find_lr_names_an_unknown_optimizer():
+    from tpu_utility import find_lr
+
+    with pytest.raises(ValueError, match=r"optimizer must be one of \['adam', 'adamw', 'sgd'\] or a callable, but given 'lamb'"):
+        find_lr(small_mlp(), flat_digits(), optimizer="lamb")

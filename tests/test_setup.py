@@ -19,6 +19,7 @@ def test_cache_dir_survives_restarts_and_splits_per_process():
     assert default_cache_dir("kaggle", None) == "/kaggle/working/xla_cache"
     assert default_cache_dir("local", None, {"XDG_CACHE_HOME": "/c"}) == "/c/tpu_utility/xla_cache"
     assert default_cache_dir("colab", 3, {"XDG_CACHE_HOME": "/c"}) == "/c/tpu_utility/xla_cache/process_3"
+    assert default_cache_dir("kaggle", 1, base="/mine") == "/mine/process_1"
 
 
 def _fake_pci(root, devices):

@@ -72,12 +72,17 @@ def detect_platform(environ: dict[str, str] | None = None, tpu_chips: int | None
     return "local"
 
 
-def default_cache_dir(platform: str, process_rank: int | None, environ: dict[str, str] | None = None) -> str:
-    """Where compiled graphs survive a kernel restart; one folder per launched process."""
+def default_cache_dir(
+    platform: str, process_rank: int | None, environ: dict[str, str] | None = None, base: str | None = None
+) -> str:
+    """Where compiled graphs survive a kernel restart; one folder per launched process.
+
+    ``base`` is a folder the user chose; the per-process subfolder applies to it too.
+    """
     env = os.environ if environ is None else environ
-    if platform == "kaggle":
+    if base is None and platform == "kaggle":
         base = "/kaggle/working/xla_cache"
-    else:
+    elif base is None:
         cache_home = env.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
         base = os.path.join(cache_home, "tpu_utility", "xla_cache")
     return base if process_rank is None else os.path.join(base, f"process_{process_rank}")
@@ -161,11 +166,7 @@ def setup_tpu(
             f"The XLA runtime already started on {running!r} in this process, so it cannot "
             f"switch to {wanted!r}. Restart the kernel and call setup_tpu() first."
         )
-    if wanted == "TPU" and tpu.chips == 0:
-        raise RuntimeError(
-            "PJRT_DEVICE='TPU' is requested but this machine has no TPU chip. Allowed: "
-            "unset PJRT_DEVICE (CUDA/CPU fallback) or use device='CPU' for XLA on the host."
-        )
+    xla.refuse_missing_tpu(wanted)
     if wanted is not None and not xla.XLA_INSTALLED:
         raise ModuleNotFoundError(f"PJRT_DEVICE={wanted!r} needs torch_xla. Install it with: {xla.INSTALL_HINT}")
     if wanted is not None:
@@ -180,9 +181,7 @@ def setup_tpu(
         if wanted == "CPU":
             cache_note = "off (XLA:CPU cannot reload compiled programs)"
     if use_xla and compile_cache:
-        chosen_cache = cache_dir or default_cache_dir(platform, rank)
-        if cache_dir and rank is not None:
-            chosen_cache = os.path.join(cache_dir, f"process_{rank}")
+        chosen_cache = default_cache_dir(platform, rank, base=cache_dir)
         os.makedirs(chosen_cache, exist_ok=True)
         if not xla.initialize_cache(chosen_cache):
             warnings.warn(

@@ -145,6 +145,17 @@ class FitConfig:
     mode: str
 
 
+def resolve_optimizer(optimizer: Any) -> tuple[Callable[..., torch.optim.Optimizer], str]:
+    """An optimizer name or ``params -> Optimizer`` callable as (factory, name)."""
+    if isinstance(optimizer, str):
+        if optimizer not in OPTIMIZERS:
+            raise ValueError(f"optimizer must be one of {sorted(OPTIMIZERS)} or a callable, but given {optimizer!r}")
+        return OPTIMIZERS[optimizer], optimizer
+    if callable(optimizer):
+        return optimizer, getattr(optimizer, "__name__", type(optimizer).__name__)
+    raise TypeError(f"optimizer must be a name or a callable params -> Optimizer, but given {optimizer!r}")
+
+
 def _metric_table(metrics: Any, loss_fn_given: bool) -> dict[str, Metric]:
     if metrics is None:
         metrics = [] if loss_fn_given else ["accuracy"]
@@ -281,23 +292,16 @@ def one_cycle_fit(
         _positive("max_grad_norm", max_grad_norm)
     if resume and checkpoint_dir is None:
         raise ValueError("resume=True needs checkpoint_dir, the folder holding last.pt")
-    if isinstance(optimizer, str):
-        if optimizer not in OPTIMIZERS:
-            raise ValueError(f"optimizer must be one of {sorted(OPTIMIZERS)} or a callable, but given {optimizer!r}")
-        opt_factory, opt_name = OPTIMIZERS[optimizer], optimizer
-    elif callable(optimizer):
-        opt_factory, opt_name = optimizer, getattr(optimizer, "__name__", type(optimizer).__name__)
-    else:
-        raise TypeError(f"optimizer must be a name or a callable params -> Optimizer, but given {optimizer!r}")
+    opt_factory, opt_name = resolve_optimizer(optimizer)
     if loss_fn is not None and not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable, but given {loss_fn!r}")
 
     train_ds, bs, collate, loader_workers = unpack_loader(train_data, batch_size, "train_data")
     valid_ds = valid_bs = valid_collate = None
     if valid_data is not None:
-        valid_ds, valid_bs, valid_collate, _ = unpack_loader(valid_data, None, "valid_data")
-        if not isinstance(valid_data, DataLoader):
-            valid_bs = bs  # a validation Dataset is batched like the training data
+        # a DataLoader keeps its own batch size; a Dataset is batched like the training data
+        own_size = None if isinstance(valid_data, DataLoader) else bs
+        valid_ds, valid_bs, valid_collate, _ = unpack_loader(valid_data, own_size, "valid_data")
     workers = num_workers if num_workers is not None else (loader_workers or 0)
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 0:
         raise ValueError(f"num_workers must be an int >= 0, but given {workers!r}")

@@ -12,7 +12,7 @@ from torch import nn
 from . import xla
 from .data import train_loader, unpack_loader
 from .device import get_device, move_model
-from .fit import OPTIMIZERS, _device_batches, _split_xy
+from .fit import _device_batches, _split_xy, resolve_optimizer
 
 
 @dataclass
@@ -81,7 +81,7 @@ def find_lr(
         raise ValueError(f"num_steps must be at least 2, but given {num_steps}")
     dataset, bs, collate, _ = unpack_loader(train_data, batch_size, "train_data")
     loss_fn = loss_fn or nn.CrossEntropyLoss()
-    make_opt = OPTIMIZERS[optimizer] if isinstance(optimizer, str) else optimizer
+    make_opt, _ = resolve_optimizer(optimizer)
 
     device = get_device()
     move_model(model, device)

@@ -13,6 +13,7 @@ runtime before a multi-process launch breaks the launch.
 
 from __future__ import annotations
 
+import functools
 import glob
 import importlib
 import importlib.metadata
@@ -63,8 +64,8 @@ class TpuHardware:
         return self.chips * self.cores_per_chip
 
 
-def detect_tpu(pci_root: str = "/sys/bus/pci/devices") -> TpuHardware:
-    """Counts TPU chips on the PCI bus: reading sysfs, so nothing is started."""
+@functools.lru_cache(maxsize=None)
+def _scan_pci(pci_root: str) -> tuple[int, str | None, int]:
     chips, kind, cores = 0, None, 1
     for vendor_path in sorted(glob.glob(os.path.join(pci_root, "*", "vendor"))):
         try:
@@ -78,6 +79,12 @@ def detect_tpu(pci_root: str = "/sys/bus/pci/devices") -> TpuHardware:
         if device_id in _TPU_PCI_KINDS:
             chips += 1
             kind, cores = _TPU_PCI_KINDS[device_id]
+    return chips, kind, cores
+
+
+def detect_tpu(pci_root: str = "/sys/bus/pci/devices") -> TpuHardware:
+    """Counts TPU chips on the PCI bus: reading sysfs (once per process), so nothing is started."""
+    chips, kind, cores = _scan_pci(pci_root)
     accelerator = os.environ.get("TPU_ACCELERATOR_TYPE")  # e.g. "v3-8" on TPU VMs
     if chips and accelerator:
         kind = accelerator.split("-")[0]
@@ -133,17 +140,21 @@ def require_xla() -> Any:
     if not XLA_INSTALLED:
         raise ModuleNotFoundError(f"torch_xla is not installed. Install it with: {INSTALL_HINT}")
     check_versions(torch.__version__, installed_version("torch_xla"))
-    _refuse_missing_tpu()
+    if not runtime_started():
+        refuse_missing_tpu(pjrt_device())
     return importlib.import_module("torch_xla")
 
 
-def _refuse_missing_tpu() -> None:
-    # torch_xla's own failure here is a C++ error deep in client start-up.
-    if pjrt_device() == "TPU" and detect_tpu().chips == 0 and not runtime_started():
+def refuse_missing_tpu(requested: str | None) -> None:
+    """Raises RuntimeError if TPU is requested on a machine without one.
+
+    torch_xla's own failure here is a C++ error deep in client start-up.
+    """
+    if requested == "TPU" and detect_tpu().chips == 0:
         raise RuntimeError(
-            "PJRT_DEVICE='TPU' is set but this machine has no TPU chip (no Google TPU on "
-            "the PCI bus). Allowed here: unset PJRT_DEVICE to fall back to CUDA/CPU, or set "
-            "PJRT_DEVICE='CPU' to run XLA on the host CPU."
+            "PJRT_DEVICE='TPU' is requested but this machine has no TPU chip (no Google TPU on "
+            "the PCI bus). Allowed here: unset PJRT_DEVICE to fall back to CUDA/CPU, or use "
+            "'CPU' to run XLA on the host CPU."
         )
 
 
