@@ -10,6 +10,7 @@
 Importing this package never imports torch_xla; it works without it (CUDA, else CPU).
 """
 
+from .cache import CachedDataset, cache_dataset
 from .checkpoint import load_checkpoint
 from .data import make_sampler
 from .device import get_device
@@ -18,20 +19,25 @@ from .fit import one_cycle_fit
 from .history import EpochRecord, History
 from .lr_finder import LRFinderResult, find_lr
 from .optim import step_optimizer
+from .presize import PresizeReport, presize_images
 from .schedule import one_cycle, one_cycle_curve
 
 __all__ = [
+    "cache_dataset",
+    "CachedDataset",
     "EpochRecord",
-    "History",
-    "LRFinderResult",
-    "TpuInfo",
     "find_lr",
     "get_device",
+    "History",
     "load_checkpoint",
+    "LRFinderResult",
     "make_sampler",
     "one_cycle",
     "one_cycle_curve",
     "one_cycle_fit",
+    "presize_images",
+    "PresizeReport",
     "setup_tpu",
     "step_optimizer",
+    "TpuInfo",
 ]

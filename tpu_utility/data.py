@@ -167,7 +167,8 @@ def train_loader(
         drop_last=True,
         collate_fn=collate_fn,
         num_workers=num_workers,
-        persistent_workers=num_workers > 0,
+        # workers keep their own copy of the dataset: one with set_epoch needs fresh ones each epoch
+        persistent_workers=num_workers > 0 and not hasattr(dataset, "set_epoch"),
     )
 
 

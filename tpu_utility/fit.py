@@ -525,6 +525,8 @@ def _fit_in_process(model: nn.Module, train_ds: Any, valid_ds: Any, cfg: FitConf
         syncs0, transfers0 = xla.host_sync_count(), xla.transfer_from_device_count()
         started = time.perf_counter()
         tl.sampler.set_epoch(epoch)
+        if hasattr(train_ds, "set_epoch"):
+            train_ds.set_epoch(epoch)  # e.g. CachedDataset serving another augmented copy
         train_sums, opt_step, lr = _train_epoch(
             model, opt, schedule, tl, device, spmd_devices, precision, cfg, epoch, opt_step, master
         )
