@@ -29,6 +29,7 @@ test: venv
 
 bench: venv
 	$(PY) bench/run.py
+	$(PY) bench/cache_bench.py
 
 clean:
 	rm -rf $(VENV) demo_out bench/out

@@ -218,3 +218,30 @@ def test_presize_argument_errors(tmp_path):
         presize_images(str(tmp_path), str(tmp_path / "o"), 16)
     with pytest.raises(FileNotFoundError, match=r"src_dir .*nope.* is not a folder"):
         presize_images(str(tmp_path / "nope"), str(tmp_path / "o"), 16)
+
+
+def test_the_readme_recipe_uint8_cache_with_normalize_in_the_model(tmp_path, digits):
+    from torchvision.transforms import v2
+
+    train, valid = digits
+
+    class AsUint8(Dataset):  # stands in for an ImageFolder + PILToTensor pipeline
+        def __init__(self, ds):
+            self.ds = ds
+
+        def __len__(self):
+            return len(self.ds)
+
+        def __getitem__(self, i):
+            x, y = self.ds[i]
+            return (x * 255).to(torch.uint8), int(y)
+
+    cache_dataset(AsUint8(train), str(tmp_path), progress=False)
+    model = torch.nn.Sequential(
+        v2.ToDtype(torch.float32, scale=True), v2.Normalize((0.3,), (0.4,)),  # on the device
+        torch.nn.Flatten(), torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10),
+    )  # fmt: skip
+    history = one_cycle_fit(model, CachedDataset(str(tmp_path)), valid_data=AsUint8(valid), epochs=3,
+                            max_lr=1e-2, batch_size=32, progress=False)  # fmt: skip
+    assert history.records[0].compiles == history.records[-1].compiles
+    assert history.records[-1].metrics["accuracy"] > 0.9
