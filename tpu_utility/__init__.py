@@ -14,6 +14,7 @@ from .cache import CachedDataset, cache_dataset
 from .checkpoint import load_checkpoint
 from .data import make_sampler
 from .device import get_device
+from .doctor import DoctorReport, doctor
 from .environment import TpuInfo, setup_tpu
 from .fit import one_cycle_fit
 from .history import EpochRecord, History
@@ -25,6 +26,8 @@ from .schedule import one_cycle, one_cycle_curve
 __all__ = [
     "cache_dataset",
     "CachedDataset",
+    "doctor",
+    "DoctorReport",
     "EpochRecord",
     "find_lr",
     "get_device",
