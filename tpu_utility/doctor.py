@@ -90,6 +90,9 @@ class DoctorReport:
     def _repr_markdown_(self) -> str:
         return "```\n" + str(self) + "\n```"
 
+    def _repr_pretty_(self, printer: Any, cycle: bool) -> None:  # IPython's plain-text display
+        printer.text(str(self))
+
 
 # ------------------------------------------------------------ static checks
 def check_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer) -> Finding | None:
