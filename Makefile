@@ -28,6 +28,7 @@ test: venv
 	$(PY) -m pytest -q tests
 
 bench: venv
+	$(PY) -m pip install -q -r bench/requirements.txt
 	$(PY) bench/run.py
 	$(PY) bench/cache_bench.py
 

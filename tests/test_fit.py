@@ -273,3 +273,16 @@ def test_step_optimizer_clips_on_xla():
     step_optimizer(opt, max_grad_norm=0.5)
     norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters()])).item()
     assert norm == pytest.approx(0.5, rel=1e-4)
+
+
+def test_a_users_own_torch_adamw_also_trains_without_recompiles(digits):
+    # the default "adamw" is torch_xla's fused sync-free AdamW; a user's own torch AdamW gets its
+    # schedule through device tensors instead, so a changing lr never changes the graph either
+    history = fit(small_mlp(), digits[0], valid_data=digits[1], epochs=4,
+                  optimizer=lambda params: torch.optim.AdamW(params, weight_decay=0.05))  # fmt: skip
+    assert "(torch_xla sync-free, fused)" not in history.summary
+    assert [r.compiles for r in history.records] == [history.records[0].compiles] * 4
+    assert all(r.host_syncs == 0 for r in history.records)
+    assert history.records[-1].train_loss < 0.5 * history.records[0].train_loss
+    default = fit(small_mlp(), digits[0], epochs=1)
+    assert "| adamw (torch_xla sync-free, fused)" in default.summary

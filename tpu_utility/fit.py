@@ -420,7 +420,8 @@ def _device_batches(loader: Any, device: torch.device, spmd_devices: int | None)
 class _OneCycleDriver:
     """Feeds the one-cycle schedule to the optimizer before every step.
 
-    On XLA, Adam-family optimizers get ``lr`` and ``betas`` as device tensors
+    The named optimizers "adam" and "adamw" are torch_xla's fused sync-free ones
+    on XLA and take Python floats. A user's own torch Adam-family optimizer gets ``lr`` and ``betas`` as device tensors
     (``capturable=True``) copied from a table of the whole schedule, uploaded
     once. Python-float hyperparameters would change the graph whenever a value
     happens to round to a special constant (``1 - lr * wd == 1.0`` in float32 late
@@ -436,7 +437,11 @@ class _OneCycleDriver:
             final_div_factor=cfg.final_div_factor, base_momentum=cfg.base_momentum, max_momentum=cfg.max_momentum,
         )  # fmt: skip
         self.total, self.step_index = total, start_step
-        self.on_device = device.type == "xla" and all("betas" in g and "capturable" in g for g in opt.param_groups)
+        self.on_device = (
+            device.type == "xla"
+            and not xla.is_fused_optimizer(opt)  # they take Python floats without syncing or recompiling
+            and all("betas" in g and "capturable" in g for g in opt.param_groups)
+        )
         if self.on_device:
             self.table = torch.tensor([self.lrs, self.moms], dtype=torch.float32).T.contiguous().to(device)
             self.device_index = torch.tensor([min(start_step, total - 1)], device=device)
@@ -486,7 +491,12 @@ def _fit_in_process(model: nn.Module, train_ds: Any, valid_ds: Any, cfg: FitConf
     precision = _Precision.choose(cfg.precision, device)
     if precision.mode == "cast":
         model.to(torch.bfloat16)
-    opt = cfg.optimizer(model.parameters())
+    # torch_xla's fused Adam fails to compile for bf16 parameters: cast mode keeps torch's.
+    use_fused = on_xla and cfg.optimizer_name in OPTIMIZERS and precision.mode != "cast"
+    fused = xla.fused_optimizer(cfg.optimizer_name) if use_fused else None
+    opt = (fused or cfg.optimizer)(model.parameters())
+    # torch_xla's sync-free optimizers skip the step when found_inf is 1 (never, here)
+    step_args = {"found_inf": _device_values(device, 0.0)[0]} if fused else {}
 
     global_bs = cfg.batch_size * (spmd_devices or 1)
     tl = train_loader(
@@ -509,7 +519,7 @@ def _fit_in_process(model: nn.Module, train_ds: Any, valid_ds: Any, cfg: FitConf
     max_lr = cfg.max_lr * (cores if cfg.scale_lr_by_cores else 1)
 
     history = History()
-    history.summary = _summary(cfg, device, cores, batches, total, max_lr, precision)
+    history.summary = _summary(cfg, device, cores, batches, total, max_lr, precision, fused is not None)
     start_epoch, opt_step = 0, 0
     ckpt_path = os.path.join(cfg.checkpoint_dir, CHECKPOINT_NAME) if cfg.checkpoint_dir else None
     if cfg.resume and ckpt_path and os.path.exists(ckpt_path):
@@ -528,7 +538,7 @@ def _fit_in_process(model: nn.Module, train_ds: Any, valid_ds: Any, cfg: FitConf
         if hasattr(train_ds, "set_epoch"):
             train_ds.set_epoch(epoch)  # e.g. CachedDataset serving another augmented copy
         train_sums, opt_step, lr = _train_epoch(
-            model, opt, schedule, tl, device, spmd_devices, precision, cfg, epoch, opt_step, master
+            model, opt, step_args, schedule, tl, device, spmd_devices, precision, cfg, epoch, opt_step, master
         )
         eval_sums = _eval_epoch(model, vl, device, spmd_devices, precision, cfg, loss_none) if vl is not None else []
         values, bad_step = _read_epoch(train_sums, eval_sums)
@@ -570,7 +580,7 @@ def _fit_in_process(model: nn.Module, train_ds: Any, valid_ds: Any, cfg: FitConf
 
 
 def _train_epoch(
-    model: nn.Module, opt: torch.optim.Optimizer, schedule: _OneCycleDriver, loader: Any,
+    model: nn.Module, opt: torch.optim.Optimizer, step_args: dict, schedule: _OneCycleDriver, loader: Any,
     device: torch.device, spmd_devices: int | None, precision: _Precision, cfg: FitConfig, epoch: int,
     opt_step: int, master: bool,
 ) -> tuple[list[torch.Tensor], int, float]:  # fmt: skip
@@ -601,7 +611,7 @@ def _train_epoch(
         if (i + 1) % cfg.accumulate_steps == 0:
             lr = schedule.before_step(opt)
             # MpDeviceLoader cuts the graph at every batch, so the step needs no barrier
-            step_optimizer(opt, barrier=False, max_grad_norm=cfg.max_grad_norm)
+            step_optimizer(opt, barrier=False, max_grad_norm=cfg.max_grad_norm, optimizer_args=step_args)
             opt.zero_grad(set_to_none=True)
             opt_step += 1
         bar.update(1)
@@ -644,13 +654,16 @@ def _read_epoch(train_sums: list[torch.Tensor], eval_sums: list[torch.Tensor]) -
 
 
 def _device_values(device: torch.device, *values: Any) -> list[torch.Tensor]:
-    """Accumulators uploaded as data, like the previous step's outputs they stand for.
+    """Accumulators materialised on the device, like the previous step's outputs they stand for.
 
-    Created on the device (``torch.zeros(..., device=xla)``) they would be
-    constants in the graph, so an epoch's first step would compile a graph of
-    its own.
+    Left as pending constants (torch_xla keeps small uploads as scalars in the
+    graph), they would merge into an epoch's first step and make it a graph of its
+    own; run now, they are plain device data in every epoch.
     """
-    return [torch.tensor(v, dtype=torch.float32).to(device) for v in values]
+    tensors = [torch.tensor(v, dtype=torch.float32).to(device) for v in values]
+    if device.type == "xla":
+        xla.sync()
+    return tensors
 
 
 def _per_sample(values: torch.Tensor, batch: int) -> torch.Tensor:
@@ -663,7 +676,7 @@ def _per_sample(values: torch.Tensor, batch: int) -> torch.Tensor:
 
 
 def _summary(cfg: FitConfig, device: torch.device, cores: int, batches: int, total: int, max_lr: float,
-             precision: _Precision) -> str:  # fmt: skip
+             precision: _Precision, fused: bool) -> str:  # fmt: skip
     kind = xla.runtime_device_type() if device.type == "xla" else device.type
     scaled = f"scaled x{cores} by cores" if cfg.scale_lr_by_cores else "not scaled by cores"
     bf16 = {"fp32": "fp32", "autocast": "bf16 (autocast)", "cast": "bf16 (model and inputs cast)"}[precision.mode]
@@ -671,6 +684,7 @@ def _summary(cfg: FitConfig, device: torch.device, cores: int, batches: int, tot
         f"one_cycle_fit: {cfg.mode} on {cores} {kind} core(s) | batch {cfg.batch_size} per core, "
         f"{cfg.batch_size * cores} global | {batches} batches/epoch per core x {cfg.epochs} epochs = "
         f"{total} optimizer steps | max_lr {max_lr:.2e} ({scaled}) | {bf16} | {cfg.optimizer_name}"
+        f"{' (torch_xla sync-free, fused)' if fused else ''}"
     )
 
 
@@ -713,6 +727,9 @@ def _restore(path: str, model: nn.Module, opt: torch.optim.Optimizer, total: int
         )
     model.load_state_dict(state["model"])
     opt.load_state_dict(state["optimizer"])
+    if xla.is_fused_optimizer(opt):  # torch's loader leaves "step" on the CPU; the fused op needs it on the device
+        for param, param_state in opt.state.items():
+            param_state["step"] = param_state["step"].to(param.device)
     torch.set_rng_state(state["rng"]["torch"])
     version, internal, gauss = state["rng"]["python"]
     random.setstate((version, tuple(internal), gauss))

@@ -328,6 +328,26 @@ def set_rng_state(state: int) -> None:
     xm.set_rng_state(state)
 
 
+def fused_optimizer(name: str) -> type | None:
+    """torch_xla's sync-free Adam / AdamW for ``name``, or None.
+
+    They take the same arguments as torch's and run one fused XLA op per
+    parameter, with the step count on the device, so a learning rate that changes
+    every step (as Python floats) neither syncs nor recompiles, and tracing is cheap.
+    """
+    from torch_xla.amp import syncfree
+
+    return {"adam": syncfree.Adam, "adamw": syncfree.AdamW}.get(name)
+
+
+def is_fused_optimizer(optimizer: Any) -> bool:
+    if not xla_loaded():
+        return False
+    from torch_xla.amp import syncfree
+
+    return isinstance(optimizer, (syncfree.Adam, syncfree.AdamW))
+
+
 def bf16_autocast_available() -> bool:
     """torch_xla's autocast supports TPU (and CUDA builds), but refuses XLA:CPU."""
     return runtime_device_type() == "TPU"
