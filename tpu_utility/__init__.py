@@ -11,7 +11,7 @@ Importing this package never imports torch_xla; it works without it (CUDA, else 
 """
 
 from .cache import CachedDataset, cache_dataset
-from .checkpoint import load_checkpoint
+from .checkpoint import load_checkpoint, save_checkpoint
 from .data import make_sampler
 from .device import get_device
 from .doctor import DoctorReport, doctor
@@ -40,6 +40,7 @@ __all__ = [
     "one_cycle_fit",
     "presize_images",
     "PresizeReport",
+    "save_checkpoint",
     "setup_tpu",
     "step_optimizer",
     "TpuInfo",

@@ -1,23 +1,37 @@
-"""Checkpoints that load anywhere: CPU tensors only, written atomically.
+"""Checkpoints that load anywhere: CPU tensors only, written atomically, checked on load.
 
 A checkpoint is a plain dict of CPU tensors, numbers, strings, lists and dicts,
 so ``torch.load(path, weights_only=True)`` reads it on a machine without
 torch_xla. It is written to a temporary file and renamed over the old one, so a
-crash while writing leaves the previous checkpoint whole.
+crash while writing leaves the previous checkpoint whole; the next save removes
+the temporaries a killed save left. torch's zip format stores a CRC-32 of every
+record; ``load_checkpoint`` checks them, so flipped bytes or a truncated file
+are an error naming the file, not silently wrong weights.
+
+For a hand-written loop (was ``torch.save(model.state_dict(), path)`` and
+``torch.load(path, map_location=xla_device)``, which fails)::
+
+    save_checkpoint("ckpt.pt", model=model, optimizer=optimizer, epoch=epoch)
+    state = load_checkpoint("ckpt.pt", model=model, optimizer=optimizer)  # onto their device
 """
 
 from __future__ import annotations
 
 import os
-import tempfile
+import zipfile
+from collections import Counter, OrderedDict
 from typing import Any
 
 import torch
 from torch.utils import _pytree as pytree
 
 from . import xla
+from .files import atomic_write, remove_stale_temporaries
 
 CHECKPOINT_NAME = "last.pt"
+_LEGACY_MAGIC = b"\x80\x02\x8a\nl\xfc\x9cF\xf9 j\xa8P\x19"  # torch.save(..., _use_new_zipfile_serialization=False)
+_LEAVES = (bool, int, float, complex, str, bytes, bytearray, type(None), torch.Size)  # exact types: no numpy scalars
+_CONTAINERS = (dict, OrderedDict, Counter, list, tuple, set)
 
 
 def to_cpu(tree: Any) -> Any:
@@ -30,31 +44,167 @@ def to_cpu(tree: Any) -> Any:
     return pytree.tree_unflatten(leaves, spec)
 
 
+def _check_loadable(value: Any, where: str) -> None:
+    """Refuses, before writing, what ``torch.load(weights_only=True)`` could not read back."""
+    if type(value) in _LEAVES or isinstance(value, (torch.Tensor, torch.dtype)):
+        return
+    if type(value) not in _CONTAINERS:
+        hint = " (use torch.from_numpy(x) or x.tolist())" if type(value).__module__ == "numpy" else ""
+        raise TypeError(
+            f"{where} is a {type(value).__module__}.{type(value).__qualname__}; a checkpoint holds tensors, "
+            f"numbers, strings, None and dicts/lists/tuples of them, so that torch.load(path, "
+            f"weights_only=True) can read it{hint}"
+        )
+    if isinstance(value, dict):
+        for key, item in value.items():
+            _check_loadable(key, f"{where} key {key!r}")
+            _check_loadable(item, f"{where}[{key!r}]")
+    else:
+        for position, item in enumerate(value):
+            _check_loadable(item, f"{where}[{position}]")
+
+
 def save_atomic(obj: Any, path: str) -> None:
-    """torch.save to a temporary file in the same folder, then rename over ``path``."""
+    """torch.save to a temporary file in the same folder, then rename over ``path``.
+
+    Temporaries that an earlier, killed save left in that folder are removed first.
+    """
+    _check_loadable(obj, "the checkpoint")
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".pt", dir=folder)
+    remove_stale_temporaries(folder)
+    was = torch.serialization.get_crc32_options()
+    torch.serialization.set_crc32_options(True)  # the checksums load_checkpoint checks
     try:
-        with os.fdopen(fd, "wb") as f:
+        with atomic_write(path) as f:
             torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    finally:
+        torch.serialization.set_crc32_options(was)
 
 
-def load_checkpoint(path: str) -> dict[str, Any]:
-    """Loads a tpu_utility checkpoint onto the CPU, without unpickling code.
+def save_checkpoint(path: str, model: torch.nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None,
+                    **extra: Any) -> None:  # fmt: skip
+    """Saves a model, an optimizer and any other state as CPU tensors, atomically.
+
+    The file loads with ``load_checkpoint`` onto any device, or with plain
+    ``torch.load(path, weights_only=True)`` on a machine without torch_xla.
+
+    Args:
+        path: The file to write (its folder is created).
+        model: Stored as ``"model"``: its ``state_dict()``.
+        optimizer: Stored as ``"optimizer"``: its ``state_dict()``.
+        **extra: Anything else (epoch, scheduler state, metrics): tensors, numbers,
+            strings, None, and dicts, lists and tuples of them.
+
+    Raises:
+        TypeError: a model or optimizer of the wrong type, or a value that
+            ``weights_only`` loading could not read back (a numpy array, an object).
 
     Example:
-        >>> # was: state = torch.load("ckpt.pt")   (fails off-TPU if it holds XLA tensors)
-        >>> state = load_checkpoint("checkpoints/last.pt")     # doctest: +SKIP
-        >>> model.load_state_dict(state["model"])              # doctest: +SKIP
+        >>> # was: torch.save({"model": model.state_dict(), "epoch": epoch}, "ckpt.pt")
+        >>> save_checkpoint("ckpt.pt", model=model, optimizer=optimizer, epoch=epoch)  # doctest: +SKIP
+    """
+    state: dict[str, Any] = {}
+    if model is not None:
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module, but given {type(model).__name__}")
+        state["model"] = model.state_dict()
+    if optimizer is not None:
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"optimizer must be a torch.optim.Optimizer, but given {type(optimizer).__name__}")
+        state["optimizer"] = optimizer.state_dict()
+    state.update(extra)
+    save_atomic(to_cpu(state), path)
+
+
+def _damaged(path: str, why: str) -> ValueError:
+    return ValueError(
+        f"checkpoint {path} is damaged ({why}); it cannot be loaded. Delete it to start again, or "
+        f"restore a copy (a save interrupted by a crash never damages the previous file)"
+    )
+
+
+def _check_file(path: str) -> None:
+    """Checks the zip structure and every record's CRC-32 (torch.load itself checks neither)."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            records = archive.infolist()
+            if not any(r.CRC for r in records if r.file_size):
+                return  # written with torch's CRC-32 turned off: nothing to check
+            bad = archive.testzip()
+    except zipfile.BadZipFile as e:
+        raise _damaged(path, f"truncated or not a torch.save file: {e}") from None
+    except (OSError, EOFError, ValueError) as e:
+        raise _damaged(path, f"{type(e).__name__}: {e}") from None
+    if bad is not None:
+        raise _damaged(path, f"the bytes of record {bad!r} do not match their checksum")
+
+
+def _load_into(state: dict[str, Any], path: str, model: torch.nn.Module | None,
+               optimizer: torch.optim.Optimizer | None) -> None:  # fmt: skip
+    for key, target in (("model", model), ("optimizer", optimizer)):
+        if target is not None and key not in state:
+            keys = ", ".join(map(repr, list(state)[:5]))
+            raise ValueError(
+                f"{path} has no {key!r} entry (it holds {keys}); save it with save_checkpoint(path, {key}=...)"
+                + (", or load a bare state_dict with model.load_state_dict(load_checkpoint(path))" if key == "model" else "")
+            )
+    if model is not None:
+        model.load_state_dict(state["model"])  # copies into the parameters, on their device
+    if optimizer is not None:
+        optimizer.load_state_dict(state["optimizer"])  # torch moves state to each parameter's device
+        if xla.is_fused_optimizer(optimizer):  # except "step", which the fused XLA op needs there too
+            for param, param_state in optimizer.state.items():
+                if isinstance(param_state.get("step"), torch.Tensor):
+                    param_state["step"] = param_state["step"].to(param.device)
+
+
+def load_checkpoint(path: str, model: torch.nn.Module | None = None,
+                    optimizer: torch.optim.Optimizer | None = None) -> dict[str, Any]:  # fmt: skip
+    """Loads a checkpoint onto the CPU, without unpickling code, and optionally into a model and optimizer.
+
+    Works for files from ``save_checkpoint``, ``one_cycle_fit(checkpoint_dir=...)``
+    (give the folder or its ``last.pt``) and plain ``torch.save`` of CPU tensors.
+    A model or optimizer given is loaded in place on the device it is on (XLA,
+    CUDA or CPU); optimizer state follows its parameters.
+
+    Args:
+        path: The file, or a folder holding ``last.pt``.
+        model: Loaded from the ``"model"`` entry.
+        optimizer: Loaded from the ``"optimizer"`` entry.
+
+    Returns:
+        The whole checkpoint, tensors on the CPU.
+
+    Raises:
+        FileNotFoundError: no such file.
+        ValueError: the file is damaged (truncated, bytes changed, not a checkpoint),
+            or a model or optimizer is given but the file has no entry for it.
+
+    Example:
+        >>> # was: model.load_state_dict(torch.load("ckpt.pt", map_location=xla_device))  (fails on XLA)
+        >>> state = load_checkpoint("ckpt.pt", model=model, optimizer=optimizer)  # doctest: +SKIP
+        >>> start_epoch = state["epoch"] + 1                                        # doctest: +SKIP
     """
     if os.path.isdir(path):
         path = os.path.join(path, CHECKPOINT_NAME)
-    return torch.load(path, map_location="cpu", weights_only=True)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"checkpoint {path} does not exist")
+    if zipfile.is_zipfile(path):
+        _check_file(path)
+    else:
+        with open(path, "rb") as f:
+            if f.read(len(_LEGACY_MAGIC)) != _LEGACY_MAGIC:
+                raise _damaged(path, "truncated or not a torch.save file")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # pickle, zip and storage errors: KeyError, EOFError, RuntimeError, OSError...
+        if isinstance(e, torch.serialization.pickle.UnpicklingError) and "weights_only" in str(e):
+            raise  # a whole file holding objects: torch's message says what to allow
+        raise _damaged(path, f"{type(e).__name__}: {e}") from None
+    if model is not None or optimizer is not None:
+        if not isinstance(state, dict):
+            raise TypeError(f"{path} holds a {type(state).__name__}, not a dict with 'model' / 'optimizer' entries")
+        _load_into(state, path, model, optimizer)
+    return state
+

@@ -1,0 +1,190 @@
+"""Files that survive a kill -9: atomic writes, stale temporaries, folder locks.
+
+Every file tpu_utility writes (checkpoints, cache shards, presized images) is
+written under a temporary name in the same folder and renamed over its target
+when complete, so a reader sees the old file or the new one, never half of one.
+Temporary names start with a dot and end with ``.tpu-partial``: no image loader
+(``ImageFolder``'s extensions), glob or shard pattern picks them up, and the
+next writer removes those whose process died. Files get the usual permissions
+(0644 under a default umask), not ``mkstemp``'s 0600.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import secrets
+import socket
+import time
+import warnings
+from typing import IO, Iterator
+
+TEMP_SUFFIX = ".tpu-partial"
+LOCK_NAME = ".tpu_utility.lock"
+# Names the releases before this module used (mkstemp): only ever our own, in our own folders.
+_OLD_TEMP = re.compile(r"^\.tmp-[A-Za-z0-9_]{8}(\.pt|\.npy|\.jpe?g|\.png|\.bmp|\.webp|\.tiff?|\.gif)?$", re.I)
+
+
+def _host() -> str:
+    return re.sub(r"[^A-Za-z0-9-]", "-", socket.gethostname()) or "host"
+
+
+def temp_path(path: str) -> str:
+    """A fresh temporary name next to ``path``: ``.<name>.<host>.<pid>.<token>.tpu-partial``."""
+    folder, name = os.path.split(os.path.abspath(path))
+    return os.path.join(folder, f".{name}.{_host()}.{os.getpid()}.{secrets.token_hex(4)}{TEMP_SUFFIX}")
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie is dead
+    except OSError:
+        return True
+
+
+def _is_stale(name: str) -> bool:
+    if _OLD_TEMP.match(name):
+        return True
+    if not (name.startswith(".") and name.endswith(TEMP_SUFFIX)):
+        return False
+    parts = name[: -len(TEMP_SUFFIX)].rsplit(".", 3)
+    if len(parts) != 4 or not parts[2].isdigit():
+        return False
+    _, host, pid, _ = parts
+    return host == _host() and not _pid_alive(int(pid))  # another host's live write is left alone
+
+
+def remove_stale_temporaries(folder: str) -> list[str]:
+    """Deletes temporaries in ``folder`` (not below) left by killed tpu_utility writers."""
+    removed = []
+    with contextlib.suppress(FileNotFoundError):
+        for name in os.listdir(folder):
+            if _is_stale(name):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(os.path.join(folder, name))
+                    removed.append(name)
+    return removed
+
+
+def _fsync_folder(folder: str) -> None:
+    with contextlib.suppress(OSError):  # not every filesystem (or OS) allows it
+        fd = os.open(folder, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+@contextlib.contextmanager
+def atomic_write(path: str) -> Iterator[IO[bytes]]:
+    """Opens a temporary file for writing; on success it is synced and renamed over ``path``.
+
+    On an exception the temporary is removed and ``path`` is untouched; after a
+    kill -9, the temporary is left for ``remove_stale_temporaries``.
+
+    Example:
+        >>> # was: with open(path, "wb") as f: f.write(data)   (a kill leaves half a file)
+        >>> with atomic_write(path) as f:          # doctest: +SKIP
+        ...     f.write(data)
+    """
+    tmp = temp_path(path)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # the umask applies, as for open()
+    try:
+        with os.fdopen(fd, "wb") as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    _fsync_folder(os.path.dirname(os.path.abspath(path)))
+
+
+def _try_lock(fd: int) -> bool:
+    try:
+        import fcntl
+    except ImportError:  # Windows
+        import msvcrt
+
+        try:
+            msvcrt.locking(fd, msvcrt.LK_NBLCK, 1)
+            return True
+        except OSError:
+            return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
+
+
+def _holder(lock_path: str) -> str:
+    try:
+        with open(lock_path) as f:
+            return f.read().strip() or "unknown"
+    except OSError:
+        return "unknown"
+
+
+@contextlib.contextmanager
+def folder_lock(folder: str, purpose: str, timeout: float | None = 0.0) -> Iterator[str]:
+    """Holds ``folder/.tpu_utility.lock`` so one process at a time writes the folder.
+
+    The lock is an OS file lock: it is released when the holder exits, even by
+    kill -9, so a crash never leaves the folder locked.
+
+    Args:
+        folder: The folder to lock (created if missing).
+        purpose: What the holder does, for the error message ("building a cache").
+        timeout: Seconds to wait for another holder; 0 refuses at once, None waits
+            as long as it takes (with a warning naming the holder).
+
+    Raises:
+        RuntimeError: another process holds the folder and did not let go in time.
+
+    Example:
+        >>> # was: two notebooks writing one checkpoint folder, each overwriting the other
+        >>> with folder_lock("checkpoints", "training"):   # doctest: +SKIP
+        ...     train()
+    """
+    os.makedirs(folder, exist_ok=True)
+    lock_path = os.path.join(folder, LOCK_NAME)
+    start, warned = time.monotonic(), False
+    while True:
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o666)
+        if _try_lock(fd):
+            try:
+                same = os.path.samestat(os.fstat(fd), os.stat(lock_path))
+            except FileNotFoundError:
+                same = False
+            if same:
+                break  # not a file the last holder just unlinked
+        os.close(fd)
+        waited = time.monotonic() - start
+        if timeout is not None and waited >= timeout:
+            raise RuntimeError(
+                f"{folder!r} is in use by another process ({_holder(lock_path)}); one process at a time may "
+                f"write it. Wait for that one to finish, stop it, or use another folder"
+            )
+        if not warned and timeout is None:
+            warnings.warn(f"waiting for another process ({_holder(lock_path)}) to finish with {folder!r}", stacklevel=3)
+            warned = True
+        time.sleep(0.2)
+    try:
+        os.ftruncate(fd, 0)
+        os.write(fd, f"pid {os.getpid()} on {socket.gethostname()}, {purpose}".encode())
+        yield lock_path
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(lock_path)
+        os.close(fd)
