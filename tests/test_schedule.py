@@ -55,3 +55,41 @@ def test_total_steps_counts_per_core_batches():
     assert total_optimizer_steps(per_core, epochs=10, accumulate_steps=1) == 30
     assert total_optimizer_steps(steps_per_epoch(1000, 32, 1), epochs=10, accumulate_steps=2) == 150
     assert not math.isclose(per_core, 1000 // 32)
+
+
+BAD_SCHEDULES = [
+    ({"total_steps": 0}, ValueError, r"total_steps must be between 1 and \d+, but given 0"),
+    ({"total_steps": 10**400}, ValueError, r"total_steps must be between 1 and \d+, but given 1000"),
+    ({"total_steps": 10.0}, TypeError, r"total_steps must be an int, but given 10.0 of type float"),
+    ({"total_steps": True}, TypeError, r"total_steps must be an int, but given True"),
+    ({"max_lr": 0.0}, ValueError, r"max_lr must be finite and > 0, but given 0.0"),
+    ({"max_lr": float("nan")}, ValueError, r"max_lr must be finite and > 0, but given nan"),
+    ({"max_lr": float("inf")}, ValueError, r"max_lr must be finite and > 0, but given inf"),
+    ({"max_lr": "3e-3"}, TypeError, r"max_lr must be a real number, but given '3e-3' of type str"),
+    ({"pct_start": 0.0}, ValueError, r"pct_start must be between 0 and 1 \(exclusive\), but given 0.0"),
+    ({"pct_start": 1.0}, ValueError, r"pct_start must be between 0 and 1 \(exclusive\), but given 1.0"),
+    ({"div_factor": 0}, ValueError, r"div_factor must be finite and > 0, but given 0"),
+    ({"div_factor": -25.0}, ValueError, r"div_factor must be finite and > 0, but given -25.0"),
+    ({"final_div_factor": 0.0}, ValueError, r"final_div_factor must be finite and > 0, but given 0.0"),
+    ({"final_div_factor": float("inf")}, ValueError, r"final_div_factor must be finite and > 0, but given inf"),
+    ({"base_momentum": 1.0}, ValueError, r"base_momentum must be in \[0, 1\), but given 1.0"),
+    ({"max_momentum": -0.1}, ValueError, r"max_momentum must be in \[0, 1\), but given -0.1"),
+    ({"max_momentum": None}, TypeError, r"max_momentum must be a real number, but given None"),
+    ({"max_lr": 1e300, "div_factor": 1e-300}, ValueError, r"max_lr / div_factor / final_div_factor must be a finite"),
+    ({"max_lr": 1e-300, "final_div_factor": 1e300}, ValueError, r"max_lr / div_factor / final_div_factor must be a finite"),
+]
+
+
+@pytest.mark.parametrize("bad, error, message", BAD_SCHEDULES)
+def test_every_schedule_argument_is_checked_with_its_range(bad, error, message):
+    args = {"total_steps": 100, "max_lr": 3e-3, **bad}
+    with pytest.raises(error, match=message):
+        one_cycle(0, **args)
+    with pytest.raises(error, match=message):
+        one_cycle_curve(**args)  # before today's fix, total_steps=0 gave an empty curve
+
+
+def test_edge_schedules_stay_finite():
+    lr, momentum = one_cycle(2**53 - 1, 2**53, 1e-3, pct_start=0.9999999999999999)
+    assert math.isfinite(lr) and 0 < lr <= 1e-3 and 0.85 <= momentum <= 0.95
+    assert one_cycle_curve(1, 1e-3) == ([pytest.approx(1e-3 / 25 / 1e4)], [0.95])

@@ -10,6 +10,55 @@ max_momentum``.
 from __future__ import annotations
 
 import math
+from numbers import Real
+
+_MAX_STEPS = 2**53  # beyond this a step count is no longer exact as a float
+
+
+def _number(name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, Real):
+        raise TypeError(f"{name} must be a real number, but given {value!r} of type {type(value).__name__}")
+    return float(value)
+
+
+def _in_range(name: str, value: object, low: float, high: float, allowed: str) -> float:
+    """``value`` as a float, or a ValueError naming it and the range; ``low``/``high`` are exclusive."""
+    number = _number(name, value)
+    if not (math.isfinite(number) and low < number < high):
+        raise ValueError(f"{name} must be {allowed}, but given {value!r}")
+    return number
+
+
+def check_one_cycle(
+    total_steps: int,
+    max_lr: float,
+    pct_start: float = 0.25,
+    div_factor: float = 25.0,
+    final_div_factor: float = 1e4,
+    base_momentum: float = 0.85,
+    max_momentum: float = 0.95,
+) -> None:
+    """Raises a ValueError/TypeError naming any one-cycle argument outside its range.
+
+    ``one_cycle`` calls it; a trainer can call it once before the first epoch.
+    """
+    if isinstance(total_steps, bool) or not isinstance(total_steps, int):
+        raise TypeError(f"total_steps must be an int, but given {total_steps!r} of type {type(total_steps).__name__}")
+    if not 1 <= total_steps <= _MAX_STEPS:
+        raise ValueError(f"total_steps must be between 1 and {_MAX_STEPS}, but given {total_steps}")
+    _in_range("max_lr", max_lr, 0.0, math.inf, "finite and > 0")
+    _in_range("pct_start", pct_start, 0.0, 1.0, "between 0 and 1 (exclusive)")
+    _in_range("div_factor", div_factor, 0.0, math.inf, "finite and > 0")
+    _in_range("final_div_factor", final_div_factor, 0.0, math.inf, "finite and > 0")
+    for name, value in (("base_momentum", base_momentum), ("max_momentum", max_momentum)):
+        if not 0.0 <= _number(name, value) < 1.0:
+            raise ValueError(f"{name} must be in [0, 1), but given {value!r}")
+    lowest = float(max_lr) / float(div_factor) / float(final_div_factor)
+    if not (math.isfinite(float(max_lr) / float(div_factor)) and lowest > 0.0):
+        raise ValueError(
+            f"max_lr / div_factor / final_div_factor must be a finite learning rate > 0, but given "
+            f"{max_lr!r} / {div_factor!r} / {final_div_factor!r}"
+        )
 
 
 def _cos(start: float, end: float, pct: float) -> float:
@@ -30,30 +79,43 @@ def one_cycle(
 
     Matches ``torch.optim.lr_scheduler.OneCycleLR`` with the same arguments.
 
+    Raises:
+        ValueError: an argument outside its range (``total_steps`` >= 1, ``step`` in
+            [0, total_steps), ``max_lr``, ``div_factor`` and ``final_div_factor``
+            finite and > 0, ``pct_start`` in (0, 1), momenta in [0, 1)).
+        TypeError: a step count that is not an int, or a value that is not a number.
+
     Example:
         >>> # was: sched = OneCycleLR(opt, max_lr=3e-3, total_steps=100); sched.step()
         >>> lr, momentum = one_cycle(0, 100, max_lr=3e-3)
         >>> round(lr, 6), momentum
         (0.00012, 0.95)
     """
-    if total_steps < 1:
-        raise ValueError(f"total_steps must be at least 1, but given {total_steps}")
+    check_one_cycle(total_steps, max_lr, pct_start, div_factor, final_div_factor, base_momentum, max_momentum)
+    if isinstance(step, bool) or not isinstance(step, int):
+        raise TypeError(f"step must be an int, but given {step!r} of type {type(step).__name__}")
     if not 0 <= step < total_steps:
         raise ValueError(f"step must be between 0 and {total_steps - 1}, but given {step}")
-    if not 0.0 < pct_start < 1.0:
-        raise ValueError(f"pct_start must be between 0 and 1 (exclusive), but given {pct_start}")
     initial_lr = max_lr / div_factor
     min_lr = initial_lr / final_div_factor
     peak = float(pct_start * total_steps) - 1
     if step <= peak:
         pct = step / peak if peak > 0 else 1.0
         return _cos(initial_lr, max_lr, pct), _cos(max_momentum, base_momentum, pct)
-    pct = (step - peak) / (total_steps - 1 - peak)
+    pct = min(1.0, (step - peak) / max(total_steps - 1 - peak, 1e-300))  # no 0/0 when pct_start rounds to 1
     return _cos(max_lr, min_lr, pct), _cos(base_momentum, max_momentum, pct)
 
 
 def one_cycle_curve(total_steps: int, max_lr: float, **kwargs: float) -> tuple[list[float], list[float]]:
-    """The whole schedule, ready to plot before training."""
+    """The whole schedule, ready to plot before training.
+
+    Example:
+        >>> # was: lrs = [sched.get_last_lr()[0] for _ in range(total) if not sched.step()]
+        >>> lrs, momenta = one_cycle_curve(100, max_lr=3e-3)
+        >>> len(lrs), round(max(lrs), 6)
+        (100, 0.003)
+    """
+    check_one_cycle(total_steps, max_lr, **kwargs)
     pairs = [one_cycle(s, total_steps, max_lr, **kwargs) for s in range(total_steps)]
     return [lr for lr, _ in pairs], [m for _, m in pairs]
 
