@@ -372,7 +372,7 @@ class Slow(Dataset):
     def __len__(self):
         return 40
     def __getitem__(self, i):
-        time.sleep(0.01)
+        time.sleep(0.05)
         return torch.rand(4, 4) + i, i % 3
 
 cache_dataset(Slow(), sys.argv[1], shard_mb=0.0005, progress=False)
