@@ -330,8 +330,10 @@ def test_a_damaged_manifest_names_the_file(tmp_path, damage):
     manifest = tmp_path / "manifest.json"
     damaged = _manifest_damage(manifest.read_text())[damage]
     manifest.write_bytes(damaged if isinstance(damaged, bytes) else damaged.encode())
-    with pytest.raises(ValueError, match=rf"{manifest} is damaged \(.*\)\. Re-run cache_dataset .* or delete"):
+    with pytest.raises(ValueError, match=rf"{manifest} is damaged \(.*\); delete '{tmp_path}' and build the cache again"):
         CachedDataset(str(tmp_path))
+    with pytest.raises(ValueError, match=rf"{manifest} is damaged"):
+        cache_dataset(Plain(20), str(tmp_path), shard_mb=0.001, progress=False)  # not reused, not overwritten
 
 
 def test_a_short_shard_is_named_without_verify_and_a_rerun_rebuilds_it(tmp_path):

@@ -35,8 +35,13 @@ def test_each_image_keeps_its_format_and_jpeg_quality_is_honoured(tmp_path):
     sizes = {}
     for quality in (95, 40):
         dst = tmp_path / f"q{quality}"
-        report = presize_images(str(tmp_path / "src"), str(dst), 64, quality=quality, workers=1, progress=False)
+        old = os.umask(0o022)
+        try:
+            report = presize_images(str(tmp_path / "src"), str(dst), 64, quality=quality, workers=1, progress=False)
+        finally:
+            os.umask(old)
         assert (report.written, report.failed) == (3, [])
+        assert {oct(os.stat(p).st_mode & 0o777) for p in (dst / "cls").iterdir()} == {oct(0o644)}  # today: 0600
         for name, fmt in (("a.jpg", "JPEG"), ("b.png", "PNG"), ("c.webp", "WEBP")):
             with Image.open(dst / "cls" / name) as img:
                 assert img.format == fmt and min(img.size) == 64  # today: every file is a PNG inside

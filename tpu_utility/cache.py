@@ -138,10 +138,7 @@ def _read_json(path: str) -> dict[str, Any]:
 
 def _damaged(path: str, why: str) -> ValueError:
     folder = os.path.dirname(path) or "."
-    return ValueError(
-        f"{path} is damaged ({why}). Re-run cache_dataset with the same arguments to rebuild what is "
-        f"missing, or delete {folder!r} and build it again"
-    )
+    return ValueError(f"{path} is damaged ({why}); delete {folder!r} and build the cache again with cache_dataset")
 
 
 def _identity_of(plan: dict[str, Any]) -> dict[str, Any]:
@@ -313,7 +310,8 @@ def _complete(path: str, plan: dict[str, Any]) -> bool:
     manifest_path, plan_path = os.path.join(path, MANIFEST), os.path.join(path, PLAN)
     for existing in (manifest_path, plan_path):
         if os.path.exists(existing):
-            differences = _differences(_read_json(existing), plan)
+            old = _read_manifest(existing) if existing == manifest_path else _read_json(existing)
+            differences = _differences(old, plan)
             if differences:
                 what = "a cache" if existing == manifest_path else "an interrupted build"
                 raise ValueError(
