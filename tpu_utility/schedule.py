@@ -29,19 +29,9 @@ def _in_range(name: str, value: object, low: float, high: float, allowed: str) -
     return number
 
 
-def check_one_cycle(
-    total_steps: int,
-    max_lr: float,
-    pct_start: float = 0.25,
-    div_factor: float = 25.0,
-    final_div_factor: float = 1e4,
-    base_momentum: float = 0.85,
-    max_momentum: float = 0.95,
-) -> None:
-    """Raises a ValueError/TypeError naming any one-cycle argument outside its range.
-
-    ``one_cycle`` calls it; a trainer can call it once before the first epoch.
-    """
+def _check(total_steps: int, max_lr: float, pct_start: float, div_factor: float, final_div_factor: float,
+           momenta: tuple[float, float]) -> None:  # fmt: skip
+    """Raises a ValueError/TypeError naming any one-cycle argument outside its range."""
     if isinstance(total_steps, bool) or not isinstance(total_steps, int):
         raise TypeError(f"total_steps must be an int, but given {total_steps!r} of type {type(total_steps).__name__}")
     if not 1 <= total_steps <= _MAX_STEPS:
@@ -50,7 +40,7 @@ def check_one_cycle(
     _in_range("pct_start", pct_start, 0.0, 1.0, "between 0 and 1 (exclusive)")
     _in_range("div_factor", div_factor, 0.0, math.inf, "finite and > 0")
     _in_range("final_div_factor", final_div_factor, 0.0, math.inf, "finite and > 0")
-    for name, value in (("base_momentum", base_momentum), ("max_momentum", max_momentum)):
+    for name, value in zip(("base_momentum", "max_momentum"), momenta):
         if not 0.0 <= _number(name, value) < 1.0:
             raise ValueError(f"{name} must be in [0, 1), but given {value!r}")
     lowest = float(max_lr) / float(div_factor) / float(final_div_factor)
@@ -91,7 +81,7 @@ def one_cycle(
         >>> round(lr, 6), momentum
         (0.00012, 0.95)
     """
-    check_one_cycle(total_steps, max_lr, pct_start, div_factor, final_div_factor, base_momentum, max_momentum)
+    _check(total_steps, max_lr, pct_start, div_factor, final_div_factor, (base_momentum, max_momentum))
     if isinstance(step, bool) or not isinstance(step, int):
         raise TypeError(f"step must be an int, but given {step!r} of type {type(step).__name__}")
     if not 0 <= step < total_steps:
@@ -115,7 +105,7 @@ def one_cycle_curve(total_steps: int, max_lr: float, **kwargs: float) -> tuple[l
         >>> len(lrs), round(max(lrs), 6)
         (100, 0.003)
     """
-    check_one_cycle(total_steps, max_lr, **kwargs)
+    one_cycle(0, total_steps, max_lr, **kwargs)  # checks the arguments, even for total_steps=0
     pairs = [one_cycle(s, total_steps, max_lr, **kwargs) for s in range(total_steps)]
     return [lr for lr, _ in pairs], [m for _, m in pairs]
 
