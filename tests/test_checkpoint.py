@@ -197,8 +197,10 @@ def test_kill_9_during_a_save_loses_nothing_and_the_next_save_removes_the_tempor
         assert torch.equal(state["weights"], torch.full((256, 256), float(committed)))
         leftovers = [n for n in os.listdir(tmp_path) if n != "last.pt"]
         assert len(leftovers) <= 1 and all(n.startswith(".") and n.endswith(TEMP_SUFFIX) for n in leftovers)
+    (tmp_path / ".tmp-abcd1234.pt").write_bytes(b"half")  # what today's code leaves after a kill
+    (tmp_path / ".tmp-notes.txt").write_bytes(b"the user's")  # not ours: kept
     assert _save_in_subprocess(tmp_path, 9).returncode == 0
-    assert os.listdir(tmp_path) == ["last.pt"]  # every temporary a killed save left is gone
+    assert sorted(os.listdir(tmp_path)) == [".tmp-notes.txt", "last.pt"]  # every temporary a killed save left is gone
     assert load_checkpoint(str(tmp_path))["epoch"] == 9
 
 

@@ -72,7 +72,7 @@ def save_atomic(obj: Any, path: str) -> None:
     _check_loadable(obj, "the checkpoint")
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
-    remove_stale_temporaries(folder)
+    remove_stale_temporaries(folder, old_suffixes=(".pt",))  # earlier releases wrote .tmp-XXXXXXXX.pt
     was = torch.serialization.get_crc32_options()
     torch.serialization.set_crc32_options(True)  # the checksums load_checkpoint checks
     try:

@@ -22,8 +22,8 @@ from typing import IO, Iterator
 
 TEMP_SUFFIX = ".tpu-partial"
 LOCK_NAME = ".tpu_utility.lock"
-# Names the releases before this module used (mkstemp): only ever our own, in our own folders.
-_OLD_TEMP = re.compile(r"^\.tmp-[A-Za-z0-9_]{8}(\.pt|\.npy|\.jpe?g|\.png|\.bmp|\.webp|\.tiff?|\.gif)?$", re.I)
+# The names releases before this module gave temporaries (mkstemp's 8 random characters).
+_OLD_TEMP = re.compile(r"^\.tmp-[a-z0-9_]{8}(\.[A-Za-z]+)?$")
 
 
 def _host() -> str:
@@ -50,9 +50,10 @@ def _pid_alive(pid: int) -> bool:
         return True
 
 
-def _is_stale(name: str) -> bool:
-    if _OLD_TEMP.match(name):
-        return True
+def _is_stale(name: str, old_suffixes: tuple[str, ...]) -> bool:
+    old = _OLD_TEMP.match(name)
+    if old:
+        return (old.group(1) or "").lower() in old_suffixes
     if not (name.startswith(".") and name.endswith(TEMP_SUFFIX)):
         return False
     parts = name[: -len(TEMP_SUFFIX)].rsplit(".", 3)
@@ -62,12 +63,16 @@ def _is_stale(name: str) -> bool:
     return host == _host() and not _pid_alive(int(pid))  # another host's live write is left alone
 
 
-def remove_stale_temporaries(folder: str) -> list[str]:
-    """Deletes temporaries in ``folder`` (not below) left by killed tpu_utility writers."""
+def remove_stale_temporaries(folder: str, old_suffixes: tuple[str, ...] = ()) -> list[str]:
+    """Deletes temporaries in ``folder`` (not below) left by killed tpu_utility writers.
+
+    ``old_suffixes`` also removes ``.tmp-XXXXXXXX<suffix>`` files, the names earlier
+    releases used; pass only the suffixes that release wrote in this kind of folder.
+    """
     removed = []
     with contextlib.suppress(FileNotFoundError):
         for name in os.listdir(folder):
-            if _is_stale(name):
+            if _is_stale(name, old_suffixes):
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(os.path.join(folder, name))
                     removed.append(name)
@@ -84,11 +89,13 @@ def _fsync_folder(folder: str) -> None:
 
 
 @contextlib.contextmanager
-def atomic_write(path: str) -> Iterator[IO[bytes]]:
-    """Opens a temporary file for writing; on success it is synced and renamed over ``path``.
+def atomic_write(path: str, durable: bool = True) -> Iterator[IO[bytes]]:
+    """Opens a temporary file for writing; on success it is renamed over ``path``.
 
     On an exception the temporary is removed and ``path`` is untouched; after a
-    kill -9, the temporary is left for ``remove_stale_temporaries``.
+    kill -9, the temporary is left for ``remove_stale_temporaries``. ``durable``
+    also flushes the file and its folder to disk (against power loss, not needed
+    against a kill; costly for many small files).
 
     Example:
         >>> # was: with open(path, "wb") as f: f.write(data)   (a kill leaves half a file)
@@ -96,18 +103,23 @@ def atomic_write(path: str) -> Iterator[IO[bytes]]:
         ...     f.write(data)
     """
     tmp = temp_path(path)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # the umask applies, as for open()
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # the umask applies, as for open()
+    except OSError as e:
+        raise OSError(e.errno, f"cannot write {path}: {e.strerror}") from e  # PermissionError etc. kept
     try:
         with os.fdopen(fd, "wb") as f:
             yield f
-            f.flush()
-            os.fsync(f.fileno())
+            if durable:
+                f.flush()
+                os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
-    _fsync_folder(os.path.dirname(os.path.abspath(path)))
+    if durable:
+        _fsync_folder(os.path.dirname(os.path.abspath(path)))
 
 
 def _try_lock(fd: int) -> bool:

@@ -131,7 +131,7 @@ def _resize_one(job: tuple[str, str, int, str, int]) -> tuple[str, str | None]:
     try:
         out, fmt, info = _resize(src, size, mode)
         os.makedirs(os.path.dirname(dst), exist_ok=True)
-        with atomic_write(dst) as f:  # a hidden .tpu-partial name until whole: no loader picks it up
+        with atomic_write(dst, durable=False) as f:  # a hidden .tpu-partial name until whole: no loader picks it up
             out.save(f, format=fmt, **info, **({"quality": quality} if fmt in _QUALITY_FORMATS else {}))
         return ("written" if state is None else "redone"), None
     except Exception as e:  # a corrupt or unreadable image is reported, never fatal
@@ -141,7 +141,7 @@ def _resize_one(job: tuple[str, str, int, str, int]) -> tuple[str, str | None]:
 def _remove_leftovers(dst_dir: str) -> None:
     """Temporaries a killed run left (their writers are dead), in every folder under ``dst_dir``."""
     for root, _, _ in os.walk(dst_dir):
-        remove_stale_temporaries(root)
+        remove_stale_temporaries(root, old_suffixes=IMAGE_EXTENSIONS)  # and earlier releases' .tmp-XXXXXXXX.jpg
 
 
 def presize_images(
