@@ -398,3 +398,21 @@ def test_two_builds_of_one_folder_at_once_both_succeed(tmp_path):
         assert build.returncode == 0, err  # today: FileNotFoundError: build.json in one of them
         assert "samples 40" in out
     assert sorted(n for n in os.listdir(tmp_path / "c") if n.startswith(".")) == []  # no lock, no temporaries
+
+
+class Unseedable(Plain):
+    """Noise from a generator of its own, which cache_dataset's per-sample seeds cannot reach."""
+
+    rng = np.random.default_rng()
+
+    def __getitem__(self, i):
+        image, label, value = super().__getitem__(i)
+        return image, label, float(self.rng.random())
+
+
+def test_a_source_that_cannot_be_seeded_is_said_once_and_still_cached(tmp_path):
+    with pytest.warns(UserWarning, match=r"different values for one sample under one seed .*cannot be checked"):
+        cache_dataset(Unseedable(12), str(tmp_path), progress=False)
+    assert len(CachedDataset(str(tmp_path), verify=True)) == 12
+    with pytest.warns(UserWarning, match=r"different values"):
+        cache_dataset(Unseedable(12), str(tmp_path), progress=False)  # reused: only its length can be checked

@@ -164,7 +164,10 @@ def _differences(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
         if was.get("count") != now.get("count"):
             out.append(f"the dataset has {was.get('count')} samples there, {now.get('count')} now")
         if changed:
-            out.append(f"samples {', '.join(changed[:5])}{' ...' if len(changed) > 5 else ''} hold other values")
+            out.append(
+                f"samples {', '.join(changed[:5])}{' ...' if len(changed) > 5 else ''} hold other values (if the "
+                f"data is the same, its augmentation draws from a random source cache_dataset cannot seed)"
+            )
         if not changed and was.get("count") == now.get("count"):
             out.append("the source fingerprint differs")
     return out
@@ -179,7 +182,7 @@ def _sample_hash(sample: Any, index: int) -> str:
     return digest.hexdigest()[:16]
 
 
-def _fingerprint(dataset: Dataset, n: int, seed: int) -> dict[str, Any] | None:
+def _fingerprint(dataset: Dataset, n: int, seed: int) -> dict[str, Any]:
     """The source's length and the hashes of samples spread over it (as stored in copy 0)."""
     seeded = _Seeded(dataset, seed, 0)
     k = min(n, _FINGERPRINT_SAMPLES)
