@@ -410,7 +410,7 @@ class Unseedable(Plain):
         return image, label, float(self.rng.random())
 
 
-def test_a_source_that_cannot_be_seeded_is_said_once_and_still_cached(tmp_path):
+def test_a_source_that_cannot_be_seeded_is_named_and_still_cached(tmp_path):
     with pytest.warns(UserWarning, match=r"different values for one sample under one seed .*cannot be checked"):
         cache_dataset(Unseedable(12), str(tmp_path), progress=False)
     assert len(CachedDataset(str(tmp_path), verify=True)) == 12

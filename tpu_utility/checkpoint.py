@@ -46,7 +46,7 @@ def to_cpu(tree: Any) -> Any:
 
 def _check_loadable(value: Any, where: str) -> None:
     """Refuses, before writing, what ``torch.load(weights_only=True)`` could not read back."""
-    if type(value) in _LEAVES or isinstance(value, (torch.Tensor, torch.dtype)):
+    if type(value) in _LEAVES or isinstance(value, (torch.Tensor, torch.dtype, torch.device)):
         return
     if type(value) not in _CONTAINERS:
         hint = " (use torch.from_numpy(x) or x.tolist())" if type(value).__module__ == "numpy" else ""
