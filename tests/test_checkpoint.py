@@ -243,3 +243,12 @@ def test_checkpoint_of_an_xla_model_is_cpu_only(tmp_path):
     save_checkpoint(str(tmp_path / "c.pt"), model=model, step=torch.tensor(5, device=get_device()))
     state = torch.load(str(tmp_path / "c.pt"), weights_only=True, map_location=None)
     assert {t.device.type for t in [*state["model"].values(), state["step"]]} == {"cpu"}
+
+
+def test_resume_from_a_damaged_checkpoint_names_the_file(tmp_path):
+    from tpu_utility import one_cycle_fit
+
+    (tmp_path / "last.pt").write_bytes(b"PK\x03\x04 cut short by a full disk")
+    with pytest.raises(ValueError, match=rf"checkpoint {tmp_path / 'last.pt'} is damaged"):
+        one_cycle_fit(small_mlp(), flat_digits(64), epochs=1, max_lr=1e-2, batch_size=32,
+                      checkpoint_dir=str(tmp_path), resume=True, progress=False)  # fmt: skip
