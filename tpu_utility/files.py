@@ -37,6 +37,8 @@ def temp_path(path: str) -> str:
 
 
 def _pid_alive(pid: int) -> bool:
+    if os.name == "nt":
+        return True  # os.kill(pid, 0) would send CTRL_C there: leave such temporaries alone
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -197,6 +199,6 @@ def folder_lock(folder: str, purpose: str, timeout: float | None = 0.0) -> Itera
         os.write(fd, f"pid {os.getpid()} on {socket.gethostname()}, {purpose}".encode())
         yield lock_path
     finally:
-        with contextlib.suppress(FileNotFoundError):
+        with contextlib.suppress(OSError):  # gone already, or (Windows) still open
             os.unlink(lock_path)
         os.close(fd)
