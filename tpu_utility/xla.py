@@ -417,6 +417,20 @@ def device_loader(loader: Any, dev: torch.device, spmd_devices: int | None = Non
     return pl.MpDeviceLoader(loader, dev, input_sharding=sharding)
 
 
+def skip_next_loader_sync() -> None:
+    """Tells torch_xla's MpDeviceLoader that the graph was just cut, so its next batch skips its own cut."""
+    import torch_xla.debug.profiler as xp
+
+    xp.set_tracer_marked_step(True)
+
+
+def local_shards(t: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """Each device's piece of an XLA tensor (SPMD-sharded or not), as (device, CPU tensor)."""
+    import torch_xla
+
+    return [(dev, data.cpu()) for data, dev in torch_xla._XLAC._get_local_shards([t])[0]]
+
+
 # ---------------------------------------------------------------- metrics
 def clear_metrics() -> None:
     import torch_xla.debug.metrics as met
