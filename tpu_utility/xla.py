@@ -448,6 +448,16 @@ def compile_count() -> int:
     return int(data[0]) if data else 0
 
 
+def execute_count() -> int:
+    """Graphs run on the device so far (torch_xla's ExecuteTime metric): one per graph cut with work."""
+    if not xla_loaded():
+        return 0
+    import torch_xla.debug.metrics as met
+
+    data = met.metric_data("ExecuteTime")
+    return int(data[0]) if data else 0
+
+
 def host_sync_count() -> int:
     """Device-to-host reads forced by Python (``.item()``, ``bool(t)``, printing)."""
     if not xla_loaded():
