@@ -14,6 +14,10 @@ from conftest import BLOCK_TORCH_XLA, flat_digits, run_python, small_mlp
 from tpu_utility import device_loader, get_device, masked_loader, step_optimizer, xla
 
 
+def _per_epoch(start: int, totals: list[int]) -> list[int]:
+    return [b - a for a, b in zip([start] + totals, totals)]
+
+
 # ------------------------------------------------ word-language-model style LSTM
 def make_text(n_tokens: int = 6000, vocab: int = 24, seed: int = 0) -> torch.Tensor:
     """Tokens from a random Markov chain with two likely successors per token: learnable."""
@@ -72,6 +76,7 @@ def test_manual_update_lstm_language_model_port():
     batch_size, bptt, lr, clip = 16, 20, 2.0, 0.25
     train_data = batchify(make_text(), batch_size)
     loader = DataLoader(BpttChunks(train_data, bptt), batch_size=None, shuffle=False)
+    start = xla.compile_count()
     device = get_device()  # was: torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model = RNNModel(24).to(device)
     criterion = nn.CrossEntropyLoss()
@@ -96,7 +101,7 @@ def test_manual_update_lstm_language_model_port():
     assert device.type == "xla"
     assert losses[-1] < 0.6 * losses[0], losses
     assert compiles[0] == compiles[1] == compiles[2], f"compiles after each epoch: {compiles}"
-    print(f"LSTM LM port: 2 edited lines, compiles after each epoch {compiles}, losses {losses}")
+    print(f"LSTM LM port: 2 edited lines, compiles per epoch {_per_epoch(start, compiles)}, losses {losses}")
 
 
 # ------------------------------------------------------------ autocast + GradScaler
@@ -136,13 +141,14 @@ for epoch in range(3):
 
 def test_autocast_gradscaler_port_on_xla():
     ns: dict = {}
+    start = xla.compile_count()
     exec(AMP_LOOP, ns)
     losses, compiles = ns["losses"], ns["compiles"]
     assert ns["device"].type == "xla"
     assert not ns["scaler"].is_enabled()  # bf16 (TPU) or float32 (XLA:CPU): nothing to scale
     assert losses[-1] < 0.5 * losses[0], losses
     assert compiles[0] == compiles[1] == compiles[2], f"compiles after each epoch: {compiles}"
-    print(f"AMP port on XLA: 3 edited lines, compiles after each epoch {compiles}")
+    print(f"AMP port on XLA: 3 edited lines, compiles per epoch {_per_epoch(start, compiles)}")
 
 
 def test_autocast_gradscaler_port_on_plain_cpu():
@@ -173,6 +179,7 @@ def test_masked_evaluation_counts_each_sample_once_without_recompiling():
     # Edited lines: 3 (the device line, the for line, and the mask in the two sums: one line).
     n = 1001  # 15 full batches of 64 and a last one of 41
     device = get_device()  # was: torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    start = xla.compile_count()
     model = nn.Linear(4, 1).to(device)
     valid_loader = DataLoader(IndexTarget(n), batch_size=64, shuffle=False)  # drop_last=False
     compiles = []
@@ -189,7 +196,7 @@ def test_masked_evaluation_counts_each_sample_once_without_recompiling():
         assert seen.item() == n
     assert out.shape[0] == 64  # the last batch is full size too
     assert compiles[1] == compiles[2], f"compiles after each evaluation: {compiles}"
-    print(f"masked evaluation port: 3 edited lines, compiles after each pass {compiles}")
+    print(f"masked evaluation port: 3 edited lines, compiles per pass {_per_epoch(start, compiles)}")
 
 
 # ------------------------------------------------------- optimizer built before the move
@@ -258,6 +265,10 @@ for epoch in range(3):
         step_optimizer(optimizer)
         running += loss.detach()
     print("epoch", epoch, "loss", running.item() / len(loader), "compiles", xla.compile_count())
+try:
+    iter(device_loader(DataLoader(train_ds, batch_size=6)))
+except ValueError as e:
+    print("refused:", e)
 seen = torch.zeros((), device=device)
 ysum = torch.zeros((), device=device)
 correct = torch.zeros((), device=device)
@@ -282,7 +293,9 @@ def test_hand_loop_on_four_devices_with_spmd():
     assert _rows(r.stdout, "shards") == [["shards", "4", "[(16,", "1,", "8,", "8),", "(16,", "1,", "8,", "8),",
                                           "(16,", "1,", "8,", "8),", "(16,", "1,", "8,", "8)]"]]  # fmt: skip
     assert _rows(r.stdout, "own") == [["own", "True"]]  # device k holds rows 16k..16k+15
+    assert "refused: batch_size=6 does not split evenly over the 4 cores of the SPMD mesh" in r.stdout
     epochs = _rows(r.stdout, "epoch")
+    print(r.stdout)
     losses = [float(e[3]) for e in epochs]
     assert losses[-1] < 0.5 * losses[0], losses
     assert epochs[1][5] == epochs[2][5], f"compiles grew: {epochs}"
@@ -332,6 +345,7 @@ def test_hand_loop_under_launch_with_one_device(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     assert "runtime started in the parent: False" in r.stdout
     epochs = _rows(r.stdout, "epoch")
+    print(r.stdout)
     assert [e[1:4] for e in epochs] == [["0", "xla", "1"]] * 3
     assert float(epochs[-1][4]) < 0.5 * float(epochs[0][4]), epochs
     assert epochs[1][5] == epochs[2][5], f"compiles grew: {epochs}"
