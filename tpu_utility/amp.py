@@ -73,7 +73,10 @@ def plan_autocast(device_type: str, dtype: torch.dtype | None, xla_hardware: str
     if device_type == "xla" and xla_hardware == "TPU":
         note = None
         if dtype == torch.float16:
-            note = "autocast: TPUs compute in bfloat16, so float16 was asked for and bfloat16 is used (no loss scaling needed)"
+            note = (
+                "autocast: TPUs compute in bfloat16, so float16 was asked for and bfloat16 is used "
+                "(no loss scaling needed)"
+            )
         return AutocastPlan("xla", torch.bfloat16, note)
     if device_type == "xla":
         return AutocastPlan(
@@ -145,12 +148,16 @@ class PassThroughScaler(torch.amp.GradScaler):
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
         if args:
             if len(args) > 1 or "closure" in kwargs:
-                raise TypeError(f"step takes the optimizer and at most a closure, but given {len(args) + 1} positional arguments")
+                raise TypeError(
+                    f"step takes the optimizer and at most a closure, but given {len(args) + 1} positional arguments"
+                )
             kwargs = {"closure": args[0], **kwargs}
         return step_optimizer(optimizer, optimizer_args=kwargs)
 
 
-def grad_scaler(device: torch.device | str | None = None, dtype: torch.dtype | None = None, **kwargs: Any) -> torch.amp.GradScaler:
+def grad_scaler(
+    device: torch.device | str | None = None, dtype: torch.dtype | None = None, **kwargs: Any
+) -> torch.amp.GradScaler:
     """A loss scaler when the device needs one (CUDA float16), else a pass-through.
 
     Use it where the CUDA loop created ``torch.amp.GradScaler()``; the loop's

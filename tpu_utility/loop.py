@@ -128,10 +128,12 @@ def _check_sampler(loader: DataLoader) -> None:
     sampler = loader.sampler
     if isinstance(sampler, SequentialSampler):
         return
-    if isinstance(sampler, RandomSampler) and not sampler.replacement and sampler.num_samples == len(sampler.data_source):
-        return
-    if isinstance(sampler, DistributedSampler) and (sampler.num_replicas, sampler.rank) == (xla.world_size(), xla.ordinal()):
-        return  # replaced by a DistributedSampler over the padded set, same replicas
+    if isinstance(sampler, RandomSampler) and not sampler.replacement:
+        if sampler.num_samples == len(sampler.data_source):
+            return
+    if isinstance(sampler, DistributedSampler):
+        if (sampler.num_replicas, sampler.rank) == (xla.world_size(), xla.ordinal()):
+            return  # replaced by a DistributedSampler over the padded set, same replicas
     raise ValueError(
         f"masked_loader needs the loader's samples to be its whole dataset, but its sampler is a "
         f"{type(sampler).__name__}, which may select a subset; wrap the subset as a dataset instead: "
