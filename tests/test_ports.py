@@ -104,6 +104,54 @@ def test_manual_update_lstm_language_model_port():
     print(f"LSTM LM port: 2 edited lines, compiles per epoch {_per_epoch(start, compiles)}, losses {losses}")
 
 
+def test_word_language_model_as_written_port():
+    # pytorch/examples' word_language_model train(): batchify moves the corpus to the device and
+    # get_batch slices it with Python ints, which on XLA would compile a graph per offset.
+    # Edited lines: 3 (device, batchify, the for line) and 1 deleted (data, targets = get_batch(...)).
+    torch.manual_seed(0)
+    batch_size, bptt, lr, clip = 16, 20, 2.0, 0.25
+    start = xla.compile_count()
+    device = get_device()  # was: torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+    def batchify(data, bsz):
+        nbatch = data.size(0) // bsz
+        data = data.narrow(0, 0, nbatch * bsz)
+        return data.view(bsz, -1).t().contiguous()  # was: ....contiguous().to(device)
+
+    def get_batch(source, i):
+        seq_len = min(bptt, len(source) - 1 - i)
+        return source[i : i + seq_len], source[i + 1 : i + 1 + seq_len].view(-1)
+
+    train_data = batchify(make_text(), batch_size)
+    model = RNNModel(24).to(device)
+    criterion = nn.CrossEntropyLoss()
+    losses, compiles = [], []
+    for epoch in range(3):
+        model.train()
+        total_loss, steps = 0.0, 0
+        hidden = model.init_hidden(batch_size)
+        # was: for batch, i in enumerate(range(0, train_data.size(0) - 1, bptt)):
+        #          data, targets = get_batch(train_data, i)
+        for batch, (data, targets) in enumerate(device_loader(get_batch(train_data, i) for i in range(0, train_data.size(0) - 1, bptt))):
+            model.zero_grad()
+            hidden = repackage_hidden(hidden)
+            output, hidden = model(data, hidden)
+            loss = criterion(output, targets)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            for p in model.parameters():
+                p.data.add_(p.grad, alpha=-lr)
+            total_loss += loss.item()
+            steps += 1
+        losses.append(total_loss / steps)
+        compiles.append(xla.compile_count())
+    per_epoch = _per_epoch(start, compiles)
+    assert losses[-1] < 0.6 * losses[0], losses
+    assert per_epoch[1:] == [0, 0], f"compiles per epoch {per_epoch}"
+    assert per_epoch[0] <= 6, f"a graph per offset would be {steps}: {per_epoch}"  # full batches and the short last one
+    print(f"word_language_model port: 3 edited + 1 deleted line, compiles per epoch {per_epoch}")
+
+
 # ------------------------------------------------------------ autocast + GradScaler
 AMP_LOOP = """
 import torch
