@@ -136,3 +136,13 @@ print("moved", [x.device.type for x in device_loader([torch.ones(1)])])
     assert "cores 1" in r.stdout
     assert "launched [(0, 'here')]" in r.stdout
     assert "moved ['cpu']" in r.stdout
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_device_loader_and_masked_loader_on_cuda():
+    cuda = torch.device("cuda")
+    ds = TensorDataset(torch.arange(10.0).unsqueeze(1), torch.arange(10))
+    batches = list(device_loader(masked_loader(ds, batch_size=4), cuda))
+    assert all(x.is_cuda and y.is_cuda and m.is_cuda for (x, y), m in batches)
+    assert sum(int(y[m].sum()) for (_, y), m in batches) == 45
