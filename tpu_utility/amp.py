@@ -86,6 +86,19 @@ def plan_autocast(device_type: str, dtype: torch.dtype | None, xla_hardware: str
     return AutocastPlan("off", None, f"autocast: no mixed precision on {device_type}; the loop runs in float32")
 
 
+_HARDWARE: list[str] = []
+
+
+def _xla_hardware() -> str | None:
+    """"TPU", "CPU"...: fixed once the runtime runs, so asked once, not at every step."""
+    if not _HARDWARE:
+        started = xla.runtime_device_type()
+        if started is None:
+            return xla.pjrt_device() or ("TPU" if xla.detect_tpu().chips else None)
+        _HARDWARE.append(started)
+    return _HARDWARE[0]
+
+
 def autocast(
     device: torch.device | str | None = None, dtype: torch.dtype | None = None, enabled: bool = True
 ) -> AbstractContextManager:
@@ -118,8 +131,7 @@ def autocast(
     if not isinstance(enabled, bool):
         raise TypeError(f"enabled must be a bool, but given {enabled!r} of type {type(enabled).__name__}")
     device = get_device() if device is None else torch.device(device)
-    hardware = (xla.runtime_device_type() or xla.pjrt_device()) if device.type == "xla" else None
-    plan = plan_autocast(device.type, dtype, hardware)
+    plan = plan_autocast(device.type, dtype, _xla_hardware() if device.type == "xla" else None)
     if not enabled:
         return nullcontext()
     if plan.note:
