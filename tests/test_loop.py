@@ -146,3 +146,16 @@ def test_device_loader_and_masked_loader_on_cuda():
     batches = list(device_loader(masked_loader(ds, batch_size=4), cuda))
     assert all(x.is_cuda and y.is_cuda and m.is_cuda for (x, y), m in batches)
     assert sum(int(y[m].sum()) for (_, y), m in batches) == 45
+
+
+def test_each_launched_process_gets_its_own_part(monkeypatch):
+    # what make_sampler and masked_loader see inside launch() with 4 processes, as process 2
+    monkeypatch.setattr(xla, "world_size", lambda: 4)
+    monkeypatch.setattr(xla, "ordinal", lambda: 2)
+    from tpu_utility import make_sampler
+
+    ds = TensorDataset(torch.arange(10.0), torch.arange(10))
+    sampler = make_sampler(ds, shuffle=False)
+    assert (sampler.num_replicas, sampler.rank, list(sampler)) == (4, 2, [2, 6, 0])  # 0: padding
+    parts = list(masked_loader(ds, batch_size=2))  # padded to 16 = 2 batches x 2 x 4 processes
+    assert [(y.tolist(), m.tolist()) for (_, y), m in parts] == [([2, 6], [True, True]), ([0, 4], [False, False])]
