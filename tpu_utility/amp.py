@@ -11,16 +11,13 @@ on XLA after changing only the two lines that create them::
         scaler.step(optimizer)                           # unchanged: all-reduce and graph cut on XLA
         scaler.update()
 
-What each device gets:
+What each device gets::
 
-======================  ==========================================  ==========================
-device                  autocast                                    scaler
-======================  ==========================================  ==========================
-CUDA                    the dtype given (float16 by default)        a real GradScaler for float16
-TPU (XLA)               bfloat16 (a float16 request becomes bf16)   pass-through
-XLA on the host CPU     none: torch_xla's autocast is TPU-only      pass-through
-CPU                     none: float32, as CUDA autocast on a CPU    pass-through
-======================  ==========================================  ==========================
+    device               autocast                                     scaler
+    CUDA                 the dtype given (float16 by default)         real GradScaler for float16
+    TPU (XLA)            bfloat16 (a float16 request becomes bf16)    pass-through
+    XLA on the host CPU  none: torch_xla's autocast is TPU-only       pass-through
+    CPU                  none: float32, as CUDA autocast on a CPU     pass-through
 
 bfloat16 has float32's exponent range, so no loss scaling is needed: the
 pass-through scaler scales by 1 and its ``step`` is ``step_optimizer``. Where
