@@ -79,6 +79,13 @@ def test_device_loader_off_xla_moves_nested_batches_and_keeps_length():
         assert all(b["x"].device.type == "cpu" for b in out)
 
 
+def test_device_loader_refuses_a_dataset_of_single_samples():
+    with pytest.raises(TypeError, match=r"but given the dataset TensorDataset.*DataLoader\(dataset, batch_size=64"):
+        device_loader(_regression_data(8))
+    with pytest.raises(TypeError, match="iterable of batches, but given int"):
+        device_loader(3)
+
+
 def test_device_loader_on_xla_gives_device_batches():
     loader = DataLoader(_regression_data(64), batch_size=16)
     batches = list(device_loader(loader))

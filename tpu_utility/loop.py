@@ -24,7 +24,15 @@ from typing import Any, Callable, Iterable, Iterator, Literal, get_args
 
 import torch
 from torch.utils import _pytree as pytree
-from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, RandomSampler, SequentialSampler
+from torch.utils.data import (
+    BatchSampler,
+    DataLoader,
+    Dataset,
+    DistributedSampler,
+    IterableDataset,
+    RandomSampler,
+    SequentialSampler,
+)
 
 from . import xla
 from .data import eval_loader, unpack_loader
@@ -112,6 +120,7 @@ def device_loader(loader: Iterable, device: torch.device | None = None) -> Devic
         An iterable with ``len(loader)`` batches, re-iterable every epoch.
 
     Raises:
+        TypeError: ``loader`` is a map-style Dataset (single samples) or not iterable.
         ValueError: Under SPMD, ``loader.batch_size`` is not a multiple of the cores.
 
     Example:
@@ -119,6 +128,14 @@ def device_loader(loader: Iterable, device: torch.device | None = None) -> Devic
         >>> for x, y in device_loader(loader):   # doctest: +SKIP
         ...     x, y = x.to(device), y.to(device)  # may stay: a no-op now
     """
+    if isinstance(loader, Dataset) and not isinstance(loader, IterableDataset):
+        raise TypeError(
+            f"device_loader takes a DataLoader (or any iterable of batches), but given the dataset "
+            f"{type(loader).__name__}, whose items are single samples; batch it first: "
+            f"device_loader(DataLoader(dataset, batch_size=64, drop_last=True))"
+        )
+    if not hasattr(loader, "__iter__"):
+        raise TypeError(f"device_loader takes an iterable of batches, but given {type(loader).__name__}")
     device = get_device() if device is None else torch.device(device)
     return DeviceLoader(loader, device)
 
