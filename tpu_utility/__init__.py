@@ -10,6 +10,7 @@
 Importing this package never imports torch_xla; it works without it (CUDA, else CPU).
 """
 
+from .amp import autocast, grad_scaler
 from .cache import CachedDataset, cache_dataset
 from .checkpoint import load_checkpoint, save_checkpoint
 from .data import make_sampler
@@ -18,23 +19,29 @@ from .doctor import DoctorReport, doctor
 from .environment import TpuInfo, setup_tpu
 from .fit import one_cycle_fit
 from .history import EpochRecord, History
+from .loop import device_loader, launch, masked_loader, use_all_cores
 from .lr_finder import LRFinderResult, find_lr
 from .optim import step_optimizer
 from .presize import PresizeReport, presize_images
 from .schedule import one_cycle, one_cycle_curve
 
 __all__ = [
+    "autocast",
     "cache_dataset",
     "CachedDataset",
+    "device_loader",
     "doctor",
     "DoctorReport",
     "EpochRecord",
     "find_lr",
     "get_device",
+    "grad_scaler",
     "History",
+    "launch",
     "load_checkpoint",
     "LRFinderResult",
     "make_sampler",
+    "masked_loader",
     "one_cycle",
     "one_cycle_curve",
     "one_cycle_fit",
@@ -44,4 +51,5 @@ __all__ = [
     "setup_tpu",
     "step_optimizer",
     "TpuInfo",
+    "use_all_cores",
 ]

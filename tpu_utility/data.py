@@ -34,9 +34,12 @@ def make_sampler(
 ) -> DistributedSampler | None:
     """A DistributedSampler for this replica when several run, else None.
 
-    The world size and rank come from torch_xla (or torch.distributed); with a
-    single replica (one core, or SPMD, where one process drives every core) it
-    returns None, so ``DataLoader(..., sampler=None, shuffle=True)`` works as before.
+    The world size and rank come from torch_xla (or torch.distributed): inside
+    ``launch`` (one process per core) each process gets its own part of the data.
+    With a single replica it returns None, so ``DataLoader(..., sampler=None,
+    shuffle=True)`` works as before; that includes SPMD (``use_all_cores()``),
+    where one process drives every core and ``device_loader`` splits each batch
+    over them instead: there the loader's ``batch_size`` is the global batch.
 
     Call ``sampler.set_epoch(epoch)`` at the start of each epoch, or every epoch
     sees the same order.

@@ -417,6 +417,20 @@ def device_loader(loader: Any, dev: torch.device, spmd_devices: int | None = Non
     return pl.MpDeviceLoader(loader, dev, input_sharding=sharding)
 
 
+def skip_next_loader_sync() -> None:
+    """Tells torch_xla's MpDeviceLoader that the graph was just cut, so its next batch skips its own cut."""
+    import torch_xla.debug.profiler as xp
+
+    xp.set_tracer_marked_step(True)
+
+
+def local_shards(t: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """Each device's piece of an XLA tensor (SPMD-sharded or not), as (device, CPU tensor)."""
+    import torch_xla
+
+    return [(dev, data.cpu()) for data, dev in torch_xla._XLAC._get_local_shards([t])[0]]
+
+
 # ---------------------------------------------------------------- metrics
 def clear_metrics() -> None:
     import torch_xla.debug.metrics as met
@@ -431,6 +445,16 @@ def compile_count() -> int:
     import torch_xla.debug.metrics as met
 
     data = met.metric_data("CompileTime")
+    return int(data[0]) if data else 0
+
+
+def execute_count() -> int:
+    """Graphs run on the device so far (torch_xla's ExecuteTime metric): one per graph cut with work."""
+    if not xla_loaded():
+        return 0
+    import torch_xla.debug.metrics as met
+
+    data = met.metric_data("ExecuteTime")
     return int(data[0]) if data else 0
 
 

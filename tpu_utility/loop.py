@@ -1,0 +1,282 @@
+"""Hand-written training loops on XLA: batches, evaluation and all cores.
+
+A loop written for CUDA needs three things on XLA that ``optimizer.step()``
+never had to do: cut the lazy graph once per step (or it grows and recompiles
+every step), keep every batch the same shape (or each new shape compiles), and
+spread the batch over the cores. This module gives each as one line::
+
+    from tpu_utility import device_loader, get_device, masked_loader, use_all_cores
+    cores = use_all_cores()                 # optional, first: SPMD over every core
+    device = get_device()                   # was: torch.device("cuda")
+    for x, y in device_loader(loader):      # was: for x, y in loader:
+        ...                                 # any update: optimizer, scaler or p.data.add_
+    for (x, y), mask in device_loader(masked_loader(valid_loader)):
+        correct += ((model(x).argmax(1) == y) & mask).sum()   # every sample once
+
+Off XLA ``device_loader`` moves each batch to the device and nothing else, so the
+same loop runs on CUDA and CPU.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, Callable, Iterable, Iterator, Literal, get_args
+
+import torch
+from torch.utils import _pytree as pytree
+from torch.utils.data import (
+    BatchSampler,
+    DataLoader,
+    Dataset,
+    DistributedSampler,
+    IterableDataset,
+    RandomSampler,
+    SequentialSampler,
+)
+
+from . import xla
+from .data import eval_loader, unpack_loader
+from .device import get_device
+
+StartMethod = Literal["auto", "fork", "spawn"]
+
+# True from a step_optimizer graph cut until the next batch of a device_loader:
+# the loader's own cut would then cut an empty graph.
+_cut_since_batch = False
+
+
+def graph_was_cut() -> None:
+    """Called by step_optimizer after it cut the graph; the next device_loader batch skips its cut."""
+    global _cut_since_batch
+    _cut_since_batch = True
+
+
+def move_to_device(batch: Any, device: torch.device) -> Any:
+    """Every tensor in a (nested) batch, moved to ``device``; other values unchanged."""
+    return pytree.tree_map(lambda t: t.to(device, non_blocking=True) if isinstance(t, torch.Tensor) else t, batch)
+
+
+def _batch_size(loader: Any) -> int | None:
+    size = getattr(loader, "batch_size", None)
+    return size if isinstance(size, int) else None
+
+
+class DeviceLoader:
+    """Iterates a loader's batches on the device; see ``device_loader``."""
+
+    def __init__(self, loader: Iterable, device: torch.device) -> None:
+        self.loader, self.device = loader, device
+
+    def __len__(self) -> int:
+        return len(self.loader)  # type: ignore[arg-type]
+
+    def __iter__(self) -> Iterator[Any]:
+        if self.device.type != "xla":
+            return (move_to_device(batch, self.device) for batch in self.loader)
+        cores = xla.global_device_count() if xla.is_spmd() else None
+        size = _batch_size(self.loader)
+        if cores and size is not None and size % cores:
+            raise ValueError(
+                f"batch_size={size} does not split evenly over the {cores} cores of the SPMD mesh; "
+                f"use a multiple of {cores}, such as {cores * max(1, size // cores)} (the loader's batch is "
+                f"the global batch)"
+            )
+        return self._xla_batches(iter(xla.device_loader(self.loader, self.device, cores)))
+
+    @staticmethod
+    def _xla_batches(batches: Iterator[Any]) -> Iterator[Any]:
+        global _cut_since_batch
+        _cut_since_batch = False
+        while True:
+            if _cut_since_batch:  # step_optimizer already cut the graph of this step
+                xla.skip_next_loader_sync()
+                _cut_since_batch = False
+            try:
+                batch = next(batches)
+            except StopIteration:
+                return
+            yield batch
+
+
+def device_loader(loader: Iterable, device: torch.device | None = None) -> DeviceLoader:
+    """Batches on the device, ready before the step needs them, one graph per step.
+
+    On XLA this is torch_xla's MpDeviceLoader: batches are copied to the device
+    in the background and the lazy graph is cut once per batch, so any step
+    compiles once, including a hand-written update with no optimizer
+    (``p.data.add_(p.grad, alpha=-lr)``). Together with ``step_optimizer`` the
+    graph is still cut once per step. Under SPMD (``use_all_cores()``) each
+    batch is sharded along its first dimension over every core: the loader's
+    ``batch_size`` is the global batch and must be a multiple of the cores.
+
+    On CUDA and CPU it moves each batch to the device (``non_blocking``), and
+    that is all. Tensors in tuples, lists and dicts are moved; other values pass.
+
+    Args:
+        loader: A DataLoader, or any iterable of batches (``len`` is used if it has one).
+        device: The device; None for ``get_device()``.
+
+    Returns:
+        An iterable with ``len(loader)`` batches, re-iterable every epoch.
+
+    Raises:
+        TypeError: ``loader`` is a map-style Dataset (single samples) or not iterable.
+        ValueError: Under SPMD, ``loader.batch_size`` is not a multiple of the cores.
+
+    Example:
+        >>> # was: for x, y in loader:
+        >>> for x, y in device_loader(loader):   # doctest: +SKIP
+        ...     x, y = x.to(device), y.to(device)  # may stay: a no-op now
+    """
+    if isinstance(loader, Dataset) and not isinstance(loader, IterableDataset):
+        raise TypeError(
+            f"device_loader takes a DataLoader (or any iterable of batches), but given the dataset "
+            f"{type(loader).__name__}, whose items are single samples; batch it first: "
+            f"device_loader(DataLoader(dataset, batch_size=64, drop_last=True))"
+        )
+    if not hasattr(loader, "__iter__"):
+        raise TypeError(f"device_loader takes an iterable of batches, but given {type(loader).__name__}")
+    device = get_device() if device is None else torch.device(device)
+    return DeviceLoader(loader, device)
+
+
+def _check_sampler(loader: DataLoader) -> None:
+    """A loader's sampler may only order the data: one that selects samples would be ignored."""
+    sampler = loader.sampler
+    if isinstance(sampler, SequentialSampler):
+        return
+    if isinstance(sampler, RandomSampler) and not sampler.replacement:
+        if sampler.num_samples == len(sampler.data_source):
+            return
+    if isinstance(sampler, DistributedSampler):
+        if (sampler.num_replicas, sampler.rank) == (xla.world_size(), xla.ordinal()):
+            return  # replaced by a DistributedSampler over the padded set, same replicas
+    raise ValueError(
+        f"masked_loader needs the loader's samples to be its whole dataset, but its sampler is a "
+        f"{type(sampler).__name__}, which may select a subset; wrap the subset as a dataset instead: "
+        f"masked_loader(torch.utils.data.Subset(dataset, indices), batch_size)"
+    )
+
+
+def masked_loader(data: Any, batch_size: int | None = None) -> DataLoader:
+    """Full-size evaluation batches with a mask, so each sample counts exactly once.
+
+    A short last batch has a shape of its own, and on XLA a graph of its own:
+    compiled again in every evaluation. This loader pads the dataset by
+    repeating samples so every batch is full and yields ``(batch, mask)``, where
+    ``mask`` (bool, one per sample) is False for the padding. Weight every sum
+    by it. With several processes (``launch``) each gets its own part and the
+    padding, so a sum over replicas counts each sample once. Under SPMD the one
+    loader serves every core: give the global batch size.
+
+    Args:
+        data: A Dataset, or a DataLoader whose dataset, batch size, collate_fn and
+            workers are used (its shuffling is not: evaluation order does not matter).
+        batch_size: For a Dataset (default 64); for a DataLoader it must be None or
+            equal to its own.
+
+    Returns:
+        A DataLoader of ``(batch, mask)``; wrap it in ``device_loader``.
+
+    Raises:
+        TypeError: ``data`` has no ``__len__``.
+        ValueError: ``data`` is empty, ``batch_size`` is invalid or conflicts with the
+            loader's, or the loader's sampler selects a subset.
+
+    Example:
+        >>> # was: for x, y in valid_loader:
+        >>> for (x, y), mask in device_loader(masked_loader(valid_loader)):   # doctest: +SKIP
+        ...     correct += ((model(x).argmax(1) == y) & mask).sum()
+        ...     seen += mask.sum()
+    """
+    if isinstance(data, DataLoader):
+        _check_sampler(data)
+        if not isinstance(data.batch_sampler, BatchSampler):
+            raise ValueError(
+                f"masked_loader needs a loader with a fixed batch_size, but given one with a "
+                f"{type(data.batch_sampler).__name__}"
+            )
+        if data.drop_last:
+            warnings.warn(
+                "masked_loader: the loader's drop_last=True is not used; the last batch is padded and "
+                "masked instead, so every sample counts once",
+                stacklevel=2,
+            )
+    dataset, size, collate_fn, workers = unpack_loader(data, batch_size, "data")
+    return eval_loader(
+        dataset, size, replicas=xla.world_size(), rank=xla.ordinal(), collate_fn=collate_fn, num_workers=workers or 0
+    )
+
+
+def use_all_cores() -> int:
+    """Runs this process's XLA work on every core (SPMD); returns the number of cores.
+
+    One process drives the whole device mesh: the model is replicated on every
+    core and ``device_loader`` shards each batch over them, so a hand-written
+    loop trains on all cores unchanged. Make the loader's ``batch_size`` the
+    global batch (per-core batch x cores). ``make_sampler`` keeps returning None,
+    as there is one process. Call it first, before ``get_device()`` or moving
+    anything to the device. Off XLA it does nothing and returns 1.
+
+    Returns:
+        The number of cores in the mesh.
+
+    Raises:
+        RuntimeError: Called inside a process started by ``launch`` (one core each).
+
+    Example:
+        >>> cores = use_all_cores()                       # doctest: +SKIP
+        >>> device = get_device()                         # doctest: +SKIP
+        >>> loader = DataLoader(train_ds, batch_size=64 * cores, shuffle=True, drop_last=True)  # doctest: +SKIP
+        >>> for x, y in device_loader(loader): ...        # doctest: +SKIP
+    """
+    if not xla.xla_requested():
+        return 1
+    if xla.in_launched_process():
+        raise RuntimeError(
+            "use_all_cores() was called inside a process started by launch(), which already runs one "
+            "process per core; use one or the other"
+        )
+    xla.use_spmd()
+    return xla.global_device_count()
+
+
+def launch(fn: Callable[..., Any], args: tuple = (), start_method: StartMethod = "auto") -> None:
+    """Runs ``fn(index, *args)`` once per core, each in its own process.
+
+    Inside ``fn``, ``get_device()`` is that process's core, ``make_sampler``
+    returns its DistributedSampler, ``step_optimizer`` averages gradients over
+    all processes and ``device_loader`` / ``masked_loader`` serve its part. The
+    alternative, one process for every core, is ``use_all_cores()``.
+    Off XLA, ``fn(0, *args)`` runs here, once.
+
+    Args:
+        fn: The function to run; it gets the process index first.
+        args: More arguments for ``fn``.
+        start_method: "fork" (works with functions defined in a notebook), "spawn"
+            (a script's functions), or "auto": fork in a notebook, else spawn.
+
+    Raises:
+        ValueError: ``start_method`` is not one of "auto", "fork", "spawn".
+        RuntimeError: The XLA runtime already started in this process (restart the
+            kernel and launch before touching the device).
+
+    Example:
+        >>> def train(index):                  # doctest: +SKIP
+        ...     device = get_device()
+        ...     sampler = make_sampler(train_ds)
+        ...     ...
+        >>> launch(train)                      # doctest: +SKIP
+    """
+    if start_method not in get_args(StartMethod):
+        raise ValueError(f"start_method must be one of {get_args(StartMethod)}, but given {start_method!r}")
+    if not callable(fn):
+        raise TypeError(f"fn must be callable, but given {fn!r} of type {type(fn).__name__}")
+    if not xla.xla_requested():
+        fn(0, *args)
+        return
+    if start_method == "auto":
+        from .fit import choose_start_method, is_interactive
+
+        start_method = choose_start_method(is_interactive())
+    xla.launch(fn, args=args, start_method=start_method)
