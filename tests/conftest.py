@@ -66,3 +66,7 @@ def flat_digits(n: int | None = None) -> TensorDataset:
     train, _ = digits_datasets()
     x, y = train.tensors
     return TensorDataset(x[:n], y[:n])
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "cuda: needs a CUDA GPU (skipped without one)")
