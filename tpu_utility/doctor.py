@@ -600,12 +600,16 @@ def _fallbacks(run: _Run) -> Finding | None:
     )
 
 
-def _analyse(run: _Run, mode: Mode, model: nn.Module | None) -> tuple[list[Finding | None], list[str]]:
+def _analyse(run: _Run, mode: Mode, model: nn.Module | None,
+             static: list[Finding | None]) -> tuple[list[Finding | None], list[str]]:  # fmt: skip
+    """Findings from the steps that ran (given the static ones, which may explain them)."""
     if not run.measured:
         return [], []
     if model is None and run.created == 0:
         return [_nothing_ran()], []
     growth = _growth(run, mode)
+    if any(f is not None and f.kind == "optimizer_params" for f in static):
+        growth = None  # its zero_grad() clears the copies, so the model's own gradients pile up: a symptom
     slicing = _slicing(run)
     shapes = _shape_recompiles(run, mode)
     same, notes = _same_shape_compiles(run, explained=growth is not None or slicing is not None)
@@ -740,15 +744,12 @@ def doctor(
     try:
         _run(step, plan, warmup, run)
     except Exception as error:
-        report = _report(run, mode, findings + _analyse(run, mode, model)[0], [])
+        report = _report(run, mode, findings + _analyse(run, mode, model, findings)[0], [])
         report.error, report.error_step = error, len(run.records) + 1
         raise DoctorError(report) from error
     if not run.measured:
         raise ValueError(f"batches gave only {len(run.warmup)} batch(es): doctor needs more than warmup={warmup}")
-    found, notes = _analyse(run, mode, model)
-    if findings[0] is not None and findings[0].kind == "optimizer_params":
-        # its zero_grad() clears the copies, so the model's own gradients pile up: growth is a symptom
-        found = [f for f in found if f is None or f.kind != "graph_growth"]
+    found, notes = _analyse(run, mode, model, findings)
     if steps != "all" and not any(f is not None and f.kind == "recompile" for f in found):
         found.append(check_last_batch(batches, mode))
     return _report(run, mode, findings + found, notes)
