@@ -1,8 +1,8 @@
 """doctor(): run your own training (or evaluation) step as you run it, and say in
 plain words what makes it slow or wrong on XLA, and how to fix it.
 
-doctor does not cut the lazy graph inside your steps (only once after warm-up, and
-once at the end), so what it measures is what your loop does. Per step it records:
+doctor does not cut the lazy graph between your steps (only once at the end), so
+what it measures is what your loop does. Per step it records:
 
 * graph compilations, and which input shapes changed (a short last batch, changing
   sequence lengths: with the bucket lengths to pad to);
@@ -331,6 +331,15 @@ def _python_ints(index: Any) -> tuple | None:
     return tuple(found) if any(f is not None for f in found) else None
 
 
+def _index_text(ints: tuple) -> str:
+    def part(p: Any) -> str:
+        if isinstance(p, tuple):
+            return ":".join("" if v is None else str(v) for v in (p if p[2] is not None else p[:2]))
+        return "..." if p is None else str(p)
+
+    return "[" + ", ".join(map(part, ints)) + "]"
+
+
 def _slice_tracer(seen: dict[str, list[tuple]]) -> Callable[[Callable], Callable]:
     """Records, per user line, the Python integers an XLA tensor is indexed with."""
 
@@ -421,15 +430,14 @@ def _growing(pending: list[int]) -> bool:
 def _run_one(step: Callable, batch: Any, into: list[_Step]) -> None:
     before = xla.compile_count()
     step(batch)
-    into.append(_Step(_shapes(batch), xla.compile_count() - before, xla.pending_graph_nodes()))
+    into.append(_Step(_shapes(batch), xla.compile_count() - before, xla.pending_ir_nodes()))
 
 
 def _run(step: Callable, plan: Iterator[Any], warmup: int, run: _Run) -> None:
     """Runs the step as the user does: no graph cut of ours between their steps."""
     for batch in itertools.islice(plan, warmup):
         _run_one(step, batch, run.warmup)
-    xla.sync()  # the boundary: measurement starts from an empty graph
-    xla.wait_device_ops()
+    xla.wait_device_ops()  # no cut of ours: the first measured step runs as every later one does
     xla.clear_metrics()
     try:
         with _tracing(run.reads, run.slices):
@@ -539,7 +547,7 @@ def _slicing(run: _Run) -> Finding | None:
         "slice on the host and move the slice: keep data on the CPU and use data[i:i + bptt].to(device); or "
         "index on the device with a device tensor: data.index_select(0, offsets + i) with offsets = "
         "torch.arange(bptt, device=device) made once",
-        where=[f"{line} (indices {', '.join(map(str, values[:3]))}, ...)" for line, values in lines.items()],
+        where=[f"{line}  (indices {', '.join(map(_index_text, values[:3]))}, ...)" for line, values in lines.items()],
     )
 
 
@@ -596,7 +604,6 @@ def _fallbacks(run: _Run) -> Finding | None:
         f"{len(run.fallbacks)} op(s) have no XLA lowering and ran on the host CPU, copying tensors each way: "
         f"{', '.join(run.fallbacks)}",
         "; ".join(f"use {k}" for k in known) if known else fix,
-        where=[op for op in run.fallbacks if op in LOWERED_REPLACEMENTS],
     )
 
 

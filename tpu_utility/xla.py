@@ -479,12 +479,12 @@ def to_cpu(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
 
 
 # ------------------------------------------------------ doctor's probes
-def pending_graph_nodes() -> int:
-    """The largest graph (in IR nodes) that live XLA tensors still wait to run; 0 if none.
+def pending_ir_nodes() -> int:
+    """IR nodes that live XLA tensors still wait to run, summed over the tensors; 0 if none.
 
-    After a step that cuts its graph (``torch_xla.sync()``) nothing large is
-    pending; a step without a cut leaves a graph that grows with every step.
-    Reads torch_xla's live-tensor report; starts nothing.
+    After a step that cuts its graph (``torch_xla.sync()``) this stays the same
+    from step to step; a step without a cut leaves a graph that grows with every
+    step. Reads torch_xla's live-tensor report; starts nothing.
     """
     if not xla_loaded():
         return 0
@@ -493,7 +493,7 @@ def pending_graph_nodes() -> int:
     import torch_xla
 
     report = torch_xla._XLAC._xla_tensors_report(0, "")
-    return max((int(n) for n in re.findall(r"ir_nodes=(\d+)", report)), default=0)
+    return sum(int(n) for n in re.findall(r"ir_nodes=(\d+)", report))
 
 
 def xla_tensors_created() -> int:
