@@ -246,6 +246,7 @@ def test_a_step_that_raises_returns_the_earlier_findings_with_the_exception():
     assert report.error is raised.value.__cause__ and report.error_step == 4
     assert report.kinds() == {"optimizer_params"}, str(report)
     assert "KeyError" in str(raised.value) and "4 of the optimizer's 4 parameters" in str(raised.value)
+    assert "__getitem__" not in torch.Tensor.__dict__ and "item" not in torch.Tensor.__dict__  # tracing undone
 
 
 def test_a_one_time_lr_change_is_a_note_not_a_per_step_recompile():

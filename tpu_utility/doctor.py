@@ -240,8 +240,8 @@ def _batch_size_fix(mode: Mode) -> str:
     )
 
 
-def check_last_batch(loader: Any, mode: Mode) -> Finding | None:
-    """A DataLoader without drop_last whose samples do not fill its last batch."""
+def check_last_batch(loader: Any, mode: Mode, ran: int) -> Finding | None:
+    """A DataLoader without drop_last whose samples do not fill its last batch (``ran``: batches doctor ran)."""
     if not isinstance(loader, DataLoader) or loader.batch_size is None or loader.drop_last:
         return None
     try:
@@ -251,10 +251,11 @@ def check_last_batch(loader: Any, mode: Mode) -> Finding | None:
     short = samples % loader.batch_size
     if not short:
         return None
+    unseen = " (doctor did not run that batch; steps='all' runs the whole loader)" if len(loader) > ran else ""
     return Finding(
         "recompile",
         f"the loader's last batch holds {short} samples, the others {loader.batch_size}: a second shape, so a "
-        f"second graph to compile (doctor did not run that batch; steps='all' runs the whole loader)",
+        f"second graph to compile{unseen}",
         _batch_size_fix(mode),
     )
 
@@ -758,5 +759,5 @@ def doctor(
         raise ValueError(f"batches gave only {len(run.warmup)} batch(es): doctor needs more than warmup={warmup}")
     found, notes = _analyse(run, mode, model, findings)
     if steps != "all" and not any(f is not None and f.kind == "recompile" for f in found):
-        found.append(check_last_batch(batches, mode))
+        found.append(check_last_batch(batches, mode, warmup + steps))
     return _report(run, mode, findings + found, notes)
