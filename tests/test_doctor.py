@@ -272,11 +272,15 @@ def test_a_dataset_on_the_device_sliced_with_python_ints_is_named():
     data, targets = (t.to(device()) for t in flat_digits(400).tensors)
     offsets = torch.arange(32, device=device())
 
-    def sliced_step(i):
-        x, y = data[i : i + 32], targets[i : i + 32]  # planted: a new offset in the graph every step
+    def train_on(x, y):
         optimizer.zero_grad()
         loss_fn(model(x), y).backward()
         step_optimizer(optimizer)
+
+    def sliced_step(i):
+        train_on(data[i : i + 32], targets[i : i + 32])  # planted: a new offset in the graph every step
+
+    sliced_step.__wrapped__ = train_on
 
     def indexed_step(i):  # the fix doctor names
         idx = offsets + i
@@ -287,9 +291,26 @@ def test_a_dataset_on_the_device_sliced_with_python_ints_is_named():
     report = doctor(sliced_step, batches=range(5, 300, 37))
     assert report.kinds() == {"device_slicing"}, str(report)
     assert report.compiles_per_step >= 1
-    assert any("data[i : i + 32]" in w for w in report.findings[0].where)
+    assert any("data[i : i + 32]" in w and "[79:111]" in w for w in report.findings[0].where), str(report)
     assert "index_select" in report.findings[0].fix and ".to(device)" in report.findings[0].fix
     assert doctor(indexed_step, batches=range(5, 300, 37)).clean
+    narrowed = doctor(lambda i: sliced_step.__wrapped__(data.narrow(0, i, 32), targets.narrow(0, i, 32)),
+                      batches=range(5, 300, 37))  # fmt: skip
+    assert narrowed.kinds() == {"device_slicing"}, str(narrowed)
+
+
+def test_the_same_python_indices_every_step_are_not_slicing():
+    model, optimizer, loss_fn = setup()
+
+    def unrolled_step(batch):  # an RNN-style loop over time steps: the same indices every step
+        x, y = batch[0].to(device()).flatten(1), batch[1].to(device())
+        h = sum(x[:, t * 16 : (t + 1) * 16].sum(1, keepdim=True) for t in range(4))
+        optimizer.zero_grad()
+        loss_fn(model(x + 0 * h), y).backward()
+        step_optimizer(optimizer)
+
+    report = doctor(unrolled_step, batches=batches())
+    assert report.clean, str(report)
 
 
 def test_a_model_left_on_the_cpu_is_named_not_clean():

@@ -341,30 +341,38 @@ def _index_text(ints: tuple) -> str:
     return "[" + ", ".join(map(part, ints)) + "]"
 
 
-def _slice_tracer(seen: dict[str, list[tuple]]) -> Callable[[Callable], Callable]:
-    """Records, per user line, the Python integers an XLA tensor is indexed with."""
+def _slice_tracer(now: dict[str, list[tuple]]) -> dict[str, Callable[[Callable], Callable]]:
+    """Records, per user line, the Python integers XLA tensors are indexed with in this step."""
 
-    def wrap(original: Callable) -> Callable:
+    def record(ints: tuple | None) -> None:
+        frame = sys._getframe(2)
+        if ints is not None and not _skipped(frame.f_code.co_filename):
+            now.setdefault(_describe(frame), []).append(ints)
+
+    def getitem(original: Callable) -> Callable:
         def traced(self: torch.Tensor, index: Any) -> Any:
             if self.device.type == "xla":
-                ints = _python_ints(index)
-                frame = sys._getframe(1)
-                if ints is not None and not _skipped(frame.f_code.co_filename):
-                    values = seen.setdefault(_describe(frame), [])
-                    if ints not in values:
-                        values.append(ints)
+                record(_python_ints(index))
             return original(self, index)
 
         return traced
 
-    return wrap
+    def narrow(original: Callable) -> Callable:
+        def traced(self: torch.Tensor, dim: int, start: Any, length: int) -> Any:
+            if self.device.type == "xla" and isinstance(start, int) and isinstance(length, int):
+                record((None,) * dim + ((start, start + length, None),))
+            return original(self, dim, start, length)
+
+        return traced
+
+    return {"__getitem__": getitem, "narrow": narrow}
 
 
 @contextlib.contextmanager
-def _tracing(reads: Counter, slices: dict[str, list[tuple]]) -> Iterator[None]:
-    make_read = _read_tracer(reads, threading.local())
+def _tracing(run: _Run) -> Iterator[None]:
+    make_read = _read_tracer(run.reads, threading.local())
     wrappers = {name: make_read(name) for name in _READS}
-    wrappers["__getitem__"] = _slice_tracer(slices)
+    wrappers.update(_slice_tracer(run.slicing_now))
     with _patched(wrappers):
         yield
 
@@ -414,7 +422,8 @@ class _Run:
     warmup: list[_Step] = field(default_factory=list)
     measured: list[_Step] = field(default_factory=list)
     reads: Counter = field(default_factory=Counter)
-    slices: dict[str, list[tuple]] = field(default_factory=dict)
+    slices: dict[str, list[tuple]] = field(default_factory=dict)  # line -> the indices of each step
+    slicing_now: dict[str, list[tuple]] = field(default_factory=dict)  # line -> indices in this step
     created: int = 0
     host_syncs: int = 0
     fallbacks: list[str] = field(default_factory=list)
@@ -441,9 +450,12 @@ def _run(step: Callable, plan: Iterator[Any], warmup: int, run: _Run) -> None:
     xla.wait_device_ops()  # no cut of ours: the first measured step runs as every later one does
     xla.clear_metrics()
     try:
-        with _tracing(run.reads, run.slices):
+        with _tracing(run):
             for batch in plan:
                 _run_one(step, batch, run.measured)
+                for line, indices in run.slicing_now.items():
+                    run.slices.setdefault(line, []).append(tuple(indices))
+                run.slicing_now.clear()
                 if len(run.measured) >= 3 and _growing([s.pending for s in run.measured]):
                     break  # every further step is slower still; the finding is clear
     finally:  # also when the step raised: the findings so far need these
@@ -538,7 +550,9 @@ def _shape_recompiles(run: _Run, mode: Mode) -> Finding | None:
 
 
 def _slicing(run: _Run) -> Finding | None:
-    lines = {line: values for line, values in run.slices.items() if len(values) >= 2}
+    # a line whose indices differ from step to step (the same indices every step, as in an
+    # unrolled loop over time steps, compile once)
+    lines = {line: steps for line, steps in run.slices.items() if len(set(steps)) >= 2}
     if not lines:
         return None
     return Finding(
@@ -548,7 +562,8 @@ def _slicing(run: _Run) -> Finding | None:
         "slice on the host and move the slice: keep data on the CPU and use data[i:i + bptt].to(device); or "
         "index on the device with a device tensor: data.index_select(0, offsets + i) with offsets = "
         "torch.arange(bptt, device=device) made once",
-        where=[f"{line}  (indices {', '.join(map(_index_text, values[:3]))}, ...)" for line, values in lines.items()],
+        where=[f"{line}  (steps indexed {', '.join(_index_text(step[0]) for step in steps[:3])}, ...)"
+               for line, steps in lines.items()],
     )
 
 
