@@ -264,7 +264,7 @@ def test_a_one_time_lr_change_is_a_note_not_a_per_step_recompile():
     report = doctor(step_with_schedule, batches=batches((32,) * 8), steps=6)
     assert sum(report.step_compiles) >= 1, str(report)  # it did compile once: doctor saw it
     assert report.clean, str(report)
-    assert "compiled once with unchanged input shapes, not every step" in str(report)
+    assert "compiled once with unchanged input shapes, not every step" in str(report), str(report)
 
 
 def test_a_dataset_on_the_device_sliced_with_python_ints_is_named():

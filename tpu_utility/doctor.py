@@ -493,7 +493,7 @@ def _suggest_buckets(lengths: list[int], count: int = 4, multiple_of: int = 8) -
     """Up to ``count`` bucket lengths at the quantiles of ``lengths``, rounded up to ``multiple_of``."""
     values = sorted(lengths)
     picks = [values[max(0, math.ceil(len(values) * k / count) - 1)] for k in range(1, count + 1)]
-    return sorted({-(-v // multiple_of) * multiple_of for v in picks})
+    return sorted({max(multiple_of, -(-v // multiple_of) * multiple_of) for v in picks})
 
 
 def _length_dim(records: list[_Step]) -> tuple[int, int] | None:
@@ -537,6 +537,8 @@ def _shape_recompiles(run: _Run, mode: Mode) -> Finding | None:
     j, d = length
     lengths = [r.shapes[j][d] for r in records if j < len(r.shapes) and len(r.shapes[j]) > d]
     buckets = _suggest_buckets(lengths)
+    sizes = {r.shapes[j][0] for r in records if j < len(r.shapes) and r.shapes[j]}
+    also = f"; and the batch size changed too: {_batch_size_fix(mode)}" if len(sizes) > 1 else ""
     return Finding(
         "recompile",
         f"{new_shape_compiles} graph compilation(s) in {measured} steps after warm-up: input shapes changed "
@@ -544,7 +546,7 @@ def _shape_recompiles(run: _Run, mode: Mode) -> Finding | None:
         f"{min(lengths)}..{max(lengths)}); every new length compiles a new graph",
         f"pad each batch to one of a few lengths: DataLoader(..., collate_fn=tpu_utility.BucketCollate("
         f"buckets={buckets})) (from the lengths seen here), or BucketCollate.from_lengths(lengths, "
-        f"num_buckets=4) from all your samples' lengths",
+        f"num_buckets=4) from all your samples' lengths{also}",
         where=changed,
     )
 
@@ -586,9 +588,10 @@ def _same_shape_compiles(run: _Run, explained: bool) -> tuple[Finding | None, li
             "pass changing values as device tensors, not Python numbers; avoid data-dependent Python "
             "branches inside the step",
         ), []
+    which = f"step {steps[0]} compiled once" if len(steps) == 1 else f"steps {', '.join(map(str, steps))} compiled"
     return None, [
-        f"step(s) {', '.join(map(str, steps))} compiled once with unchanged input shapes, not every step: a "
-        f"one-time change (for example a learning rate leaving its initial value); nothing to fix"
+        f"{which} with unchanged input shapes, not every step: a one-time change (for example a learning rate "
+        f"leaving its initial value) costs one compile, not one per step; nothing to fix"
     ]
 
 
