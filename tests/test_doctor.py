@@ -151,6 +151,14 @@ def test_doctor_argument_errors():
         doctor(model, batch=batches()[0])
     with pytest.raises(ValueError, match=r"exactly one of batch= .* or batches="):
         doctor(model, optimizer=optimizer)
+    with pytest.raises(ValueError, match=r"steps must be an int >= 1 or 'all' .*, but given 'every'"):
+        doctor(model, batches=batches(), optimizer=optimizer, steps="every")
+    with pytest.raises(TypeError, match=r"warmup must be an int >= 0, but given 1.5 \(float\)"):
+        doctor(model, batches=batches(), optimizer=optimizer, warmup=1.5)
+    with pytest.raises(ValueError, match=r"mode must be one of \('train', 'eval'\), but given 'test'"):
+        doctor(model, batches=batches(), mode="test")
+    with pytest.raises(ValueError, match=r"steps='all' runs a whole loader: give batches=loader"):
+        doctor(model, batch=batches()[0], optimizer=optimizer, steps="all")
 
 
 # ---------------------------------------------------- what used to fool doctor

@@ -667,10 +667,14 @@ def _plan(batch: Any, batches: Iterable[Any] | None, steps: int | Literal["all"]
 def _check_arguments(steps: Any, warmup: Any, mode: Any, batch: Any, batches: Any) -> None:
     if (batch is None) == (batches is None):
         raise ValueError("give exactly one of batch= (one batch, reused) or batches= (several, used in turn)")
-    if steps != "all" and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
-        raise ValueError(f"steps must be an int >= 1 or 'all' (every batch of batches=), but given {steps!r}")
-    if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
-        raise ValueError(f"warmup must be an int >= 0, but given {warmup!r}")
+    for name, value, low in (("steps", steps, 1), ("warmup", warmup, 0)):
+        allowed = f"an int >= {low}" + (" or 'all' (every batch of batches=)" if name == "steps" else "")
+        if name == "steps" and value == "all":
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, str)):
+            raise TypeError(f"{name} must be {allowed}, but given {value!r} ({type(value).__name__})")
+        if isinstance(value, str) or value < low:
+            raise ValueError(f"{name} must be {allowed}, but given {value!r}")
     if mode not in get_args(Mode):
         raise ValueError(f"mode must be one of {get_args(Mode)}, but given {mode!r}")
 
