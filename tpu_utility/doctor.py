@@ -456,7 +456,7 @@ def _run(step: Callable, plan: Iterator[Any], warmup: int, run: _Run) -> None:
                 for line, indices in run.slicing_now.items():
                     run.slices.setdefault(line, []).append(tuple(indices))
                 run.slicing_now.clear()
-                if len(run.measured) >= 3 and _growing([s.pending for s in run.measured]):
+                if len(run.measured) >= 2 and len(run.records) >= 3 and _growing([s.pending for s in run.records]):
                     break  # every further step is slower still; the finding is clear
     finally:  # also when the step raised: the findings so far need these
         run.created = xla.xla_tensors_created()
