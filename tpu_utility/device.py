@@ -29,7 +29,8 @@ def _accelerator() -> tuple[int, torch.device] | None:
     if not accelerator.is_available():
         return None
     kind = accelerator.current_accelerator().type
-    return accelerator.device_count(), torch.device(kind, accelerator.current_device_index())
+    current = getattr(accelerator, "current_device_index", None) or accelerator.current_device_idx  # torch 2.6
+    return accelerator.device_count(), torch.device(kind, current())
 
 
 def get_device(index: int | None = None) -> torch.device:
