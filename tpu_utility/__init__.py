@@ -15,7 +15,7 @@ from .cache import CachedDataset, cache_dataset
 from .checkpoint import load_checkpoint, save_checkpoint
 from .data import make_sampler
 from .device import get_device
-from .doctor import DoctorReport, doctor
+from .doctor import DoctorError, DoctorReport, doctor
 from .environment import TpuInfo, setup_tpu
 from .fit import one_cycle_fit
 from .history import EpochRecord, History
@@ -31,6 +31,7 @@ __all__ = [
     "CachedDataset",
     "device_loader",
     "doctor",
+    "DoctorError",
     "DoctorReport",
     "EpochRecord",
     "find_lr",

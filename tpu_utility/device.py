@@ -16,11 +16,33 @@ def _check_index(index: int, count: int, what: str) -> None:
         raise ValueError(f"index must be between 0 and {count - 1} ({count} {what}), but given {index}")
 
 
+def _accelerator() -> tuple[int, torch.device] | None:
+    """(device count, current device) of torch.accelerator (CUDA, MPS, XPU...), or None.
+
+    On a torch without ``torch.accelerator`` (before 2.6), CUDA's.
+    """
+    accelerator = getattr(torch, "accelerator", None)
+    if accelerator is None:
+        if not torch.cuda.is_available():
+            return None
+        return torch.cuda.device_count(), torch.device("cuda", torch.cuda.current_device())
+    if not accelerator.is_available():
+        return None
+    kind = accelerator.current_accelerator().type
+    current = getattr(accelerator, "current_device_index", None) or accelerator.current_device_idx  # torch 2.6
+    return accelerator.device_count(), torch.device(kind, current())
+
+
 def get_device(index: int | None = None) -> torch.device:
-    """The device to train on: XLA (TPU) when there is one, else CUDA, else CPU.
+    """The device to train on: XLA (TPU) when there is one, else CUDA (or another accelerator), else CPU.
 
     XLA is used when a TPU is attached or ``PJRT_DEVICE`` is set (and torch_xla
     is installed). Inside a multi-core launch it returns that process's device.
+
+    It stands in one-for-one for ``torch.accelerator``'s device choice (as in
+    pytorch/examples): always a ``torch.device`` (never None), the accelerator's
+    when there is one (XLA, which ``torch.accelerator`` does not know, first),
+    else ``cpu``; ``get_device().type != "cpu"`` answers ``is_available()``.
 
     Args:
         index: One core (like Lightning's ``tpu_cores=[5]``) or one GPU. None takes
@@ -33,22 +55,30 @@ def get_device(index: int | None = None) -> torch.device:
         ValueError: ``index`` is outside the devices this process can address.
         TypeError: ``index`` is not an int.
         RuntimeError: ``PJRT_DEVICE=TPU`` but no TPU is attached.
+        ModuleNotFoundError: ``PJRT_DEVICE`` is set but torch_xla is not installed
+            (the same error as ``setup_tpu()``; we never quietly fall back to the CPU).
 
     Example:
         >>> # was: device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        >>> # or: device = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else cpu
         >>> device = get_device()
         >>> model = MyModel().to(device)    # doctest: +SKIP
     """
+    wanted = xla.pjrt_device()
+    if wanted is not None and not xla.XLA_INSTALLED:
+        raise ModuleNotFoundError(f"PJRT_DEVICE={wanted!r} needs torch_xla. Install it with: {xla.INSTALL_HINT}")
     if xla.xla_requested():
         if index is None:
             return xla.device()
         _check_index(index, xla.addressable_device_count(), "XLA devices in this process")
         return xla.device(index)
-    if torch.cuda.is_available():
+    found = _accelerator()
+    if found is not None:
+        count, current = found
         if index is None:
-            return torch.device("cuda", torch.cuda.current_device())
-        _check_index(index, torch.cuda.device_count(), "CUDA devices")
-        return torch.device("cuda", index)
+            return torch.device(current.type, current.index)
+        _check_index(index, count, f"{current.type.upper()} devices")
+        return torch.device(current.type, index)
     if index is not None:
         _check_index(index, 1, "CPU device; no TPU or GPU found")
     return torch.device("cpu")

@@ -1,18 +1,24 @@
-"""doctor(): run a few steps of your own training step and say, in plain words,
-what makes it slow or wrong on XLA, and how to fix it.
+"""doctor(): run your own training (or evaluation) step as you run it, and say in
+plain words what makes it slow or wrong on XLA, and how to fix it.
 
-It counts, after warm-up and with torch_xla's metrics cleared:
+doctor does not cut the lazy graph between your steps (only once at the end), so
+what it measures is what your loop does. Per step it records:
 
-* graph compilations per step (and which input shapes changed between steps);
-* host syncs per step, with the line of your code that caused each;
-* ops that fell back to the host CPU;
+* graph compilations, and which input shapes changed (a short last batch, changing
+  sequence lengths: with the bucket lengths to pad to);
+* a graph that grows from step to step because nothing in the step cuts it;
+* compiles with unchanged shapes, told apart by how often they come: every step (a
+  Python value baked into the graph, a device-resident dataset sliced with Python
+  integers) or once (a learning rate leaving its initial value: a note, not a finding);
+* host syncs, with the line of your code that caused each;
+* ops that fell back to the host CPU, with a lowered replacement where one is known;
 
-and checks, before running:
+and checks, before running: that the model is on XLA at all, that the optimizer holds
+the model's parameters, that tied weights are still tied, that the batch divides
+across the cores, and whether a DataLoader ends with a short batch.
 
-* that the optimizer holds the model's parameters (not copies left on the CPU
-  because it was built before ``model.to(device)``);
-* that weights which look tied are still one tensor after the move;
-* that the batch divides across the cores in use.
+When your step raises, doctor raises :class:`DoctorError`, chained to your exception,
+whose ``report`` holds what doctor had found before it.
 """
 
 from __future__ import annotations
@@ -20,27 +26,48 @@ from __future__ import annotations
 import contextlib
 import itertools
 import linecache
+import math
 import os
 import sys
 import threading
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Iterator, Literal
+from typing import Any, Callable, Iterable, Iterator, Literal, get_args
 
 import torch
 from torch import nn
 from torch.utils import _pytree as pytree
+from torch.utils.data import DataLoader
 
 from . import xla
 from .optim import step_optimizer
 
-Kind = Literal["recompile", "host_sync", "cpu_fallback", "optimizer_params", "tied_weights", "batch_split"]
+Kind = Literal[
+    "not_on_xla", "optimizer_params", "tied_weights", "batch_split", "graph_growth", "recompile",
+    "device_slicing", "host_sync", "cpu_fallback",
+]  # fmt: skip
+Mode = Literal["train", "eval"]
 _OWN_DIRS = tuple(
     os.path.dirname(m.__file__) + os.sep
     for m in (torch, sys.modules[__name__.rpartition(".")[0]])
     if getattr(m, "__file__", None)
 )
 _READS = ("item", "tolist", "cpu", "numpy", "__bool__", "__float__", "__int__", "__index__", "__repr__", "__format__")
+_EMBEDDING_BAG = (
+    "nn.EmbeddingBag -> nn.Embedding and a masked sum/mean: e = emb(tokens) * mask[..., None]; "
+    "e.sum(1) (mean: / mask.sum(1, keepdim=True)), with tokens padded to a fixed length"
+)
+_NO_DYNAMIC_SHAPE = "it has a data-dependent shape: keep the shape fixed with torch.where(mask, x, 0) and a mask"
+# Ops that XLA cannot lower, and a replacement it can lower.
+LOWERED_REPLACEMENTS: dict[str, str] = {
+    "aten::_embedding_bag": _EMBEDDING_BAG,
+    "aten::_embedding_bag_backward": _EMBEDDING_BAG,
+    "aten::histc": "torch.histc -> F.one_hot(((x - lo) / (hi - lo) * bins).long().clamp(0, bins - 1), bins).sum(0)",
+    "aten::bincount": "torch.bincount -> F.one_hot(x, num_classes).sum(0)",
+    "aten::nonzero": f"nonzero: {_NO_DYNAMIC_SHAPE}",
+    "aten::masked_select": f"masked_select: {_NO_DYNAMIC_SHAPE}",
+    "aten::_unique2": f"unique: {_NO_DYNAMIC_SHAPE} (or compute it on the host once per epoch)",
+}
 
 
 @dataclass
@@ -61,7 +88,12 @@ class Finding:
 
 @dataclass
 class DoctorReport:
-    """What doctor measured, and its findings; ``clean`` when there are none."""
+    """What doctor measured, and its findings; ``clean`` when there are none.
+
+    ``step_compiles`` holds the compiles of each measured step; ``notes`` say what
+    was seen but needs no fix (a one-time compile); ``error`` is the exception your
+    step raised (then doctor raised :class:`DoctorError` with this report).
+    """
 
     steps: int
     warmup: int
@@ -69,23 +101,39 @@ class DoctorReport:
     host_syncs_per_step: float
     fallback_ops: list[str]
     findings: list[Finding] = field(default_factory=list)
+    mode: Mode = "train"
+    step_compiles: list[int] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    error: BaseException | None = None
+    error_step: int | None = None
 
     @property
     def clean(self) -> bool:
-        return not self.findings
+        return not self.findings and self.error is None
 
     def kinds(self) -> set[str]:
         return {f.kind for f in self.findings}
 
     def __str__(self) -> str:
-        head = (
-            f"doctor: {self.steps} steps after {self.warmup} warm-up: {self.compiles_per_step:.2f} compiles/step, "
-            f"{self.host_syncs_per_step:.2f} host syncs/step, CPU fallbacks: {', '.join(self.fallback_ops) or 'none'}"
-        )
+        what = "" if self.mode == "train" else f" ({self.mode} step)"
+        lines = [
+            f"doctor{what}: {self.steps} steps after {self.warmup} warm-up: {self.compiles_per_step:.2f} "
+            f"compiles/step, {self.host_syncs_per_step:.2f} host syncs/step, CPU fallbacks: "
+            f"{', '.join(self.fallback_ops) or 'none'}"
+        ]
+        if self.error is not None:
+            lines.append(
+                f"error: your step raised {type(self.error).__name__}: {self.error} (at step {self.error_step}, "
+                f"counting warm-up); the findings below were made before it"
+            )
         if self.clean:
-            return head + "\nclean: no recompiles, no host syncs, no CPU fallbacks, the optimizer owns the " \
-                          "model's parameters, no split ties, the batch divides across the cores."  # fmt: skip
-        return "\n".join([head, *map(str, self.findings)])
+            lines.append(
+                "clean: no recompiles, no host syncs, no CPU fallbacks, no graph growth, the optimizer owns the "
+                "model's parameters, no split ties, the batch divides across the cores."
+            )
+        lines += map(str, self.findings)
+        lines += [f"note: {n}" for n in self.notes]
+        return "\n".join(lines)
 
     def _repr_markdown_(self) -> str:
         return "```\n" + str(self) + "\n```"
@@ -94,7 +142,42 @@ class DoctorReport:
         printer.text(str(self))
 
 
+class DoctorError(RuntimeError):
+    """Your step raised inside doctor: ``report`` holds the findings made before it.
+
+    The exception is chained (``__cause__``) to the error your step raised, so the
+    traceback shows both your error and the report.
+    """
+
+    def __init__(self, report: DoctorReport) -> None:
+        super().__init__(str(report))
+        self.report = report
+
+
 # ------------------------------------------------------------ static checks
+def check_xla(model: nn.Module | None) -> Finding | None:
+    """XLA must be in use and the model on it, else doctor has nothing to measure."""
+    fix = "device = get_device(); model.to(device) before building the optimizer; move each batch with .to(device)"
+    if not xla.xla_requested():
+        wanted = xla.pjrt_device()
+        if not xla.XLA_INSTALLED:
+            why = "torch_xla is not installed" + (f" (but PJRT_DEVICE={wanted!r} is set)" if wanted else "")
+            fix = f"install it ({xla.INSTALL_HINT}), call setup_tpu() in the first cell, then {fix}"
+        else:
+            why = "PJRT_DEVICE is not set and no TPU is attached"
+            fix = f"call setup_tpu() in the first cell (PJRT_DEVICE=CPU tries XLA on the host), then {fix}"
+        return Finding("not_on_xla", f"{why}: nothing runs on XLA, so doctor measured nothing", fix)
+    devices = sorted({p.device.type for p in model.parameters()}) if model is not None else []
+    if devices and "xla" not in devices:
+        return Finding(
+            "not_on_xla",
+            f"the model's parameters are on {', '.join(devices)}, not on the XLA device: the step runs on the "
+            f"host CPU, so doctor measured nothing",
+            fix,
+        )
+    return None
+
+
 def check_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer) -> Finding | None:
     """The optimizer must update the model's own (device) parameters."""
     own = {id(p) for p in model.parameters()}
@@ -147,41 +230,61 @@ def check_batch_split(batch: Any, cores: int) -> Finding | None:
     )
 
 
-# --------------------------------------------------------- host-sync tracing
+def _batch_size_fix(mode: Mode) -> str:
+    if mode == "train":
+        return "keep every batch full: DataLoader(..., drop_last=True) (one fixed shape, one graph)"
+    return (
+        "evaluate full-size batches only: pad the last batch to the batch size and mask the padded samples "
+        "(tpu_utility's masked evaluation helper does this), so every sample still counts once; drop_last "
+        "would skip samples"
+    )
+
+
+def check_last_batch(loader: Any, mode: Mode, ran: int) -> Finding | None:
+    """A DataLoader without drop_last whose samples do not fill its last batch (``ran``: batches doctor ran)."""
+    if not isinstance(loader, DataLoader) or loader.batch_size is None or loader.drop_last:
+        return None
+    try:
+        samples = len(loader.sampler)
+    except (TypeError, NotImplementedError):
+        return None
+    short = samples % loader.batch_size
+    if not short:
+        return None
+    unseen = " (doctor did not run that batch; steps='all' runs the whole loader)" if len(loader) > ran else ""
+    return Finding(
+        "recompile",
+        f"the loader's last batch holds {short} samples, the others {loader.batch_size}: a second shape, so a "
+        f"second graph to compile{unseen}",
+        _batch_size_fix(mode),
+    )
+
+
+# ------------------------------------------------------------------ tracing
+def _skipped(filename: str) -> bool:
+    return filename.startswith(_OWN_DIRS) or f"{os.sep}torch_xla{os.sep}" in filename
+
+
+def _describe(frame: Any) -> str:
+    code = linecache.getline(frame.f_code.co_filename, frame.f_lineno).strip()
+    where = f"{frame.f_code.co_filename}:{frame.f_lineno}"
+    return f"{where}: {code}" if code else where
+
+
 def _user_frame() -> str:
     frame = sys._getframe(2)
-    while frame is not None and (
-        frame.f_code.co_filename.startswith(_OWN_DIRS) or f"{os.sep}torch_xla{os.sep}" in frame.f_code.co_filename
-    ):
+    while frame is not None and _skipped(frame.f_code.co_filename):
         frame = frame.f_back
-    if frame is None:
-        return "<unknown>"
-    code = linecache.getline(frame.f_code.co_filename, frame.f_lineno).strip()
-    return f"{frame.f_code.co_filename}:{frame.f_lineno}: {code}" if code else f"{frame.f_code.co_filename}:{frame.f_lineno}"
+    return "<unknown>" if frame is None else _describe(frame)
 
 
 @contextlib.contextmanager
-def _trace_reads(calls: Counter) -> Iterator[None]:
-    """Records the user line of every read of an XLA tensor's value (outermost call only)."""
-    state = threading.local()
-    originals = {name: getattr(torch.Tensor, name) for name in _READS}
-    own = {name for name in _READS if name in torch.Tensor.__dict__}
-
-    def wrap(name: str, original: Callable) -> Callable:
-        def traced(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-            if self.device.type == "xla" and not getattr(state, "inside", False):
-                calls[(name, _user_frame())] += 1
-                state.inside = True
-                try:
-                    return original(self, *args, **kwargs)
-                finally:
-                    state.inside = False
-            return original(self, *args, **kwargs)
-
-        return traced
-
-    for name, original in originals.items():
-        setattr(torch.Tensor, name, wrap(name, original))
+def _patched(wrappers: dict[str, Callable[[Callable], Callable]]) -> Iterator[None]:
+    """Replaces torch.Tensor methods for the duration; nothing of ours stays after."""
+    originals = {name: getattr(torch.Tensor, name) for name in wrappers}
+    own = {name for name in wrappers if name in torch.Tensor.__dict__}
+    for name, make in wrappers.items():
+        setattr(torch.Tensor, name, make(originals[name]))
     try:
         yield
     finally:
@@ -189,24 +292,407 @@ def _trace_reads(calls: Counter) -> Iterator[None]:
             if name in own:
                 setattr(torch.Tensor, name, original)
             else:
-                delattr(torch.Tensor, name)  # inherited from TensorBase; nothing of ours stays
+                delattr(torch.Tensor, name)  # inherited from TensorBase
 
 
-# ---------------------------------------------------------------- the entry
-def _default_step(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callable) -> Callable:
+def _read_tracer(calls: Counter, state: threading.local) -> Callable[[str], Callable[[Callable], Callable]]:
+    """Records the user line of every read of an XLA tensor's value (outermost call only)."""
+
+    def make(name: str) -> Callable[[Callable], Callable]:
+        def wrap(original: Callable) -> Callable:
+            def traced(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+                if self.device.type == "xla" and not getattr(state, "inside", False):
+                    calls[(name, _user_frame())] += 1
+                    state.inside = True
+                    try:
+                        return original(self, *args, **kwargs)
+                    finally:
+                        state.inside = False
+                return original(self, *args, **kwargs)
+
+            return traced
+
+        return wrap
+
+    return make
+
+
+def _python_ints(index: Any) -> tuple | None:
+    """The Python integers in an index (slices and ints), or None when there are none."""
+    parts = index if isinstance(index, tuple) else (index,)
+    found: list[Any] = []
+    for part in parts:
+        if isinstance(part, slice):
+            ints = tuple(v if isinstance(v, int) else None for v in (part.start, part.stop, part.step))
+            found.append(ints if any(v is not None for v in ints) else None)
+        elif isinstance(part, int) and not isinstance(part, bool):
+            found.append(part)
+        else:
+            found.append(None)
+    return tuple(found) if any(f is not None for f in found) else None
+
+
+def _index_text(ints: tuple) -> str:
+    def part(p: Any) -> str:
+        if isinstance(p, tuple):
+            return ":".join("" if v is None else str(v) for v in (p if p[2] is not None else p[:2]))
+        return "..." if p is None else str(p)
+
+    return "[" + ", ".join(map(part, ints)) + "]"
+
+
+def _slice_tracer(now: dict[str, list[tuple]]) -> dict[str, Callable[[Callable], Callable]]:
+    """Records, per user line, the Python integers XLA tensors are indexed with in this step."""
+
+    def record(ints: tuple | None) -> None:
+        frame = sys._getframe(2)
+        if ints is not None and not _skipped(frame.f_code.co_filename):
+            now.setdefault(_describe(frame), []).append(ints)
+
+    def getitem(original: Callable) -> Callable:
+        def traced(self: torch.Tensor, index: Any) -> Any:
+            if self.device.type == "xla":
+                record(_python_ints(index))
+            return original(self, index)
+
+        return traced
+
+    def narrow(original: Callable) -> Callable:
+        def traced(self: torch.Tensor, dim: int, start: Any, length: int) -> Any:
+            if self.device.type == "xla" and isinstance(start, int) and isinstance(length, int):
+                record((None,) * dim + ((start, start + length, None),))
+            return original(self, dim, start, length)
+
+        return traced
+
+    return {"__getitem__": getitem, "narrow": narrow}
+
+
+@contextlib.contextmanager
+def _tracing(run: _Run) -> Iterator[None]:
+    make_read = _read_tracer(run.reads, threading.local())
+    wrappers = {name: make_read(name) for name in _READS}
+    wrappers.update(_slice_tracer(run.slicing_now))
+    with _patched(wrappers):
+        yield
+
+
+# -------------------------------------------------------------- the running
+def _default_step(model: nn.Module, optimizer: torch.optim.Optimizer | None, loss_fn: Callable,
+                  mode: Mode) -> Callable:  # fmt: skip
     device = next(model.parameters()).device
+    total: list[torch.Tensor] = []
 
-    def step(batch: Any) -> None:
-        x, y = pytree.tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, tuple(batch))
+    def move(batch: Any) -> Any:
+        return pytree.tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, tuple(batch))
+
+    def train_step(batch: Any) -> None:
+        x, y = move(batch)
         optimizer.zero_grad(set_to_none=True)
         loss_fn(model(x), y).backward()
         step_optimizer(optimizer)
 
-    return step
+    def eval_step(batch: Any) -> None:
+        x, y = move(batch)
+        with torch.no_grad():
+            loss = loss_fn(model(x), y)
+        total[:] = [total[0] + loss if total else loss]  # accumulated on the device
+        xla.sync()  # what device_loader does at each batch
+
+    return train_step if mode == "train" else eval_step
 
 
 def _shapes(batch: Any) -> list[tuple[int, ...]]:
     return [tuple(t.shape) for t in pytree.tree_leaves(batch) if isinstance(t, torch.Tensor)]
+
+
+@dataclass
+class _Step:
+    """What one run of the user's step did."""
+
+    shapes: list[tuple[int, ...]]
+    compiles: int
+    pending: int
+
+
+@dataclass
+class _Run:
+    """Everything doctor saw while running the step."""
+
+    warmup: list[_Step] = field(default_factory=list)
+    measured: list[_Step] = field(default_factory=list)
+    reads: Counter = field(default_factory=Counter)
+    slices: dict[str, list[tuple]] = field(default_factory=dict)  # line -> the indices of each step
+    slicing_now: dict[str, list[tuple]] = field(default_factory=dict)  # line -> indices in this step
+    created: int = 0
+    host_syncs: int = 0
+    fallbacks: list[str] = field(default_factory=list)
+
+    @property
+    def records(self) -> list[_Step]:
+        return self.warmup + self.measured
+
+
+def _growing(pending: list[int]) -> bool:
+    return len(pending) >= 2 and all(b > a for a, b in zip(pending, pending[1:]))
+
+
+def _run_one(step: Callable, batch: Any, into: list[_Step]) -> None:
+    before = xla.compile_count()
+    step(batch)
+    into.append(_Step(_shapes(batch), xla.compile_count() - before, xla.pending_ir_nodes()))
+
+
+def _run(step: Callable, plan: Iterator[Any], warmup: int, run: _Run) -> None:
+    """Runs the step as the user does: no graph cut of ours between their steps."""
+    for batch in itertools.islice(plan, warmup):
+        _run_one(step, batch, run.warmup)
+    xla.wait_device_ops()  # no cut of ours: the first measured step runs as every later one does
+    xla.clear_metrics()
+    try:
+        with _tracing(run):
+            for batch in plan:
+                _run_one(step, batch, run.measured)
+                for line, indices in run.slicing_now.items():
+                    run.slices.setdefault(line, []).append(tuple(indices))
+                run.slicing_now.clear()
+                if len(run.measured) >= 2 and len(run.records) >= 3 and _growing([s.pending for s in run.records]):
+                    break  # every further step is slower still; the finding is clear
+    finally:  # also when the step raised: the findings so far need these
+        run.created = xla.xla_tensors_created()
+        run.host_syncs = xla.host_sync_count()
+        run.fallbacks = xla.fallback_ops()
+    xla.sync()  # runs whatever the last step left pending (not counted as the step's)
+    xla.wait_device_ops()
+
+
+# ---------------------------------------------------------------- analysis
+def _growth(run: _Run, mode: Mode) -> Finding | None:
+    pending = [s.pending for s in run.measured]
+    if not _growing(pending):
+        pending = [s.pending for s in run.warmup]
+        if len(run.measured) >= 2 or not _growing(pending):
+            return None
+    if mode == "train":
+        fix = ("end the step with step_optimizer(optimizer) (was: optimizer.step()), which cuts the graph; "
+               "a loop with a manual update (p.data.add_(...)): for x, y in tpu_utility.device_loader(loader), "
+               "or torch_xla.sync() at the end of the step")  # fmt: skip
+    else:
+        fix = ("for x, y in tpu_utility.device_loader(loader) (one graph cut per batch), or torch_xla.sync() at "
+               "the end of the step")  # fmt: skip
+    return Finding(
+        "graph_growth",
+        f"the graph grows every step ({' -> '.join(map(str, pending))} IR nodes pending after each step): nothing "
+        f"in the step cuts the lazy graph, so XLA traces an ever larger graph and compiles it anew whenever "
+        f"something finally runs it",
+        fix,
+    )
+
+
+def _suggest_buckets(lengths: list[int], count: int = 4, multiple_of: int = 8) -> list[int]:
+    """Up to ``count`` bucket lengths at the quantiles of ``lengths``, rounded up to ``multiple_of``."""
+    values = sorted(lengths)
+    picks = [values[max(0, math.ceil(len(values) * k / count) - 1)] for k in range(1, count + 1)]
+    return sorted({max(multiple_of, -(-v // multiple_of) * multiple_of) for v in picks})
+
+
+def _length_dim(records: list[_Step]) -> tuple[int, int] | None:
+    """(input, dim) of the first non-batch dimension whose size changes between steps."""
+    first = records[0].shapes
+    for j, shape in enumerate(first):
+        for d in range(1, len(shape)):
+            if any(j < len(r.shapes) and len(r.shapes[j]) == len(shape) and r.shapes[j][d] != shape[d]
+                   for r in records):  # fmt: skip
+                return j, d
+    return None
+
+
+def _shape_recompiles(run: _Run, mode: Mode) -> Finding | None:
+    records = run.records
+    seen = [records[0].shapes]
+    new_shape_compiles = 0
+    for index, record in enumerate(records):
+        if record.shapes not in seen:
+            seen.append(record.shapes)
+            if index >= len(run.warmup):
+                new_shape_compiles += record.compiles
+    if new_shape_compiles == 0:
+        return None
+    changed = [
+        f"step {i + 1}: input {j} {records[i - 1].shapes[j]} -> {records[i].shapes[j]}"
+        for i in range(1, len(records))
+        for j in range(min(len(records[i].shapes), len(records[i - 1].shapes)))
+        if records[i].shapes[j] != records[i - 1].shapes[j]
+    ]
+    measured = len(run.measured)
+    length = _length_dim(records)
+    if length is None:
+        return Finding(
+            "recompile",
+            f"{new_shape_compiles} graph compilation(s) in {measured} steps after warm-up: input shapes changed "
+            f"between steps (the batch size: a short last batch?)",
+            _batch_size_fix(mode),
+            where=changed,
+        )
+    j, d = length
+    lengths = [r.shapes[j][d] for r in records if j < len(r.shapes) and len(r.shapes[j]) > d]
+    buckets = _suggest_buckets(lengths)
+    sizes = {r.shapes[j][0] for r in records if j < len(r.shapes) and r.shapes[j]}
+    also = f"; and the batch size changed too: {_batch_size_fix(mode)}" if len(sizes) > 1 else ""
+    return Finding(
+        "recompile",
+        f"{new_shape_compiles} graph compilation(s) in {measured} steps after warm-up: input shapes changed "
+        f"between steps (sequence lengths: dim {d} of input {j} took {len(set(lengths))} values, "
+        f"{min(lengths)}..{max(lengths)}); every new length compiles a new graph",
+        f"pad each batch to one of a few lengths: DataLoader(..., collate_fn=tpu_utility.BucketCollate("
+        f"buckets={buckets})) (from the lengths seen here), or BucketCollate.from_lengths(lengths, "
+        f"num_buckets=4) from all your samples' lengths{also}",
+        where=changed,
+    )
+
+
+def _slicing(run: _Run) -> Finding | None:
+    # a line whose indices differ from step to step (the same indices every step, as in an
+    # unrolled loop over time steps, compile once)
+    lines = {line: steps for line, steps in run.slices.items() if len(set(steps)) >= 2}
+    if not lines:
+        return None
+    return Finding(
+        "device_slicing",
+        "a tensor on the XLA device is sliced with Python integers that change every step "
+        "(data[i:i + bptt]): each new offset is baked into the graph, so every step compiles a new one",
+        "slice on the host and move the slice: keep data on the CPU and use data[i:i + bptt].to(device); or "
+        "index on the device with a device tensor: data.index_select(0, offsets + i) with offsets = "
+        "torch.arange(bptt, device=device) made once",
+        where=[f"{line}  (steps indexed {', '.join(_index_text(step[0]) for step in steps[:3])}, ...)"
+               for line, steps in lines.items()],
+    )
+
+
+def _same_shape_compiles(run: _Run, explained: bool) -> tuple[Finding | None, list[str]]:
+    """Compiles with shapes seen before: every step is a finding, once is a note."""
+    seen: list[list[tuple[int, ...]]] = [r.shapes for r in run.warmup]
+    steps = []
+    for index, record in enumerate(run.measured, start=len(run.warmup) + 1):
+        if record.shapes in seen and record.compiles:
+            steps.append(index)
+        seen.append(record.shapes)
+    if not steps or explained:
+        return None, []
+    total = sum(run.measured[i - len(run.warmup) - 1].compiles for i in steps)
+    if len(steps) >= 2 and len(steps) * 2 >= len(run.measured):
+        return Finding(
+            "recompile",
+            f"{total} graph compilation(s) in {len(run.measured)} steps after warm-up, with the same input "
+            f"shapes: a Python value that changes every step is baked into the graph, or the graph depends on data",
+            "pass changing values as device tensors, not Python numbers; avoid data-dependent Python "
+            "branches inside the step",
+        ), []
+    which = f"step {steps[0]} compiled once" if len(steps) == 1 else f"steps {', '.join(map(str, steps))} compiled"
+    return None, [
+        f"{which} with unchanged input shapes, not every step: a one-time change (for example a learning rate "
+        f"leaving its initial value) costs one compile, not one per step; nothing to fix"
+    ]
+
+
+def _host_syncs(run: _Run) -> Finding | None:
+    syncs = max(sum(run.reads.values()), run.host_syncs)
+    if not syncs:
+        return None
+    where = [f"{n}x .{name}() {line}" for (name, line), n in sorted(run.reads.items(), key=lambda kv: -kv[1])]
+    fix = "keep values on the device (running_loss += loss.detach()) and read them once per epoch"
+    if any(name in ("cpu", "numpy", "tolist") for name, _ in run.reads):
+        fix += ("; collect predictions on the device (preds.append(logits.argmax(1))) and move them once after "
+                "the loop: torch.cat(preds).cpu().numpy()")  # fmt: skip
+    return Finding(
+        "host_sync",
+        f"{syncs / len(run.measured):.2f} host sync(s) per step: each read of a device value waits for the "
+        f"device and stalls the pipeline",
+        fix,
+        where=where,
+    )
+
+
+def _fallbacks(run: _Run) -> Finding | None:
+    if not run.fallbacks:
+        return None
+    known = list(dict.fromkeys(LOWERED_REPLACEMENTS[op] for op in run.fallbacks if op in LOWERED_REPLACEMENTS))
+    fix = "replace them with ops XLA lowers (see the names), or compute them outside the step, once per epoch"
+    return Finding(
+        "cpu_fallback",
+        f"{len(run.fallbacks)} op(s) have no XLA lowering and ran on the host CPU, copying tensors each way: "
+        f"{', '.join(run.fallbacks)}",
+        "; ".join(f"use {k}" for k in known) if known else fix,
+    )
+
+
+def _analyse(run: _Run, mode: Mode, model: nn.Module | None,
+             static: list[Finding | None]) -> tuple[list[Finding | None], list[str]]:  # fmt: skip
+    """Findings from the steps that ran (given the static ones, which may explain them)."""
+    if not run.measured:
+        return [], []
+    if model is None and run.created == 0:
+        return [_nothing_ran()], []
+    growth = _growth(run, mode)
+    if any(f is not None and f.kind == "optimizer_params" for f in static):
+        growth = None  # its zero_grad() clears the copies, so the model's own gradients pile up: a symptom
+    slicing = _slicing(run)
+    shapes = _shape_recompiles(run, mode)
+    same, notes = _same_shape_compiles(run, explained=growth is not None or slicing is not None)
+    return [growth, shapes, same, slicing, _host_syncs(run), _fallbacks(run)], notes
+
+
+def _nothing_ran() -> Finding:
+    return Finding(
+        "not_on_xla",
+        "nothing in the step ran on XLA (it created no XLA tensor): the model and the batches stay on the CPU",
+        "device = get_device(); model.to(device) before building the optimizer; move each batch with .to(device)",
+    )
+
+
+# ---------------------------------------------------------------- the entry
+def _plan(batch: Any, batches: Iterable[Any] | None, steps: int | Literal["all"], warmup: int) -> Iterator[Any]:
+    if batch is not None:
+        if steps == "all":
+            raise ValueError("steps='all' runs a whole loader: give batches=loader, not batch=")
+        return itertools.repeat(batch, warmup + steps)
+    if steps == "all":
+        return iter(batches)
+    pool = list(itertools.islice(iter(batches), warmup + steps))
+    if not pool:
+        raise ValueError("batches is empty")
+    return itertools.islice(itertools.cycle(pool), warmup + steps)
+
+
+def _check_arguments(steps: Any, warmup: Any, mode: Any, batch: Any, batches: Any) -> None:
+    if (batch is None) == (batches is None):
+        raise ValueError("give exactly one of batch= (one batch, reused) or batches= (several, used in turn)")
+    for name, value, low in (("steps", steps, 1), ("warmup", warmup, 0)):
+        allowed = f"an int >= {low}" + (" or 'all' (every batch of batches=)" if name == "steps" else "")
+        if name == "steps" and value == "all":
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, str)):
+            raise TypeError(f"{name} must be {allowed}, but given {value!r} ({type(value).__name__})")
+        if isinstance(value, str) or value < low:
+            raise ValueError(f"{name} must be {allowed}, but given {value!r}")
+    if mode not in get_args(Mode):
+        raise ValueError(f"mode must be one of {get_args(Mode)}, but given {mode!r}")
+
+
+def _report(run: _Run, mode: Mode, findings: list[Finding | None], notes: list[str]) -> DoctorReport:
+    measured = max(len(run.measured), 1)
+    compiles = [s.compiles for s in run.measured]
+    return DoctorReport(
+        steps=len(run.measured),
+        warmup=len(run.warmup),
+        compiles_per_step=sum(compiles) / measured,
+        host_syncs_per_step=max(sum(run.reads.values()), run.host_syncs) / measured,
+        fallback_ops=run.fallbacks,
+        findings=[f for f in findings if f is not None],
+        mode=mode,
+        step_compiles=compiles,
+        notes=notes,
+    )
 
 
 def doctor(
@@ -217,116 +703,83 @@ def doctor(
     model: nn.Module | None = None,
     optimizer: torch.optim.Optimizer | None = None,
     loss_fn: Callable | None = None,
-    steps: int = 4,
+    steps: int | Literal["all"] = 4,
     warmup: int = 2,
     cores: int | None = None,
+    mode: Mode = "train",
 ) -> DoctorReport:
-    """Runs your training step a few times and reports what slows or breaks it on XLA.
+    """Runs your training or evaluation step as you run it and reports what slows or breaks it on XLA.
 
     Args:
-        step: Your step, ``step(batch)`` (forward, backward, optimizer step), or
-            a model, for which doctor runs ``loss_fn(model(x), y)``, backward and
-            ``step_optimizer(optimizer)``.
+        step: Your step, ``step(batch)`` (forward, backward, optimizer step; or,
+            with ``mode="eval"``, your evaluation of one batch), or a model, for
+            which doctor runs ``loss_fn(model(x), y)``, backward and
+            ``step_optimizer(optimizer)`` (with ``mode="eval"``: the loss under
+            no_grad, accumulated on the device).
         batch: One batch, used for every step.
         batches: Or several batches (a list or a DataLoader), used in turn; this
             is how shape changes between steps show up.
-        model, optimizer: Enable the optimizer and tied-weight checks (needed when
-            ``step`` is a callable; ``step`` itself when it is a model).
+        model, optimizer: Enable the XLA, optimizer and tied-weight checks (needed
+            when ``step`` is a callable; ``step`` itself when it is a model).
         loss_fn: For the model form; default ``nn.CrossEntropyLoss()``.
-        steps: Steps measured after warm-up.
+        steps: Steps measured after warm-up, or ``"all"``: every batch of
+            ``batches`` after the warm-up, the last (short) one included.
         warmup: Steps run first (the first steps compile by design).
         cores: Cores the batch is split over; default the cores in use.
+        mode: ``"train"`` or ``"eval"``: which loop the step belongs to (the fixes
+            differ: drop_last in training, a masked last batch in evaluation).
 
     Returns:
-        DoctorReport: figures per step and findings, each with a fix;
+        DoctorReport: figures per step, findings (each with a fix) and notes;
         ``report.clean`` is True when there is nothing to fix.
+
+    Raises:
+        DoctorError: your step raised; ``err.report`` holds the findings made
+            before it and ``err.__cause__`` is your exception.
+        ValueError, TypeError: a bad argument (named in the message).
 
     Example:
         >>> # was: a loop that ran 10x slower on TPU than on GPU, and no idea why
-        >>> report = doctor(train_step, batches=[next(it) for _ in range(6)],   # doctest: +SKIP
+        >>> report = doctor(train_step, batches=train_loader, steps="all",    # doctest: +SKIP
         ...                 model=model, optimizer=optimizer)
         >>> print(report)                                                      # doctest: +SKIP
+        >>> doctor(eval_step, batches=valid_loader, steps="all", mode="eval")  # doctest: +SKIP
     """
+    _check_arguments(steps, warmup, mode, batch, batches)
     if isinstance(step, nn.Module):
         model = step
-        if optimizer is None:
+        if optimizer is None and mode == "train":
             raise TypeError("doctor(model, ...) needs optimizer=...; or pass your own step(batch) callable")
-        step = _default_step(model, optimizer, loss_fn or nn.CrossEntropyLoss())
+        step = _default_step(model, optimizer, loss_fn or nn.CrossEntropyLoss(), mode)
     elif not callable(step):
         raise TypeError(f"step must be a callable step(batch) or an nn.Module, but given {step!r}")
-    if (batch is None) == (batches is None):
-        raise ValueError("give exactly one of batch= (one batch, reused) or batches= (several, used in turn)")
-    if steps < 1 or warmup < 0:
-        raise ValueError(f"steps must be >= 1 and warmup >= 0, but given steps={steps}, warmup={warmup}")
-    pool = [batch] if batch is not None else list(itertools.islice(iter(batches), warmup + steps))
-    if not pool:
-        raise ValueError("batches is empty")
-    plan = list(itertools.islice(itertools.cycle(pool), warmup + steps))
 
-    findings: list[Finding] = []
+    findings: list[Finding | None] = [check_xla(model)]
     if model is not None and optimizer is not None:
-        findings.append(check_optimizer(model, optimizer))
+        findings.insert(0, check_optimizer(model, optimizer))
+    if findings[-1] is not None:  # not on XLA: nothing to measure
+        return _report(_Run(), mode, findings, [])
     if model is not None:
         findings.append(check_ties(model))
+    plan = _plan(batch, batches, steps, warmup)
+    first = next(plan, None)
+    if first is None:
+        raise ValueError("batches is empty")
+    plan = itertools.chain([first], plan)
     if cores is None:
         cores = xla.global_device_count() if xla.is_spmd() else xla.world_size()
-    findings.append(check_batch_split(plan[0], cores))
+    findings.append(check_batch_split(first, cores))
 
-    for b in plan[:warmup]:
-        step(b)
-        xla.sync()
-    xla.wait_device_ops()
-    xla.clear_metrics()
-    reads: Counter = Counter()
-    with _trace_reads(reads):
-        for b in plan[warmup:]:
-            step(b)
-            xla.sync()
-    xla.wait_device_ops()
-    compiles = xla.compile_count()
-    local_scalar = xla.host_sync_count()
-    fallbacks = xla.fallback_ops()
-
-    if compiles:
-        shapes = [_shapes(b) for b in plan]
-        changed = [
-            f"step {i + 1}: input {j} {shapes[i - 1][j]} -> {shapes[i][j]}"
-            for i in range(1, len(plan))
-            for j in range(min(len(shapes[i]), len(shapes[i - 1])))
-            if shapes[i][j] != shapes[i - 1][j]
-        ]
-        findings.append(Finding(
-            "recompile",
-            f"{compiles} graph compilation(s) in {steps} steps after warm-up"
-            + (": input shapes changed between steps" if changed else ", with the same input shapes: a Python "
-               "value that changes every step is baked into the graph, or the graph depends on data"),
-            "keep shapes fixed: DataLoader(..., drop_last=True), pad variable lengths to a few fixed sizes"
-            if changed else "pass changing values as device tensors, not Python numbers; avoid data-dependent "
-                            "Python branches inside the step",
-            where=changed,
-        ))  # fmt: skip
-    syncs = sum(reads.values())
-    if syncs or local_scalar:
-        where = [f"{n}x .{name}() {line}" for (name, line), n in sorted(reads.items(), key=lambda kv: -kv[1])]
-        findings.append(Finding(
-            "host_sync",
-            f"{max(syncs, local_scalar) / steps:.2f} host sync(s) per step: each read of a device value waits "
-            f"for the device and stalls the pipeline",
-            "keep values on the device (running_loss += loss.detach()) and read them once per epoch",
-            where=where,
-        ))  # fmt: skip
-    if fallbacks:
-        findings.append(Finding(
-            "cpu_fallback",
-            f"{len(fallbacks)} op(s) have no XLA lowering and ran on the host CPU, copying tensors each way: "
-            f"{', '.join(fallbacks)}",
-            "replace them with ops XLA lowers (see the names), or compute them outside the step, once per epoch",
-        ))  # fmt: skip
-    return DoctorReport(
-        steps=steps,
-        warmup=warmup,
-        compiles_per_step=compiles / steps,
-        host_syncs_per_step=max(syncs, local_scalar) / steps,
-        fallback_ops=fallbacks,
-        findings=[f for f in findings if f is not None],
-    )
+    run = _Run()
+    try:
+        _run(step, plan, warmup, run)
+    except Exception as error:
+        report = _report(run, mode, findings + _analyse(run, mode, model, findings)[0], [])
+        report.error, report.error_step = error, len(run.records) + 1
+        raise DoctorError(report) from error
+    if not run.measured:
+        raise ValueError(f"batches gave only {len(run.warmup)} batch(es): doctor needs more than warmup={warmup}")
+    found, notes = _analyse(run, mode, model, findings)
+    if steps != "all" and not any(f is not None and f.kind == "recompile" for f in found):
+        found.append(check_last_batch(batches, mode, warmup + steps))
+    return _report(run, mode, findings + found, notes)

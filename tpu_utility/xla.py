@@ -500,3 +500,30 @@ def to_cpu(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
 
     moved = iter(torch_xla._XLAC._xla_get_cpu_tensors(xla))
     return [next(moved) if t.device.type == "xla" else t.detach().cpu() for t in tensors]
+
+
+# ------------------------------------------------------ doctor's probes
+def pending_ir_nodes() -> int:
+    """IR nodes that live XLA tensors still wait to run, summed over the tensors; 0 if none.
+
+    After a step that cuts its graph (``torch_xla.sync()``) this stays the same
+    from step to step; a step without a cut leaves a graph that grows with every
+    step. Reads torch_xla's live-tensor report; starts nothing.
+    """
+    if not xla_loaded():
+        return 0
+    import re
+
+    import torch_xla
+
+    report = torch_xla._XLAC._xla_tensors_report(0, "")
+    return sum(int(n) for n in re.findall(r"ir_nodes=(\d+)", report))
+
+
+def xla_tensors_created() -> int:
+    """XLA tensors created so far in this process (torch_xla's CreateXlaTensor counter)."""
+    if not xla_loaded():
+        return 0
+    import torch_xla.debug.metrics as met
+
+    return int(met.counter_value("CreateXlaTensor") or 0)
