@@ -201,7 +201,8 @@ def test_autocast_gradscaler_port_on_xla():
 
 def test_autocast_gradscaler_port_on_plain_cpu():
     r = run_python(BLOCK_TORCH_XLA + "import sys; sys.path.insert(0, 'tests')\n" + AMP_LOOP
-                   + "print('device', device.type, 'losses', losses[0], losses[-1])")  # fmt: skip
+                   + "print('device', device.type, 'losses', losses[0], losses[-1])",
+                   env={"PJRT_DEVICE": None})  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]
     (line,) = [ln.split() for ln in r.stdout.splitlines() if ln.startswith("device")]
     assert line[1] == "cpu"
