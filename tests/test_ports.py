@@ -153,6 +153,9 @@ def test_word_language_model_as_written_port():
 
 
 # ------------------------------------------------------------ autocast + GradScaler
+# conftest sets PJRT_DEVICE=CPU on import; a machine without torch_xla has none.
+NO_XLA_PRELUDE = "import os, sys; sys.path.insert(0, 'tests'); import conftest; os.environ.pop('PJRT_DEVICE')\n"
+
 AMP_LOOP = """
 import torch
 from torch import nn
@@ -200,7 +203,7 @@ def test_autocast_gradscaler_port_on_xla():
 
 
 def test_autocast_gradscaler_port_on_plain_cpu():
-    r = run_python(BLOCK_TORCH_XLA + "import sys; sys.path.insert(0, 'tests')\n" + AMP_LOOP
+    r = run_python(BLOCK_TORCH_XLA + NO_XLA_PRELUDE + AMP_LOOP
                    + "print('device', device.type, 'losses', losses[0], losses[-1])",
                    env={"PJRT_DEVICE": None})  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]
@@ -404,7 +407,7 @@ def test_hand_loop_under_launch_with_one_device(tmp_path):
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_get_device_and_fp16_port_with_a_real_scaler():
-    code = BLOCK_TORCH_XLA + "import sys; sys.path.insert(0, 'tests')\n" + AMP_LOOP + """
+    code = BLOCK_TORCH_XLA + NO_XLA_PRELUDE + AMP_LOOP + """
 print("device", device.type, type(scaler).__name__, scaler.is_enabled(), losses[0], losses[-1])
 """
     r = run_python(code, env={"PJRT_DEVICE": None})
