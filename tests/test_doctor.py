@@ -226,7 +226,7 @@ def test_an_evaluation_step_is_accepted_and_its_last_batch_gets_the_masked_fix()
 
     report = doctor(eval_step, batches=digit_loader(32 * 4 + 5), steps="all", mode="eval")
     assert report.kinds() == {"recompile"}, str(report)
-    assert "masked evaluation helper" in report.findings[0].fix and "drop_last=True" not in report.findings[0].fix
+    assert "masked_loader(loader)" in report.findings[0].fix and "drop_last=True" not in report.findings[0].fix
     assert "(eval step)" in str(report)
     assert doctor(model, batches=batches(), mode="eval").clean  # the model form evaluates too
 

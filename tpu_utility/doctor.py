@@ -234,9 +234,9 @@ def _batch_size_fix(mode: Mode) -> str:
     if mode == "train":
         return "keep every batch full: DataLoader(..., drop_last=True) (one fixed shape, one graph)"
     return (
-        "evaluate full-size batches only: pad the last batch to the batch size and mask the padded samples "
-        "(tpu_utility's masked evaluation helper does this), so every sample still counts once; drop_last "
-        "would skip samples"
+        "evaluate full-size batches only: `for batch, mask in tpu_utility.masked_loader(loader):` pads the "
+        "last batch to the batch size and masks the padded samples, so every sample still counts once; "
+        "drop_last would skip samples"
     )
 
 
