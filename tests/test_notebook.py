@@ -38,6 +38,7 @@ def test_notebook_runs_end_to_end(tmp_path, monkeypatch):
     from nbclient import NotebookClient
 
     monkeypatch.delenv("MPLBACKEND", raising=False)  # the kernel uses the notebook's inline backend
+    monkeypatch.setenv("PYTHONPATH", ROOT)  # the kernel imports this tree's tpu_utility
     monkeypatch.setenv("CPU_NUM_DEVICES", "4")  # the kernel's cores="all" cell trains on 4 XLA:CPU devices
 
     nb = nbformat.read(NOTEBOOK, as_version=4)

@@ -165,3 +165,19 @@ def test_compile_cache_is_off_by_default_on_xla_cpu_and_says_why():
     assert r.returncode == 0, r.stderr
     assert "compile cache: off (XLA:CPU cannot reload compiled programs)" in r.stdout
     assert "cache: None env: None" in r.stdout
+
+
+def test_training_prints_nothing_about_jax_on_any_torch_xla():
+    # torch_xla 2.8's loader traces warned "requires jax/pallas" several times per batch without jax
+    r = run_python("""
+        import torch
+        from torch.utils.data import TensorDataset
+        from tpu_utility import one_cycle_fit
+        torch.manual_seed(0)
+        data = TensorDataset(torch.randn(64, 4), torch.randint(0, 2, (64,)))
+        one_cycle_fit(torch.nn.Linear(4, 2), data, epochs=2, max_lr=1e-2, batch_size=16, progress=False)
+        print("trained")
+    """)
+    assert r.returncode == 0, r.stderr
+    assert "trained" in r.stdout
+    assert "jax" not in r.stderr.lower(), r.stderr[-2000:]

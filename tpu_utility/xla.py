@@ -18,6 +18,7 @@ import glob
 import importlib
 import importlib.metadata
 import importlib.util
+import inspect
 import os
 import sys
 from dataclasses import dataclass
@@ -197,7 +198,26 @@ def require_xla() -> Any:
     check_versions(torch.__version__, installed_version("torch_xla"))
     if not runtime_started():
         refuse_missing_tpu(pjrt_device())
-    return importlib.import_module("torch_xla")
+    module = importlib.import_module("torch_xla")
+    _quiet_profiler_jax_probe()
+    return module
+
+
+@functools.lru_cache(maxsize=None)
+def _quiet_profiler_jax_probe() -> None:
+    """Stops torch_xla 2.8 printing a jax warning several times per batch.
+
+    Its profiler traces, which MpDeviceLoader opens around every batch, probe for jax and,
+    without jax, log "You are trying to use a feature that requires jax/pallas" to the root
+    logger each time; 2.9 probes quietly. Only the profiler's probe is silenced: a real
+    jax/pallas feature still warns.
+    """
+    if _installed("jax"):
+        return
+    profiler = importlib.import_module("torch_xla.debug.profiler")
+    probe = getattr(profiler, "maybe_get_jax", None)
+    if probe is not None and "log" not in inspect.signature(probe).parameters:  # 2.8; 2.9 has log=
+        profiler.maybe_get_jax = lambda: None
 
 
 def refuse_missing_tpu(requested: str | None) -> None:
