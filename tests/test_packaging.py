@@ -98,3 +98,10 @@ def test_wheel_holds_the_package_and_imports(dist, tmp_path):
     assert r.returncode == 0, r.stderr
     path, version, xla_loaded = r.stdout.split()
     assert path.startswith(str(tmp_path / "site")) and version == PROJECT["version"] and xla_loaded == "False"
+
+
+@pytest.mark.parametrize("extra, requirements", [("xla", "requirements.txt"), ("xla28", "requirements-kaggle.txt")])
+def test_each_tested_stack_is_an_extra(extra, requirements):
+    with open(os.path.join(ROOT, requirements)) as f:
+        pins = {line.strip() for line in f if line.startswith(("torch==", "torch_xla==", "torchvision=="))}
+    assert pins == set(PROJECT["optional-dependencies"][extra]), "CI's stack and the extra users install differ"
