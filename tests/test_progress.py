@@ -6,7 +6,7 @@ import nbformat
 import pytest
 
 from conftest import ROOT, run_python
-from tpu_utility.progress import bar_kind, epoch_bar
+from tpu_utility.progress import bar_kind, progress_bar
 
 BLOCK_IPYWIDGETS = """
 import importlib.abc, sys
@@ -19,10 +19,10 @@ sys.meta_path.insert(0, _NoWidgets())
 """
 
 EPOCHS = """
-from tpu_utility.progress import bar_kind, epoch_bar, write_line
+from tpu_utility.progress import bar_kind, progress_bar, write_line
 print("kind:", bar_kind())
 for epoch in range(3):
-    bar = epoch_bar(40, f"epoch {epoch + 1}/3")
+    bar = progress_bar(40, f"epoch {epoch + 1}/3")
     for _ in range(40):
         bar.update(1)
     bar.close()
@@ -38,7 +38,7 @@ class _Tty(io.StringIO):
 def test_a_terminal_gets_a_live_bar_and_a_log_gets_none():
     assert bar_kind(_Tty()) == "terminal"
     assert bar_kind(io.StringIO()) == "none"
-    silent = epoch_bar(10, "epoch 1/1", enabled=False)
+    silent = progress_bar(10, "epoch 1/1", enabled=False)
     assert silent.disable
 
 

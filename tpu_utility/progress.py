@@ -1,13 +1,13 @@
 """Progress bars that read clean wherever training runs.
 
-In a notebook with ipywidgets (Kaggle, Colab, Jupyter) the epoch bar is a widget; in a
+In a notebook with ipywidgets (Kaggle, Colab, Jupyter) a bar is a widget; in a
 terminal it is a live text bar; anywhere else (a notebook without ipywidgets, a log file,
 CI) there is no live bar, so each epoch leaves only its one summary line instead of
 dozens of redrawn bar lines. tqdm.auto would fall back to the text bar in a notebook
 without ipywidgets and warn "IProgress not found"; this module never does.
 
-    from tpu_utility.progress import epoch_bar, write_line
-    bar = epoch_bar(len(loader), "epoch 1/5")
+    from tpu_utility.progress import progress_bar, write_line
+    bar = progress_bar(len(loader), "epoch 1/5")
     for batch in loader:
         ...
         bar.update(1)
@@ -58,11 +58,11 @@ def bar_kind(stream: IO[str] | None = None) -> BarKind:
         return "none"
 
 
-def epoch_bar(total: int, desc: str, enabled: bool = True, unit: str = "batch") -> Any:
-    """A tqdm bar for one epoch's batches that disappears when the epoch ends.
+def progress_bar(total: int, desc: str, enabled: bool = True, unit: str = "batch") -> Any:
+    """A tqdm bar (an epoch's batches, files being cached) that disappears when closed.
 
     Args:
-        total: Batches in the epoch.
+        total: Steps the bar counts, e.g. the batches of an epoch.
         desc: The bar's label, e.g. ``"epoch 1/5"``.
         enabled: False gives a silent bar (e.g. on every process but the master).
         unit: What one ``update(1)`` counts.
@@ -73,8 +73,8 @@ def epoch_bar(total: int, desc: str, enabled: bool = True, unit: str = "batch") 
 
     Example:
         >>> # was: bar = tqdm(loader)   (dozens of lines per epoch in a saved notebook)
-        >>> from tpu_utility.progress import epoch_bar
-        >>> bar = epoch_bar(3, "epoch 1/5")
+        >>> from tpu_utility.progress import progress_bar
+        >>> bar = progress_bar(3, "epoch 1/5")
         >>> for _ in range(3):
         ...     bar.update(1)
         >>> bar.close()
