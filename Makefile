@@ -1,36 +1,88 @@
-# Two commands for a new user: `make demo` and `make test`. Both build .venv first,
-# and rebuild it whenever requirements.txt changes (the stamp holds its checksum).
-PYTHON ?= python3.11
-VENV := .venv
-PY := $(VENV)/bin/python
-STAMP := $(VENV)/.requirements.sha256
-REQ_SUM := $(shell sha256sum requirements.txt setup.py | sha256sum | cut -c1-16)
+# Two commands for a new user: `make demo` and `make test`.
+#
+# Two stacks, each in its own venv, built the same way:
+#   .venv         pinned stack: Python 3.11, torch/torch_xla 2.9.0, torchvision 0.24.0 (requirements.txt)
+#   .venv-kaggle  Kaggle's TPU image: Python 3.12, torch/torch_xla 2.8.0, torchvision 0.23.0
+#                 (requirements-kaggle.txt)
+# A venv is rebuilt from scratch when its requirements change (the stamp holds their
+# checksum); a change to pyproject.toml or setup.py only re-runs the editable install.
+#
+# `make test` runs the whole suite on both stacks (CI calls it); `make test-pinned` and
+# `make test-kaggle` run one. The interpreters are found on PATH, in pyenv or in uv;
+# PYTHON311=/path/to/python3.11 or PYTHON312=... choose one by hand.
 
 export PJRT_DEVICE ?= CPU
 
-.PHONY: venv demo test bench clean
+PINNED := .venv
+KAGGLE := .venv-kaggle
+PYTEST_ARGS ?= -q
+
+.PHONY: venv venv-kaggle demo test test-pinned test-kaggle bench clean
+
+# $(call find-python,3.12,$(PYTHON312)): prints the first interpreter of that version.
+define find-python
+for p in $(2) python$(1) $$(pyenv root 2>/dev/null)/versions/$(1)*/bin/python$(1) \
+	$$HOME/.pyenv/versions/$(1)*/bin/python$(1) $$(uv python find $(1) 2>/dev/null); do \
+	if [ -n "$$p" ] && "$$p" -c 'import sys; sys.exit(sys.version_info[:2] != ($(subst .,$(comma),$(1))))' 2>/dev/null; then \
+		echo "$$p"; break; fi; done
+endef
+comma := ,
+
+# $(call build-venv,DIR,PYTHON_VERSION,REQUIREMENTS,OVERRIDE): (re)builds DIR when needed.
+define build-venv
+	@set -e; \
+	req_sum=$$(cat $(3) requirements-dev.txt | sha256sum | cut -c1-16); \
+	pkg_sum=$$(cat pyproject.toml setup.py | sha256sum | cut -c1-16); \
+	if [ ! -x $(1)/bin/python ] || [ "$$(cat $(1)/.requirements.sha256 2>/dev/null)" != "$$req_sum" ]; then \
+		py=$$($(call find-python,$(2),$(4))); \
+		if [ -z "$$py" ]; then \
+			echo "error: no Python $(2) found (tried PYTHON$(subst .,,$(2)), python$(2) on PATH, pyenv, uv)." >&2; \
+			echo "  Install one with 'uv python install $(2)' or 'pyenv install $(2)'," >&2; \
+			echo "  or point to it: make PYTHON$(subst .,,$(2))=/path/to/python$(2) ..." >&2; \
+			exit 1; \
+		fi; \
+		echo "Setting up $(1) with $$py ($(3) changed or venv missing)"; \
+		rm -rf $(1); \
+		"$$py" -m venv $(1); \
+		$(1)/bin/python -m pip install -q --upgrade pip; \
+		$(1)/bin/python -m pip install -q -r $(3); \
+		echo "$$req_sum" > $(1)/.requirements.sha256; \
+	fi; \
+	if [ "$$(cat $(1)/.package.sha256 2>/dev/null)" != "$$pkg_sum" ]; then \
+		$(1)/bin/python -m pip install -q --no-deps -e .; \
+		echo "$$pkg_sum" > $(1)/.package.sha256; \
+	fi
+endef
 
 venv:
-	@if [ ! -x $(PY) ] || [ "$$(cat $(STAMP) 2>/dev/null)" != "$(REQ_SUM)" ]; then \
-		echo "Setting up $(VENV) (requirements changed or missing)"; \
-		rm -rf $(VENV) && \
-		$(PYTHON) -m venv $(VENV) && \
-		$(PY) -m pip install -q --upgrade pip && \
-		$(PY) -m pip install -q -r requirements.txt && \
-		$(PY) -m pip install -q --no-deps -e . && \
-		echo "$(REQ_SUM)" > $(STAMP); \
-	fi
+	$(call build-venv,$(PINNED),3.11,requirements.txt,$(PYTHON311))
+
+venv-kaggle:
+	$(call build-venv,$(KAGGLE),3.12,requirements-kaggle.txt,$(PYTHON312))
 
 demo: venv
-	$(PY) -m tpu_utility.demo
+	$(PINNED)/bin/python -m tpu_utility.demo
 
-test: venv
-	$(PY) -m pytest -q tests
+# Both stacks, even when the first fails; fails if either failed.
+test:
+	@status=0; \
+	$(MAKE) --no-print-directory test-pinned || status=1; \
+	$(MAKE) --no-print-directory test-kaggle || status=1; \
+	[ $$status -eq 0 ] && echo "make test: both stacks passed" || echo "make test: a stack FAILED (see above)"; \
+	exit $$status
+
+test-pinned: venv
+	@echo "== pinned stack: $$($(PINNED)/bin/python -c 'import sys, torch; print("Python", sys.version.split()[0], "torch", torch.__version__)')"
+	$(PINNED)/bin/python -m pytest $(PYTEST_ARGS) tests
+
+test-kaggle: venv-kaggle
+	@echo "== Kaggle stack: $$($(KAGGLE)/bin/python -c 'import sys, torch; print("Python", sys.version.split()[0], "torch", torch.__version__)')"
+	$(KAGGLE)/bin/python -m pytest $(PYTEST_ARGS) tests
 
 bench: venv
-	$(PY) -m pip install -q -r bench/requirements.txt
-	$(PY) bench/run.py
-	$(PY) bench/cache_bench.py
+	$(PINNED)/bin/python -m pip install -q -r bench/requirements.txt
+	$(PINNED)/bin/python bench/run.py
+	$(PINNED)/bin/python bench/cache_bench.py
 
 clean:
-	rm -rf $(VENV) demo_out bench/out
+	rm -rf $(PINNED) $(KAGGLE) demo_out bench/out build dist

@@ -1,6 +1,7 @@
 """The quickstart notebook runs top to bottom on XLA:CPU, and stays in git without outputs."""
 
 import os
+import re
 
 import nbformat
 import pytest
@@ -10,31 +11,50 @@ from conftest import ROOT
 NOTEBOOK = os.path.join(ROOT, "notebooks", "kaggle_quickstart.ipynb")
 
 
+def _code_cells():
+    return [c for c in nbformat.read(NOTEBOOK, as_version=4).cells if c.cell_type == "code"]
+
+
 def test_notebook_is_stored_without_outputs():
     nb = nbformat.read(NOTEBOOK, as_version=4)
     dirty = [i for i, c in enumerate(nb.cells) if c.cell_type == "code" and (c.outputs or c.execution_count)]
     assert not dirty, f"cells {dirty} keep outputs; clear them before committing (Kernel > Restart & Clear Output)"
 
 
+def test_notebook_uses_only_the_public_api():
+    private = re.compile(r"tpu_utility\.(xla|_\w+)\b|from tpu_utility import[^\n]*\bxla\b|\bxla\.\w+\(")
+    bad = [c.source for c in _code_cells() if private.search(c.source)]
+    assert not bad, f"cells use the private module tpu_utility.xla: {bad}"
+
+
+def _outputs_text(nb) -> str:
+    return "\n".join(
+        o.get("text", "") + str(o.get("data", {}).get("text/plain", "")) + str(o.get("data", {}).get("text/markdown", ""))
+        for c in nb.cells if c.cell_type == "code" for o in c.outputs
+    )  # fmt: skip
+
+
 def test_notebook_runs_end_to_end(tmp_path, monkeypatch):
     from nbclient import NotebookClient
 
     monkeypatch.delenv("MPLBACKEND", raising=False)  # the kernel uses the notebook's inline backend
+    monkeypatch.setenv("PYTHONPATH", ROOT)  # the kernel imports this tree's tpu_utility
+    monkeypatch.setenv("CPU_NUM_DEVICES", "4")  # the kernel's cores="all" cell trains on 4 XLA:CPU devices
 
     nb = nbformat.read(NOTEBOOK, as_version=4)
     client = NotebookClient(nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}})
     client.execute()  # raises CellExecutionError naming the cell if any cell fails
-    text = "\n".join(
-        o.get("text", "") + str(o.get("data", {}).get("text/plain", "")) + str(o.get("data", {}).get("text/markdown", ""))
-        for c in nb.cells if c.cell_type == "code" for o in c.outputs
-    )  # fmt: skip
+    text = _outputs_text(nb)
     assert "tpu_utility on" in text and "via XLA" in text
     assert "clean: no recompiles" in text  # doctor on the ported loop
     assert "[host_sync]" in text and "logged.append(train_step(batch).item())" in text
+    assert "one_cycle_fit: spmd on 4 CPU core(s)" in text  # the cores="all" cell ran on every device
     assert "validation accuracy:" in text
     images = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs if "image/png" in o.get("data", {})]
     assert len(images) >= 2  # the LR finder and history plots, inline
     assert (tmp_path / "checkpoints" / "last.pt").exists()
+    stderr = "".join(o.get("text", "") for c in nb.cells for o in c.get("outputs", []) if o.get("name") == "stderr")
+    assert "IProgress not found" not in stderr  # ipywidgets is there, so bars are widgets
 
 
 pytest.importorskip("nbclient")

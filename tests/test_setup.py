@@ -2,9 +2,11 @@
 
 import os
 
-from conftest import run_python
-from tpu_utility.environment import default_cache_dir, detect_platform, suggest_num_workers
-from tpu_utility.xla import detect_tpu
+import pytest
+
+from conftest import BLOCK_TORCH_XLA, ROOT, run_python
+from tpu_utility.environment import default_cache_dir, detect_platform, suggest_num_workers, usable_cpus
+from tpu_utility.xla import XLA_RELEASES, check_versions, detect_tpu, fix_command
 
 
 def test_detect_platform_from_the_environment():
@@ -43,6 +45,96 @@ def test_suggested_workers_leave_a_cpu_per_process():
     assert suggest_num_workers(4, processes=4) == 0
 
 
+def test_workers_never_exceed_the_cpus_a_container_may_use(tmp_path):
+    (tmp_path / "cpu.max").write_text("150000 100000\n")  # cgroup v2: a quota of 1.5 CPUs
+    assert usable_cpus(str(tmp_path)) == min(2, len(os.sched_getaffinity(0)))
+    (tmp_path / "cpu.max").write_text("max 100000\n")  # no quota: the CPUs this process may run on
+    assert usable_cpus(str(tmp_path)) == len(os.sched_getaffinity(0))
+    v1 = tmp_path / "v1" / "cpu"
+    v1.mkdir(parents=True)
+    (v1 / "cpu.cfs_quota_us").write_text("100000\n")
+    (v1 / "cpu.cfs_period_us").write_text("100000\n")
+    assert usable_cpus(str(tmp_path / "v1")) == 1
+    assert suggest_num_workers(usable_cpus(str(tmp_path / "v1"))) == 0
+
+
+def _release_of(version: str) -> str:
+    return ".".join(version.split(".")[:2])
+
+
+def test_the_fix_command_installs_one_real_release():
+    for torch_pin, xla_pin, vision_pin in XLA_RELEASES.values():
+        assert _release_of(torch_pin) == _release_of(xla_pin)
+        assert int(vision_pin.split(".")[1]) == int(torch_pin.split(".")[1]) + 15  # torchvision's numbering
+    newest_torch, newest_xla, newest_vision = XLA_RELEASES[max(XLA_RELEASES, key=lambda r: int(r.split(".")[1]))]
+    # the installed torch_xla's release is kept, torchvision included
+    old_torch, old_xla, old_vision = XLA_RELEASES[min(XLA_RELEASES, key=lambda r: int(r.split(".")[1]))]
+    command = fix_command(newest_torch, old_xla)
+    assert command == f'pip install "torch=={old_torch}" "torch_xla[tpu]=={old_xla}" "torchvision=={old_vision}"'
+    # a torch newer than torch_xla's last release: no such torch_xla exists, so install the last trio
+    major, minor = newest_torch.split(".")[:2]
+    future = f"{major}.{int(minor) + 3}.0"
+    command = fix_command(future)
+    assert command.startswith(f'pip install "torch=={newest_torch}" "torch_xla[tpu]=={newest_xla}" '
+                              f'"torchvision=={newest_vision}"')  # fmt: skip
+    assert f"torch {future} has no torch_xla" in command
+    assert f"torch_xla[tpu]=={major}.{int(minor) + 3}" not in command
+
+
+def test_a_torchvision_of_another_release_is_caught_with_the_fix():
+    torch_pin, xla_pin, vision_pin = next(iter(XLA_RELEASES.values()))
+    wrong_vision = f"0.{int(vision_pin.split('.')[1]) + 1}.0"
+    with pytest.raises(RuntimeError) as e:
+        check_versions(torch_pin, xla_pin, wrong_vision)
+    assert f"torchvision {wrong_vision} does not match torch {torch_pin}" in str(e.value)
+    assert f'"torchvision=={vision_pin}"' in str(e.value)
+    check_versions(torch_pin + "+cu128", xla_pin, vision_pin + "+cpu")  # local-version suffixes match
+
+
+def _fake_torch_tpu(tmp_path):
+    pkg = tmp_path / "torch_tpu"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("raise ImportError('torch_tpu needs a TPU and torch 2.11+')\n")
+    return {"PYTHONPATH": f"{ROOT}{os.pathsep}{tmp_path}"}
+
+
+def test_setup_tpu_says_plainly_that_it_runs_on_torch_xla_beside_torch_tpu(tmp_path):
+    r = run_python("""
+        import sys, warnings
+        from tpu_utility import setup_tpu
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            info = setup_tpu(verbose=False)
+        print("warned:", [str(w.message) for w in caught])
+        print("xla:", info.xla, "imported torch_tpu:", "torch_tpu" in sys.modules)
+    """, env=_fake_torch_tpu(tmp_path))
+    assert r.returncode == 0, r.stderr
+    assert "torch_tpu (TorchTPU, device 'tpu') is installed, but tpu_utility runs on torch_xla" in r.stdout
+    assert "xla: True imported torch_tpu: False" in r.stdout  # found, never imported
+    r = run_python(BLOCK_TORCH_XLA + """
+import warnings
+warnings.simplefilter("ignore")
+from tpu_utility import setup_tpu
+try:
+    setup_tpu()
+except ModuleNotFoundError as e:
+    print("error:", e)
+""", env={**_fake_torch_tpu(tmp_path / "again"), "PJRT_DEVICE": "CPU"})
+    assert "needs torch_xla (torch_tpu is installed, but tpu_utility runs on torch_xla)" in r.stdout, r.stderr
+    assert 'pip install "torch==' in r.stdout
+
+
+def test_no_torch_tpu_no_word_about_it():
+    r = run_python("""
+        import warnings
+        warnings.simplefilter("error")
+        from tpu_utility import setup_tpu
+        setup_tpu()
+    """)
+    assert r.returncode == 0, r.stderr
+    assert "torch_tpu" not in r.stdout + r.stderr
+
+
 def test_setup_tpu_twice_is_harmless_and_the_cache_fills(tmp_path):
     r = run_python(f"""
         import os, torch
@@ -73,3 +165,19 @@ def test_compile_cache_is_off_by_default_on_xla_cpu_and_says_why():
     assert r.returncode == 0, r.stderr
     assert "compile cache: off (XLA:CPU cannot reload compiled programs)" in r.stdout
     assert "cache: None env: None" in r.stdout
+
+
+def test_training_prints_nothing_about_jax_on_any_torch_xla():
+    # torch_xla 2.8's loader traces warned "requires jax/pallas" several times per batch without jax
+    r = run_python("""
+        import torch
+        from torch.utils.data import TensorDataset
+        from tpu_utility import one_cycle_fit
+        torch.manual_seed(0)
+        data = TensorDataset(torch.randn(64, 4), torch.randint(0, 2, (64,)))
+        one_cycle_fit(torch.nn.Linear(4, 2), data, epochs=2, max_lr=1e-2, batch_size=16, progress=False)
+        print("trained")
+    """)
+    assert r.returncode == 0, r.stderr
+    assert "trained" in r.stdout
+    assert "jax" not in r.stderr.lower(), r.stderr[-2000:]

@@ -10,6 +10,9 @@
 Importing this package never imports torch_xla; it works without it (CUDA, else CPU).
 """
 
+from importlib.metadata import PackageNotFoundError as _PackageNotFoundError
+from importlib.metadata import version as _version
+
 from .amp import autocast, grad_scaler
 from .cache import CachedDataset, cache_dataset
 from .checkpoint import load_checkpoint, save_checkpoint
@@ -24,6 +27,11 @@ from .lr_finder import LRFinderResult, find_lr
 from .optim import step_optimizer
 from .presize import PresizeReport, presize_images
 from .schedule import one_cycle, one_cycle_curve
+
+try:
+    __version__ = _version("tpu_utility")  # the installed metadata (pyproject.toml's version)
+except _PackageNotFoundError:  # a source tree that was never installed
+    __version__ = "0+unknown"
 
 __all__ = [
     "autocast",

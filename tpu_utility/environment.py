@@ -8,6 +8,7 @@ multi-core launch can still follow.
 
 from __future__ import annotations
 
+import math
 import os
 import warnings
 from dataclasses import asdict, dataclass
@@ -93,6 +94,36 @@ def suggest_num_workers(host_cpus: int, processes: int = 1) -> int:
     return max(0, min(8, host_cpus // max(processes, 1) - 1))
 
 
+def usable_cpus(cgroup_root: str = "/sys/fs/cgroup") -> int:
+    """CPUs this process may really use: its CPU affinity, capped by a container's CPU quota.
+
+    ``os.cpu_count()`` counts the host's CPUs, which a notebook container (Kaggle, Colab,
+    Docker) may be limited well below; more DataLoader workers than this only contend.
+    """
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = os.cpu_count() or 1
+    quota = _cgroup_cpu_quota(cgroup_root)
+    return max(1, min(cpus, math.ceil(quota)) if quota else cpus)
+
+
+def _cgroup_cpu_quota(root: str) -> float | None:
+    """The container's CPU quota in CPUs (cgroup v2, else v1), or None when unlimited."""
+    def read(name: str) -> list[str]:
+        with open(os.path.join(root, name)) as f:
+            return f.read().split()
+
+    for quota_file, period_file in (("cpu.max", None), ("cpu/cpu.cfs_quota_us", "cpu/cpu.cfs_period_us")):
+        try:
+            values = read(quota_file)  # v2: "max 100000" or "<quota> <period>"; v1: "-1" or "<quota>"
+            quota, period = values[0], (values[1] if period_file is None else read(period_file)[0])
+            return None if quota in ("max", "-1") else int(quota) / int(period)
+        except (OSError, ValueError, IndexError):
+            continue
+    return None
+
+
 def _host_ram_gb() -> float:
     try:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
@@ -133,8 +164,8 @@ def setup_tpu(
 
     Raises:
         ValueError: ``device`` is not one of "auto", "TPU", "CPU".
-        RuntimeError: torch and torch_xla versions differ (the message has the pip
-            command), ``PJRT_DEVICE=TPU`` with no TPU attached, or the XLA runtime
+        RuntimeError: torch, torch_xla and torchvision are not of one release (the
+            message has the pip command that fixes it), ``PJRT_DEVICE=TPU`` with no TPU attached, or the XLA runtime
             already runs on a different device type than the one asked for.
 
     Example:
@@ -150,7 +181,13 @@ def setup_tpu(
     tpu = xla.detect_tpu()
     platform = detect_platform(tpu_chips=tpu.chips)
     torch_xla_version = xla.installed_version("torch_xla") if xla.XLA_INSTALLED else None
-    xla.check_versions(torch.__version__, torch_xla_version)
+    xla.check_versions(torch.__version__, torch_xla_version, xla.installed_version("torchvision"))
+    if xla.torch_tpu_installed():
+        warnings.warn(
+            "torch_tpu (TorchTPU, device 'tpu') is installed, but tpu_utility runs on torch_xla "
+            "(device 'xla') and does not use it.",
+            stacklevel=2,
+        )
 
     user_choice = xla.pjrt_device()
     if device != "auto" and user_choice is not None and user_choice != device:
@@ -168,7 +205,10 @@ def setup_tpu(
         )
     xla.refuse_missing_tpu(wanted)
     if wanted is not None and not xla.XLA_INSTALLED:
-        raise ModuleNotFoundError(f"PJRT_DEVICE={wanted!r} needs torch_xla. Install it with: {xla.INSTALL_HINT}")
+        also = " (torch_tpu is installed, but tpu_utility runs on torch_xla)" if xla.torch_tpu_installed() else ""
+        raise ModuleNotFoundError(
+            f"PJRT_DEVICE={wanted!r} needs torch_xla{also}. Install it with: {xla.INSTALL_HINT}"
+        )
     if wanted is not None:
         os.environ["PJRT_DEVICE"] = wanted
 
@@ -201,7 +241,7 @@ def setup_tpu(
     else:
         device_type, kind, count = "cpu", None, 1
 
-    cpus = os.cpu_count() or 1
+    cpus = usable_cpus()
     processes = tpu.chips if wanted == "TPU" and tpu.chips else 1
     info = TpuInfo(
         platform=platform,

@@ -18,6 +18,7 @@ import glob
 import importlib
 import importlib.metadata
 import importlib.util
+import inspect
 import os
 import sys
 from dataclasses import dataclass
@@ -36,7 +37,54 @@ def _installed(name: str) -> bool:
 
 XLA_INSTALLED: bool = _installed("torch_xla")
 
-INSTALL_HINT = 'pip install "torch_xla[tpu]==<your torch version>"'
+# torch, torch_xla and torchvision of each torch_xla release, by "major.minor". torch_xla
+# is built for one torch release and torchvision for one torch release; 2.9 is torch_xla's
+# last release (torch 2.10+ has none: TorchTPU, the `torch_tpu` package, follows it).
+XLA_RELEASES: dict[str, tuple[str, str, str]] = {
+    "2.5": ("2.5.1", "2.5.1", "0.20.1"),
+    "2.6": ("2.6.0", "2.6.0", "0.21.0"),
+    "2.7": ("2.7.0", "2.7.0", "0.22.0"),
+    "2.8": ("2.8.0", "2.8.0", "0.23.0"),
+    "2.9": ("2.9.0", "2.9.0", "0.24.0"),
+}
+_LAST_XLA_RELEASE = "2.9"
+
+
+def _release(version: str | None) -> str | None:
+    """ "2.8.0+cu128" -> "2.8"; None stays None."""
+    return ".".join(version.split("+")[0].split(".")[:2]) if version else None
+
+
+def _newer_than_last_release(version: str) -> bool:
+    try:
+        return [int(p) for p in _release(version).split(".")] > [int(p) for p in _LAST_XLA_RELEASE.split(".")]
+    except ValueError:
+        return False
+
+
+def fix_command(torch_version: str, xla_version: str | None = None) -> str:
+    """The pip command that installs a working torch/torch_xla/torchvision trio.
+
+    It keeps the installed torch_xla's release where one exists, else the installed
+    torch's, else (torch 2.10+, which has no torch_xla) the last release, 2.9.
+    """
+    release = next(
+        (r for r in (_release(xla_version), _release(torch_version)) if r in XLA_RELEASES), _LAST_XLA_RELEASE
+    )
+    torch_pin, xla_pin, vision_pin = XLA_RELEASES[release]
+    command = f'pip install "torch=={torch_pin}" "torch_xla[tpu]=={xla_pin}" "torchvision=={vision_pin}"'
+    if _newer_than_last_release(torch_version):
+        last_torch, last_xla, _ = XLA_RELEASES[_LAST_XLA_RELEASE]
+        command += f"  # torch {torch_version} has no torch_xla: the last, {last_xla}, is for torch {last_torch}"
+    return command
+
+
+def torch_tpu_installed() -> bool:
+    """True when TorchTPU (the `torch_tpu` package) is installed; found without importing it."""
+    return _installed("torch_tpu")
+
+
+INSTALL_HINT = fix_command(torch.__version__)
 
 _GOOGLE_PCI_VENDOR = "0x1ae0"
 # PCI device ids of TPU chips (as torch_xla._internal.tpu lists them) and the
@@ -115,22 +163,30 @@ def installed_version(package: str) -> str | None:
         return None
 
 
-def check_versions(torch_version: str, xla_version: str | None) -> None:
-    """Raises RuntimeError with the pip command to fix it if the versions differ.
+def check_versions(torch_version: str, xla_version: str | None, torchvision_version: str | None = None) -> None:
+    """Raises RuntimeError with the pip command to fix it if the releases differ.
 
-    torch_xla is built against one torch release; a mismatch fails at import
-    with an undefined-symbol error, so we check the metadata first.
+    torch_xla and torchvision are each built against one torch release; a mismatch
+    fails at import with an undefined-symbol or missing-operator error, so we check
+    the metadata first. Nothing is checked without torch_xla.
     """
     if xla_version is None:
         return
-    torch_mm = torch_version.split("+")[0].split(".")[:2]
-    xla_mm = xla_version.split("+")[0].split(".")[:2]
-    if torch_mm != xla_mm:
-        fix_version = ".".join(xla_version.split("+")[0].split(".")[:3])
+    torch_release = _release(torch_version)
+    problem = None
+    if _release(xla_version) != torch_release:
+        problem = f"torch {torch_version} does not match torch_xla {xla_version}: torch_xla only works with"
+    elif torchvision_version and torch_release in XLA_RELEASES:
+        wanted = _release(XLA_RELEASES[torch_release][2])
+        if _release(torchvision_version) != wanted:
+            problem = (
+                f"torchvision {torchvision_version} does not match torch {torch_version} (it needs "
+                f"torchvision {wanted}.x): torchvision only works with"
+            )
+    if problem:
         raise RuntimeError(
-            f"torch {torch_version} does not match torch_xla {xla_version}: torch_xla "
-            f"only works with the torch release it was built for. Fix it with:\n"
-            f'    pip install "torch=={fix_version}" "torch_xla[tpu]=={fix_version}"\n'
+            f"{problem} the torch release it was built for. Fix it with:\n"
+            f"    {fix_command(torch_version, xla_version)}\n"
             f"then restart the kernel."
         )
 
@@ -142,7 +198,26 @@ def require_xla() -> Any:
     check_versions(torch.__version__, installed_version("torch_xla"))
     if not runtime_started():
         refuse_missing_tpu(pjrt_device())
-    return importlib.import_module("torch_xla")
+    module = importlib.import_module("torch_xla")
+    _quiet_profiler_jax_probe()
+    return module
+
+
+@functools.lru_cache(maxsize=None)
+def _quiet_profiler_jax_probe() -> None:
+    """Stops torch_xla 2.8 printing a jax warning several times per batch.
+
+    Its profiler traces, which MpDeviceLoader opens around every batch, probe for jax and,
+    without jax, log "You are trying to use a feature that requires jax/pallas" to the root
+    logger each time; 2.9 probes quietly. Only the profiler's probe is silenced: a real
+    jax/pallas feature still warns.
+    """
+    if _installed("jax"):
+        return
+    profiler = importlib.import_module("torch_xla.debug.profiler")
+    probe = getattr(profiler, "maybe_get_jax", None)
+    if probe is not None and "log" not in inspect.signature(probe).parameters:  # 2.8; 2.9 has log=
+        profiler.maybe_get_jax = lambda: None
 
 
 def refuse_missing_tpu(requested: str | None) -> None:
