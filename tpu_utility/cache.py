@@ -35,6 +35,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from . import xla
 from .files import LOCK_NAME, TEMP_SUFFIX, atomic_write, folder_lock
+from .progress import progress_bar
 
 FORMAT = "tpu_utility.cache/1"
 MANIFEST = "manifest.json"
@@ -244,7 +245,7 @@ def cache_dataset(
         shard_mb: Target size of one shard file.
         seed: Seeds each sample's augmentation as ``(seed, copy, index)``.
         num_workers: DataLoader workers running the dataset in parallel.
-        progress: A tqdm bar.
+        progress: A progress bar (a widget in notebooks; none in logs).
 
     Returns:
         The path of the manifest.
@@ -325,8 +326,6 @@ def _complete(path: str, plan: dict[str, Any]) -> bool:
 
 
 def _build(dataset: Dataset, path: str, plan: dict[str, Any], num_workers: int, progress: bool) -> None:
-    from tqdm.auto import tqdm
-
     manifest_path, plan_path = os.path.join(path, MANIFEST), os.path.join(path, PLAN)
     if os.path.exists(manifest_path):  # shards missing or short since: rebuild those
         for file in _problems(path, _read_manifest(manifest_path)):
@@ -342,7 +341,7 @@ def _build(dataset: Dataset, path: str, plan: dict[str, Any], num_workers: int, 
     n, per_shard, copies = plan["count"], plan["samples_per_shard"], plan["copies"]
     fields = [_Field(f["kind"], f["dtype"], tuple(f["shape"])) for f in plan["fields"]]
     shards = []
-    bar = tqdm(total=n * copies, desc="caching", unit="sample", disable=not progress)
+    bar = progress_bar(n * copies, "caching", enabled=progress, unit="sample")
     for copy in range(copies):
         for shard in range(-(-n // per_shard)):
             start, stop = shard * per_shard, min((shard + 1) * per_shard, n)

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
 from .files import atomic_write, remove_stale_temporaries
+from .progress import progress_bar
 
 ResizeMode = Literal["short_side", "crop"]
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".tif", ".tiff", ".gif")
@@ -165,7 +166,7 @@ def presize_images(
         workers: Processes (default: all host CPUs).
         quality: JPEG and WebP quality, 1-100. Every other format keeps its
             own lossless encoding; each image keeps its input format.
-        progress: A tqdm bar.
+        progress: A progress bar (a widget in notebooks; none in logs).
 
     Returns:
         PresizeReport: counts written and skipped, and the unreadable files with why.
@@ -179,8 +180,6 @@ def presize_images(
         >>> report = presize_images("/kaggle/input/big-jpegs", "/kaggle/working/small", 256)  # doctest: +SKIP
         >>> train_ds = ImageFolder("/kaggle/working/small", transform=augment)              # doctest: +SKIP
     """
-    from tqdm.auto import tqdm
-
     if isinstance(size, bool) or not isinstance(size, int) or size < 1:
         raise ValueError(f"size must be a positive int (pixels), but given {size!r}")
     if mode not in get_args(ResizeMode):
@@ -205,9 +204,11 @@ def presize_images(
                 jobs.append((src, os.path.join(dst_dir, os.path.relpath(src, src_dir)), size, mode, quality))
     report = PresizeReport()
     pool = ProcessPoolExecutor(max_workers=workers or os.cpu_count() or 1, initializer=_watch_parent, initargs=(os.getpid(),))
+    bar = progress_bar(len(jobs), "presizing", enabled=progress, unit="image")
     try:
         results = pool.map(_resize_one, jobs, chunksize=16)
-        for job, (status, error) in tqdm(zip(jobs, results), total=len(jobs), desc="presizing", disable=not progress):
+        for job, (status, error) in zip(jobs, results):
+            bar.update(1)
             if status in ("written", "redone"):
                 report.written += 1
                 report.redone += status == "redone"
@@ -216,5 +217,6 @@ def presize_images(
             else:
                 report.failed.append((job[0], error or ""))
     finally:
+        bar.close()
         pool.shutdown(wait=True, cancel_futures=True)  # an interrupt does not wait for every queued image
     return report
