@@ -10,6 +10,7 @@
 Importing this package never imports torch_xla; it works without it (CUDA, else CPU).
 """
 
+from .buckets import BucketCollate, choose_buckets, padding_waste
 from .cache import CachedDataset, cache_dataset
 from .checkpoint import load_checkpoint
 from .data import make_sampler
@@ -24,8 +25,10 @@ from .presize import PresizeReport, presize_images
 from .schedule import one_cycle, one_cycle_curve
 
 __all__ = [
+    "BucketCollate",
     "cache_dataset",
     "CachedDataset",
+    "choose_buckets",
     "doctor",
     "DoctorReport",
     "EpochRecord",
@@ -38,6 +41,7 @@ __all__ = [
     "one_cycle",
     "one_cycle_curve",
     "one_cycle_fit",
+    "padding_waste",
     "presize_images",
     "PresizeReport",
     "setup_tpu",
