@@ -24,7 +24,7 @@ os.environ.setdefault("PJRT_DEVICE", "CPU")
 warnings.filterwarnings("ignore", message="dropping the last")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-SAMPLES, BATCH, EPOCHS, ROUNDS, BUCKETS = 2048, 32, 4, 3, 4
+SAMPLES, BATCH, EPOCHS, ROUNDS, BUCKETS = 1536, 32, 4, 3, 4
 LOOPS = {
     "naive": "naive port: pad to longest per batch",
     "bucketed": "bucketed port: BucketCollate, hand loop",
