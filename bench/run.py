@@ -14,7 +14,8 @@ from functools import partial
 import torch
 from torch.utils.data import TensorDataset
 
-from peers import Workload, accelerate_loop, fit, ideal_loop, lightning_trainer, naive_port, print_table, run_interleaved
+from peers import (Workload, accelerate_loop, fit, ideal_loop, lightning_trainer, naive_port, print_table,
+                   run_interleaved)
 from tpu_utility.demo import digits_datasets, small_cnn
 
 BATCH, EPOCHS, ROUNDS = 64, 4, 3

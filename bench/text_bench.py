@@ -32,13 +32,6 @@ LOOPS = {
 }
 
 
-def _train_step(model, batch):
-    import torch.nn.functional as F
-
-    tokens, mask, y = batch
-    return F.cross_entropy(model(tokens, mask), y)
-
-
 def one_run(kind: str) -> dict:
     """Trains once in this process; per-epoch seconds and compiles, and the padding waste."""
     import torch
@@ -46,7 +39,7 @@ def one_run(kind: str) -> dict:
     from torch.utils.data import DataLoader
 
     from tpu_utility import BucketCollate, get_device, one_cycle_fit, step_optimizer, xla
-    from tpu_utility.demo import MarkerClassifier, marker_sequences, pad_to_longest
+    from tpu_utility.demo import MarkerClassifier, marker_sequences, masked_train_step, pad_to_longest
 
     train = marker_sequences(SAMPLES, seed=0)
     lengths = [len(s) for s, _ in train]
@@ -54,7 +47,7 @@ def one_run(kind: str) -> dict:
     torch.manual_seed(0)
     if kind == "fit":
         history = one_cycle_fit(MarkerClassifier(), DataLoader(train, batch_size=BATCH, collate_fn=collate),
-                                epochs=EPOCHS, max_lr=1e-2, train_step=_train_step, progress=False)  # fmt: skip
+                                epochs=EPOCHS, max_lr=1e-2, train_step=masked_train_step, progress=False)  # fmt: skip
         compiles = [r.compiles for r in history.records]
         return {"seconds": [r.seconds for r in history.records], "compiles": compiles, "waste": collate.waste,
                 "shapes": sum(n > 0 for n in collate.bucket_batches.values())}  # fmt: skip

@@ -72,6 +72,18 @@ def pad_to_longest(samples: list[tuple[torch.Tensor, int]]) -> tuple[torch.Tenso
     return tokens, mask, torch.tensor([y for _, y in samples])
 
 
+def masked_train_step(model: nn.Module, batch: tuple) -> torch.Tensor:
+    """one_cycle_fit's ``train_step`` for ``(tokens, mask, target)`` batches."""
+    tokens, mask, target = batch
+    return nn.functional.cross_entropy(model(tokens, mask), target)
+
+
+def masked_eval_step(model: nn.Module, batch: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+    """one_cycle_fit's ``eval_step`` for ``(tokens, mask, target)`` batches."""
+    tokens, mask, target = batch
+    return model(tokens, mask), target
+
+
 class MarkerClassifier(nn.Module):
     """Embedding, a per-token layer and a max over the real tokens (``mask``)."""
 
