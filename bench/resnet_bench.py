@@ -18,7 +18,7 @@ from torch.utils.data import TensorDataset
 from peers import Workload, accelerate_loop, fit, ideal_loop, lightning_trainer, print_table, run_interleaved
 from tpu_utility.demo import digits_datasets
 
-BATCH, EPOCHS, ROUNDS = 32, 3, 3
+BATCH, EPOCHS, ROUNDS = 32, 3, 5
 HAND = "hand-written loop, fused AdamW, MpDeviceLoader (constant lr)"
 
 
