@@ -86,6 +86,8 @@ def test_a_too_long_sequence_is_an_error_or_truncated_with_a_warning():
     assert "2 tokens truncated" in collate.summary()
     with pytest.raises(ValueError, match="overflow must be one of \\('error', 'truncate'\\), but given 'drop'"):
         BucketCollate([4], overflow="drop")
+    with pytest.raises(ValueError, match=r"pad_value=0.5 cannot fill torch.int64 sequences"):
+        BucketCollate([4], pad_value=0.5)([([1, 2], 0)])
     with pytest.raises(TypeError, match="sample 0 of the batch is Tensor"):
         BucketCollate([4])([torch.arange(3)])
 

@@ -241,6 +241,10 @@ class BucketCollate:
                 )
             bucket = self.buckets[-1]
         first = seqs[0]
+        if not (first.is_floating_point() or float(self.pad_value).is_integer()):
+            raise ValueError(
+                f"pad_value={self.pad_value!r} cannot fill {first.dtype} sequences without rounding; give an int"
+            )
         tokens = torch.full((len(seqs), bucket, *first.shape[1:]), self.pad_value, dtype=first.dtype)
         mask = torch.zeros(len(seqs), bucket, dtype=torch.bool)
         for i, seq in enumerate(seqs):
