@@ -14,6 +14,7 @@ from importlib.metadata import PackageNotFoundError as _PackageNotFoundError
 from importlib.metadata import version as _version
 
 from .amp import autocast, grad_scaler
+from .buckets import BucketCollate, choose_buckets, padding_waste
 from .cache import CachedDataset, cache_dataset
 from .checkpoint import load_checkpoint, save_checkpoint
 from .data import make_sampler
@@ -35,8 +36,10 @@ except _PackageNotFoundError:  # a source tree that was never installed
 
 __all__ = [
     "autocast",
+    "BucketCollate",
     "cache_dataset",
     "CachedDataset",
+    "choose_buckets",
     "device_loader",
     "doctor",
     "DoctorError",
@@ -54,6 +57,7 @@ __all__ = [
     "one_cycle",
     "one_cycle_curve",
     "one_cycle_fit",
+    "padding_waste",
     "presize_images",
     "PresizeReport",
     "save_checkpoint",

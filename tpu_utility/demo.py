@@ -44,6 +44,59 @@ def small_cnn() -> nn.Module:
     )  # fmt: skip
 
 
+
+# ------------------------------------------------- variable-length text
+MARKER, PAD = 1, 0
+
+
+def marker_sequences(n: int, seed: int = 0, vocab: int = 50, max_len: int = 120) -> list[tuple[torch.Tensor, int]]:
+    """A synthetic text task: token sequences of skewed length 5..max_len, label 1 if
+    the marker token (1) occurs anywhere. Most are short, a few long, like real text."""
+    g = torch.Generator().manual_seed(seed)
+    samples = []
+    for _ in range(n):
+        length = 5 + int((max_len - 5) * torch.rand((), generator=g).item() ** 3)
+        tokens = torch.randint(2, vocab, (length,), generator=g)
+        label = int(torch.rand((), generator=g).item() < 0.5)
+        if label:
+            tokens[torch.randint(0, length, (), generator=g)] = MARKER
+        samples.append((tokens, label))
+    return samples
+
+
+def pad_to_longest(samples: list[tuple[torch.Tensor, int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The collate of a typical CUDA text loop: each batch padded to its longest sequence."""
+    seqs = [s for s, _ in samples]
+    tokens = nn.utils.rnn.pad_sequence(seqs, batch_first=True, padding_value=PAD)
+    mask = torch.arange(tokens.shape[1]) < torch.tensor([len(s) for s in seqs])[:, None]
+    return tokens, mask, torch.tensor([y for _, y in samples])
+
+
+def masked_train_step(model: nn.Module, batch: tuple) -> torch.Tensor:
+    """one_cycle_fit's ``train_step`` for ``(tokens, mask, target)`` batches."""
+    tokens, mask, target = batch
+    return nn.functional.cross_entropy(model(tokens, mask), target)
+
+
+def masked_eval_step(model: nn.Module, batch: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+    """one_cycle_fit's ``eval_step`` for ``(tokens, mask, target)`` batches."""
+    tokens, mask, target = batch
+    return model(tokens, mask), target
+
+
+class MarkerClassifier(nn.Module):
+    """Embedding, a per-token layer and a max over the real tokens (``mask``)."""
+
+    def __init__(self, vocab: int = 50, width: int = 32) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.token = nn.Sequential(nn.Linear(width, width), nn.ReLU())
+        self.head = nn.Linear(width, 2)
+
+    def forward(self, tokens: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        h = self.token(self.embed(tokens)).masked_fill(~mask.unsqueeze(-1), float("-inf"))
+        return self.head(h.amax(dim=1))
+
 def main(argv: list[str] | None = None) -> float:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cores", default="1", help="1 or 'all' (default 1)")

@@ -1,0 +1,229 @@
+"""The loops `make bench` compares, for any (model, dataset) workload, and the timing harness.
+
+Every loop trains the same model on the same data and batch size with AdamW on XLA:CPU.
+The peers run the one-cycle schedule too (torch's OneCycleLR, stepped every batch), as
+one_cycle_fit does. Epoch 1 (compilation) is left out of every figure. Timing is only
+reported here, never asserted in tests.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import time
+import warnings
+from dataclasses import dataclass
+from typing import Callable
+
+os.environ.setdefault("PJRT_DEVICE", "CPU")
+warnings.filterwarnings("ignore", message="dropping the last")
+
+import torch  # noqa: E402
+import torch_xla  # noqa: E402
+import torch_xla.core.xla_model as xm  # noqa: E402
+import torch_xla.debug.metrics as met  # noqa: E402
+import torch_xla.distributed.parallel_loader as pl  # noqa: E402
+from torch import nn  # noqa: E402
+from torch.utils.data import DataLoader, Dataset  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tpu_utility import get_device, one_cycle_fit, step_optimizer  # noqa: E402
+
+
+@dataclass
+class Workload:
+    dataset: Dataset
+    make_model: Callable[[], nn.Module]
+    batch: int
+    epochs: int
+    max_lr: float = 3e-3
+
+    @property
+    def steps(self) -> int:
+        return len(self.dataset) // self.batch
+
+
+def counters() -> tuple[int, int]:
+    """(graphs compiled, host syncs) so far in this process."""
+    compiles = met.metric_data("CompileTime")
+    return (int(compiles[0]) if compiles else 0), int(met.counter_value("aten::_local_scalar_dense") or 0)
+
+
+def hand_written_setup(w: Workload, device: torch.device, adamw: type = torch.optim.AdamW) -> tuple:
+    """What the hand-written loops share: model, AdamW at a constant lr, loss, loader."""
+    torch.manual_seed(0)
+    model = w.make_model().to(device)
+    opt = adamw(model.parameters(), lr=1e-3)
+    loader = DataLoader(w.dataset, batch_size=w.batch, shuffle=True, drop_last=True)
+    return model, opt, nn.CrossEntropyLoss(), loader
+
+
+def ideal_loop(w: Workload, fused: bool = False) -> list[float]:
+    """MpDeviceLoader, xm.optimizer_step, no .item(): torch_xla's recommended loop.
+
+    ``fused`` swaps in torch_xla's sync-free AdamW (one XLA op per parameter), the
+    optimizer one_cycle_fit uses on XLA.
+    """
+    from torch_xla.amp import syncfree
+
+    device = torch_xla.device()
+    model, opt, loss_fn, loader = hand_written_setup(w, device, syncfree.AdamW if fused else torch.optim.AdamW)
+    step_args = {"found_inf": torch.zeros((), device=device)} if fused else {}
+    seconds = []
+    for _ in range(w.epochs):
+        start = time.perf_counter()
+        for x, y in pl.MpDeviceLoader(loader, device):
+            opt.zero_grad(set_to_none=True)
+            loss_fn(model(x), y).backward()
+            xm.optimizer_step(opt, optimizer_args=step_args)
+        xm.wait_device_ops()
+        seconds.append((time.perf_counter() - start) / len(loader))
+    return seconds
+
+
+def naive_port(w: Workload) -> list[float]:
+    """The two-line port of a CUDA loop that logs loss.item() every step."""
+    device = get_device()
+    model, opt, loss_fn, loader = hand_written_setup(w, device)
+    seconds = []
+    for _ in range(w.epochs):
+        start, running = time.perf_counter(), 0.0
+        for x, y in loader:
+            x, y = x.to(device), y.to(device)
+            opt.zero_grad(set_to_none=True)
+            loss = loss_fn(model(x), y)
+            loss.backward()
+            step_optimizer(opt)
+            running += loss.item()
+        seconds.append((time.perf_counter() - start) / len(loader))
+    return seconds
+
+
+def _one_cycle(opt: torch.optim.Optimizer, w: Workload) -> torch.optim.lr_scheduler.OneCycleLR:
+    return torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=w.max_lr, total_steps=w.epochs * w.steps, pct_start=0.25)
+
+
+def lightning_trainer(w: Workload) -> list[float]:
+    """Lightning refuses XLA:CPU: XLAAccelerator.is_available() counts TPU chips only.
+
+    The minimal workaround, patching is_available and auto_device_count, is
+    enough for Trainer(accelerator="tpu", devices=1) to train.
+    """
+    import logging
+
+    import lightning as L
+
+    logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)  # its banner, every run
+    from lightning.fabric.accelerators import xla as fabric_xla
+    from lightning.pytorch.accelerators import XLAAccelerator
+
+    for cls in (XLAAccelerator, fabric_xla.XLAAccelerator):
+        cls.is_available = staticmethod(lambda: True)
+        cls.auto_device_count = staticmethod(lambda: 1)
+
+    class Module(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.net = w.make_model()
+
+        def training_step(self, batch, index):
+            x, y = batch
+            return nn.functional.cross_entropy(self.net(x), y)
+
+        def configure_optimizers(self):
+            opt = torch.optim.AdamW(self.parameters(), lr=1e-3)
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": _one_cycle(opt, w), "interval": "step"}}
+
+    class EpochTimer(L.Callback):
+        def __init__(self) -> None:
+            self.seconds: list[float] = []
+
+        def on_train_epoch_start(self, trainer, module) -> None:
+            self.start = time.perf_counter()
+
+        def on_train_epoch_end(self, trainer, module) -> None:
+            xm.wait_device_ops()
+            self.seconds.append((time.perf_counter() - self.start) / w.steps)
+
+    timer = EpochTimer()
+    trainer = L.Trainer(accelerator="tpu", devices=1, max_epochs=w.epochs, callbacks=[timer], logger=False,
+                        enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False)  # fmt: skip
+    trainer.fit(Module(), DataLoader(w.dataset, batch_size=w.batch, shuffle=True, drop_last=True))
+    return timer.seconds
+
+
+def accelerate_loop(w: Workload) -> list[float]:
+    """Accelerate's documented loop; it accepts XLA:CPU as it is (DistributedType.XLA)."""
+    from accelerate import Accelerator
+
+    accelerator = Accelerator()
+    torch.manual_seed(0)
+    model = w.make_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    loader = DataLoader(w.dataset, batch_size=w.batch, shuffle=True, drop_last=True)
+    sched = _one_cycle(opt, w)
+    model, opt, loader, sched = accelerator.prepare(model, opt, loader, sched)
+    seconds = []
+    for _ in range(w.epochs):
+        start = time.perf_counter()
+        for x, y in loader:
+            opt.zero_grad()
+            accelerator.backward(nn.functional.cross_entropy(model(x), y))
+            opt.step()
+            sched.step()
+        xm.wait_device_ops()
+        seconds.append((time.perf_counter() - start) / len(loader))
+    return seconds
+
+
+def fit(w: Workload) -> list[float]:
+    torch.manual_seed(0)
+    history = one_cycle_fit(w.make_model(), w.dataset, epochs=w.epochs, max_lr=w.max_lr, batch_size=w.batch,
+                            progress=False)  # fmt: skip
+    return [r.seconds / w.steps for r in history.records]
+
+
+@dataclass
+class Timings:
+    """Steady-state seconds per step of every loop, by round, with compiles and host syncs."""
+
+    per_round: dict[str, list[float]]  # median s/step of each round
+    best: dict[str, float]  # the fastest steady epoch's s/step, over all rounds (the least disturbed)
+    compiles: dict[str, list[int]]  # graphs compiled by each run
+    syncs: dict[str, float]  # host syncs per step (last run)
+
+    def ratios(self, name: str, baseline: str) -> list[float]:
+        """Per-round ratios to the baseline, each taken within one round (same load)."""
+        return [a / b for a, b in zip(self.per_round[name], self.per_round[baseline])]
+
+
+def run_interleaved(loops: dict[str, Callable[[Workload], list[float]]], w: Workload, rounds: int) -> Timings:
+    """Runs every loop once per round, in turn, so load on the host hits them alike."""
+    t = Timings({name: [] for name in loops}, {name: float("inf") for name in loops}, {n: [] for n in loops}, {})
+    for _ in range(rounds):
+        for name, loop in loops.items():
+            met.clear_all()
+            c0, s0 = counters()
+            seconds = loop(w)
+            c1, s1 = counters()
+            t.per_round[name].append(statistics.median(seconds[1:]))  # epoch 1 is compilation
+            t.best[name] = min(t.best[name], *seconds[1:])
+            t.compiles[name].append(c1 - c0)
+            t.syncs[name] = (s1 - s0) / (w.epochs * w.steps)
+    return t
+
+
+def print_table(t: Timings, baseline: str, title: str) -> None:
+    short = baseline.split(" (")[0]
+    print(f"\n{title}")
+    print(f"| loop | ms/step, median (best) | vs {short}: median (range over rounds) | best vs best "
+          f"| graphs compiled per run | host syncs per step |")  # fmt: skip
+    print("|---|---|---|---|---|---|")
+    for name in t.per_round:
+        ms = statistics.median(t.per_round[name]) * 1000
+        r = t.ratios(name, baseline)
+        print(f"| {name} | {ms:.2f} ({t.best[name] * 1000:.2f}) | {statistics.median(r):.2f}x "
+              f"({min(r):.2f}-{max(r):.2f}) | {t.best[name] / t.best[baseline]:.2f}x "
+              f"| {max(t.compiles[name])} | {t.syncs[name]:.2f} |")  # fmt: skip

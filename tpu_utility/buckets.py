@@ -1,0 +1,289 @@
+"""BucketCollate: fixed shapes for variable-length data, so XLA compiles once per bucket.
+
+A CUDA text loop usually pads each batch to its longest sequence. On XLA every new
+length is a new graph and a new compile (seconds each), nearly every batch. Padding
+to one of a few bucket lengths instead bounds the distinct shapes, and so the
+compiles, by the number of buckets:
+
+    collate = BucketCollate.from_lengths([len(s) for s, _ in train_ds], batch_size=32)
+    loader = DataLoader(train_ds, batch_size=32, shuffle=True, collate_fn=collate, drop_last=True)
+    for tokens, mask, target in loader:      # mask: True on real tokens
+        ...
+    print(collate.summary())                 # buckets used, padding waste
+
+``choose_buckets`` and ``padding_waste`` are the pure math behind it.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import warnings
+from collections.abc import Mapping
+from typing import Any, Iterable, Literal, Sequence, get_args
+
+import torch
+from torch.utils.data.dataloader import default_collate
+
+Overflow = Literal["error", "truncate"]
+
+
+# ------------------------------------------------------------ pure math
+def _check_int(name: str, value: Any, low: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, but given {value!r} of type {type(value).__name__}")
+    if value < low:
+        raise ValueError(f"{name} must be an int >= {low}, but given {value}")
+    return value
+
+
+def _check_lengths(lengths: Iterable[int]) -> list[int]:
+    values = [int(n) for n in lengths]
+    if not values:
+        raise ValueError("lengths is empty; give the length of every sequence (at least one)")
+    if min(values) < 0:
+        raise ValueError(f"lengths must be >= 0, but given {min(values)}")
+    return values
+
+
+def _check_buckets(buckets: Sequence[int]) -> list[int]:
+    if isinstance(buckets, (str, bytes)) or not isinstance(buckets, Iterable):
+        raise TypeError(f"buckets must be a sequence of positive ints, but given {buckets!r}")
+    values = list(buckets)
+    if not values:
+        raise ValueError("buckets is empty; give at least one bucket length")
+    for b in values:
+        _check_int("every bucket length", b, 1)
+    if values != sorted(set(values)):
+        raise ValueError(f"buckets must be strictly increasing, but given {values}")
+    return values
+
+
+def choose_buckets(lengths: Iterable[int], num_buckets: int = 4, multiple_of: int = 8, *,
+                   batch_size: int = 1) -> list[int]:  # fmt: skip
+    """Bucket lengths from the data's length distribution: quantiles, rounded up.
+
+    Bucket ``k`` (of ``num_buckets``) is the length below which a fraction
+    ``k / num_buckets`` of the batches fall, rounded up to a multiple of
+    ``multiple_of``; the last bucket holds the longest sequence. A shuffled batch is
+    padded to its longest sequence, whose distribution is that of the maximum of
+    ``batch_size`` lengths (CDF ``F**batch_size``); with ``batch_size`` given,
+    each bucket serves about the same number of batches. Equal buckets merge, so
+    fewer may come back.
+
+    Args:
+        lengths: Length of every sequence (or, with ``batch_size=1``, the padded
+            lengths of batches seen, as ``doctor`` reports them).
+        num_buckets: At most this many buckets (distinct shapes, compiles).
+        multiple_of: Round every bucket up to a multiple of this (8 suits TPU tiles).
+        batch_size: Sequences per shuffled batch (1: quantiles of ``lengths`` themselves).
+
+    Returns:
+        Strictly increasing bucket lengths.
+
+    Example:
+        >>> choose_buckets([5, 7, 9, 12, 30, 31, 60, 120], num_buckets=4, multiple_of=8)
+        [8, 16, 32, 120]
+    """
+    values = sorted(_check_lengths(lengths))
+    _check_int("num_buckets", num_buckets, 1)
+    _check_int("multiple_of", multiple_of, 1)
+    _check_int("batch_size", batch_size, 1)
+    buckets: list[int] = []
+    for k in range(1, num_buckets + 1):
+        level = (k / num_buckets) ** (1 / batch_size)
+        length = values[min(len(values) - 1, max(0, math.ceil(level * len(values)) - 1))]
+        rounded = max(multiple_of, -(-length // multiple_of) * multiple_of)
+        if not buckets or rounded > buckets[-1]:
+            buckets.append(rounded)
+    return buckets
+
+
+def bucket_for(length: int, buckets: Sequence[int]) -> int | None:
+    """The smallest bucket that holds ``length``, or None when it is longer than all."""
+    i = bisect.bisect_left(buckets, length)
+    return buckets[i] if i < len(buckets) else None
+
+
+def padding_waste(lengths: Iterable[int], buckets: Sequence[int]) -> float:
+    """Tokens padded / tokens total when each sequence is padded to its own bucket.
+
+    This is the waste of batches that hold sequences of similar length. A shuffled
+    batch is padded to the bucket of its longest sequence and wastes more:
+    ``BucketCollate.waste`` measures the batches it really made.
+
+    Raises:
+        ValueError: a length exceeds the largest bucket (named with both).
+
+    Example:
+        >>> padding_waste([3, 8, 10], [8, 16])      # (5 + 0 + 6) padded of 8 + 8 + 16
+        0.34375
+    """
+    values, buckets = _check_lengths(lengths), _check_buckets(buckets)
+    if max(values) > buckets[-1]:
+        raise ValueError(f"a length of {max(values)} exceeds the largest bucket {buckets[-1]} (buckets {buckets})")
+    total = sum(bucket_for(n, buckets) or 0 for n in values)
+    return (total - sum(values)) / total if total else 0.0
+
+
+# ------------------------------------------------------------ the collate
+class BucketCollate:
+    """Pads each batch of variable-length sequences to the smallest bucket that fits it.
+
+    A batch comes out as ``(tokens, mask, target)``:
+
+    * ``tokens``: ``(batch, bucket, *feature_dims)``, the sequences left-aligned,
+      filled with ``pad_value`` after their end;
+    * ``mask``: ``(batch, bucket)`` bool, True on real tokens (``~mask`` is PyTorch's
+      ``key_padding_mask``; ``mask.sum(1)`` gives the lengths);
+    * ``target``: the targets collated by ``default_collate``.
+
+    Samples are ``(sequence, target)`` pairs (a sequence is a tensor, array or list
+    whose first dimension is the length) or dicts holding both under ``keys``
+    (Hugging Face style: ``{"input_ids": [...], "label": 3}``).
+
+    Each bucket is one shape, so at most ``len(buckets)`` graphs are compiled
+    when the batch size is fixed too: ``drop_last=True`` for training; for
+    evaluation ``one_cycle_fit`` pads the last batch itself. A sequence longer than
+    the largest bucket is an error, or cut to it with ``overflow="truncate"``
+    (counted, and warned about once). The counts of the batches made in this
+    process (not in DataLoader workers, which keep their own copy) are in
+    ``real_tokens``, ``padded_tokens``, ``truncated_tokens``, ``bucket_batches``,
+    ``waste`` and ``summary()``. Picklable, for DataLoader workers and spawn.
+
+    Args:
+        buckets: Increasing bucket lengths, e.g. ``[32, 64, 128, 256]``.
+        pad_value: Fills the tokens after each sequence's end.
+        overflow: "error" (default) or "truncate" for sequences longer than the
+            largest bucket.
+        keys: The sequence's and the target's keys in dict samples.
+
+    Example:
+        >>> # was: DataLoader(train_ds, batch_size=32, shuffle=True, collate_fn=pad_to_longest)
+        >>> collate = BucketCollate([32, 64, 128])
+        >>> loader = DataLoader(train_ds, batch_size=32, shuffle=True,    # doctest: +SKIP
+        ...                     collate_fn=collate, drop_last=True)
+        >>> tokens, mask, target = collate([(torch.tensor([5, 6, 7]), 1), (torch.tensor([8]), 0)])
+        >>> tokens.shape, mask.sum(1).tolist(), target.tolist()
+        (torch.Size([2, 32]), [3, 1], [1, 0])
+    """
+
+    def __init__(self, buckets: Sequence[int], pad_value: float = 0, *, overflow: Overflow = "error",
+                 keys: tuple[str, str] = ("input_ids", "label")) -> None:  # fmt: skip
+        self.buckets = _check_buckets(buckets)
+        if isinstance(pad_value, bool) or not isinstance(pad_value, (int, float)):
+            raise TypeError(f"pad_value must be a number, but given {pad_value!r}")
+        if overflow not in get_args(Overflow):
+            raise ValueError(f"overflow must be one of {get_args(Overflow)}, but given {overflow!r}")
+        if not (isinstance(keys, tuple) and len(keys) == 2):
+            raise TypeError(f"keys must be a (sequence_key, target_key) tuple, but given {keys!r}")
+        self.pad_value, self.overflow, self.keys = pad_value, overflow, keys
+        self.data_waste: float | None = None
+        self.real_tokens = self.padded_tokens = self.truncated_tokens = 0
+        self.bucket_batches = {b: 0 for b in self.buckets}
+
+    @classmethod
+    def from_lengths(cls, lengths: Iterable[int], num_buckets: int = 4, multiple_of: int = 8, *,
+                     batch_size: int = 1, **kwargs: Any) -> BucketCollate:  # fmt: skip
+        """A collate whose buckets come from ``choose_buckets(lengths, ...)``.
+
+        ``data_waste`` holds ``padding_waste(lengths, buckets)``. Other keyword
+        arguments (``pad_value``, ``overflow``, ``keys``) go to ``BucketCollate``.
+
+        Example:
+            >>> lengths = [len(tokens) for tokens, _ in train_ds]             # doctest: +SKIP
+            >>> collate = BucketCollate.from_lengths(lengths, batch_size=32)  # doctest: +SKIP
+        """
+        values = _check_lengths(lengths)
+        collate = cls(choose_buckets(values, num_buckets, multiple_of, batch_size=batch_size), **kwargs)
+        collate.data_waste = padding_waste(values, collate.buckets)
+        return collate
+
+    # -------------------------------------------------------------- collate
+    def _split(self, sample: Any, index: int) -> tuple[torch.Tensor, Any]:
+        if isinstance(sample, Mapping):
+            missing = [k for k in self.keys if k not in sample]
+            if missing:
+                raise KeyError(f"sample {index} of the batch lacks {missing}; it has {sorted(sample)}; set keys=...")
+            seq, target = sample[self.keys[0]], sample[self.keys[1]]
+        elif isinstance(sample, (tuple, list)) and len(sample) == 2:
+            seq, target = sample
+        else:
+            raise TypeError(
+                f"BucketCollate expects (sequence, target) pairs or dicts with keys {self.keys}, but sample "
+                f"{index} of the batch is {type(sample).__name__}"
+                f"{f' of length {len(sample)}' if isinstance(sample, (tuple, list)) else ''}"
+            )
+        seq = torch.as_tensor(seq)
+        if seq.dim() == 0:
+            raise ValueError(f"sample {index}'s sequence is a scalar; it needs a length (first dimension)")
+        return seq, target
+
+    def __call__(self, samples: Sequence[Any]) -> tuple[torch.Tensor, torch.Tensor, Any]:
+        if not samples:
+            raise ValueError("BucketCollate got an empty batch")
+        pairs = [self._split(s, i) for i, s in enumerate(samples)]
+        seqs = [seq for seq, _ in pairs]
+        longest = max(len(s) for s in seqs)
+        bucket = bucket_for(longest, self.buckets)
+        if bucket is None:
+            if self.overflow == "error":
+                raise ValueError(
+                    f"a sequence of length {longest} is longer than the largest bucket {self.buckets[-1]} "
+                    f"(buckets {self.buckets}); add a larger bucket (BucketCollate.from_lengths over all the "
+                    f"data) or pass overflow='truncate'"
+                )
+            if self.truncated_tokens == 0:
+                warnings.warn(
+                    f"truncating sequences longer than {self.buckets[-1]} tokens (one had {longest}); "
+                    f"BucketCollate.truncated_tokens counts what is cut",
+                    stacklevel=2,
+                )
+            bucket = self.buckets[-1]
+        first = seqs[0]
+        if not (first.is_floating_point() or float(self.pad_value).is_integer()):
+            raise ValueError(
+                f"pad_value={self.pad_value!r} cannot fill {first.dtype} sequences without rounding; give an int"
+            )
+        tokens = torch.full((len(seqs), bucket, *first.shape[1:]), self.pad_value, dtype=first.dtype)
+        mask = torch.zeros(len(seqs), bucket, dtype=torch.bool)
+        for i, seq in enumerate(seqs):
+            if seq.shape[1:] != first.shape[1:]:
+                raise ValueError(
+                    f"sample {i}'s sequence has feature shape {tuple(seq.shape[1:])}, sample 0's "
+                    f"{tuple(first.shape[1:])}; only the first dimension (the length) may vary"
+                )
+            n = min(len(seq), bucket)
+            tokens[i, :n] = seq[:n]
+            mask[i, :n] = True
+            self.truncated_tokens += len(seq) - n
+        real = int(mask.sum())
+        self.real_tokens += real
+        self.padded_tokens += mask.numel() - real
+        self.bucket_batches[bucket] += 1
+        return tokens, mask, default_collate([t for _, t in pairs])
+
+    # -------------------------------------------------------------- report
+    @property
+    def waste(self) -> float | None:
+        """Tokens padded / tokens total over the batches collated here (None before any)."""
+        total = self.real_tokens + self.padded_tokens
+        return self.padded_tokens / total if total else None
+
+    def summary(self) -> str:
+        """Buckets, batches per bucket and padding waste, in one line."""
+        parts = [f"BucketCollate: buckets {self.buckets}"]
+        if self.data_waste is not None:
+            parts.append(f"padding waste {self.data_waste:.1%} if batches held similar lengths")
+        if self.waste is None:
+            parts.append("no batches collated in this process (DataLoader workers keep their own counts)")
+        else:
+            used = ", ".join(f"{b}: {n}" for b, n in self.bucket_batches.items())
+            parts.append(f"batches per bucket {{{used}}}")
+            parts.append(f"padding waste {self.waste:.1%} of {self.real_tokens + self.padded_tokens} tokens")
+        if self.truncated_tokens:
+            parts.append(f"{self.truncated_tokens} tokens truncated")
+        return " | ".join(parts)
+
+    def __repr__(self) -> str:
+        return f"BucketCollate(buckets={self.buckets}, pad_value={self.pad_value!r}, overflow={self.overflow!r})"
