@@ -26,7 +26,6 @@ from __future__ import annotations
 import contextlib
 import itertools
 import linecache
-import math
 import os
 import sys
 import threading
@@ -40,6 +39,7 @@ from torch.utils import _pytree as pytree
 from torch.utils.data import DataLoader
 
 from . import xla
+from .buckets import choose_buckets
 from .optim import step_optimizer
 
 Kind = Literal[
@@ -489,13 +489,6 @@ def _growth(run: _Run, mode: Mode) -> Finding | None:
     )
 
 
-def _suggest_buckets(lengths: list[int], count: int = 4, multiple_of: int = 8) -> list[int]:
-    """Up to ``count`` bucket lengths at the quantiles of ``lengths``, rounded up to ``multiple_of``."""
-    values = sorted(lengths)
-    picks = [values[max(0, math.ceil(len(values) * k / count) - 1)] for k in range(1, count + 1)]
-    return sorted({max(multiple_of, -(-v // multiple_of) * multiple_of) for v in picks})
-
-
 def _length_dim(records: list[_Step]) -> tuple[int, int] | None:
     """(input, dim) of the first non-batch dimension whose size changes between steps."""
     first = records[0].shapes
@@ -536,7 +529,7 @@ def _shape_recompiles(run: _Run, mode: Mode) -> Finding | None:
         )
     j, d = length
     lengths = [r.shapes[j][d] for r in records if j < len(r.shapes) and len(r.shapes[j]) > d]
-    buckets = _suggest_buckets(lengths)
+    buckets = choose_buckets(lengths)
     sizes = {r.shapes[j][0] for r in records if j < len(r.shapes) and r.shapes[j]}
     also = f"; and the batch size changed too: {_batch_size_fix(mode)}" if len(sizes) > 1 else ""
     return Finding(
