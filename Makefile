@@ -82,6 +82,9 @@ test-kaggle: venv-kaggle
 bench: venv
 	$(PINNED)/bin/python -m pip install -q -r bench/requirements.txt
 	$(PINNED)/bin/python bench/run.py
+	$(PINNED)/bin/python bench/resnet_bench.py
+	$(PINNED)/bin/python bench/text_bench.py
+	$(PINNED)/bin/python bench/predict_bench.py
 	$(PINNED)/bin/python bench/cache_bench.py
 
 clean:
