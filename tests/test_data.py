@@ -4,7 +4,7 @@ import torch
 from torch.utils.data import DistributedSampler, TensorDataset
 
 from tpu_utility import make_sampler, xla
-from tpu_utility.data import eval_loader, padded_length
+from tpu_utility.data import eval_loader, padded_length, unpack_loader
 
 
 def test_one_replica_needs_no_sampler():
@@ -26,8 +26,9 @@ def test_validation_on_four_replicas_counts_1001_samples_once():
     seen, padded = [], 0
     shapes = set()
     for rank in range(replicas):
-        loader = eval_loader(ds, batch, replicas=replicas, rank=rank, collate_fn=None, num_workers=0)
-        for (values,), mask in loader:
+        loader = eval_loader(unpack_loader(ds, batch, "ds"), batch, replicas=replicas, rank=rank)
+        for (values,), index in loader:
+            mask = index >= 0
             shapes.add(tuple(values.shape))
             seen += values[mask].tolist()
             padded += int((~mask).sum())

@@ -20,6 +20,7 @@ from .fit import one_cycle_fit
 from .history import EpochRecord, History
 from .lr_finder import LRFinderResult, find_lr
 from .optim import step_optimizer
+from .predict import evaluate, predict
 from .presize import PresizeReport, presize_images
 from .schedule import one_cycle, one_cycle_curve
 
@@ -29,6 +30,7 @@ __all__ = [
     "doctor",
     "DoctorReport",
     "EpochRecord",
+    "evaluate",
     "find_lr",
     "get_device",
     "History",
@@ -38,6 +40,7 @@ __all__ = [
     "one_cycle",
     "one_cycle_curve",
     "one_cycle_fit",
+    "predict",
     "presize_images",
     "PresizeReport",
     "setup_tpu",
