@@ -308,3 +308,29 @@ def real_counts(loader: DataLoader) -> list[int]:
     """Real (unpadded) samples in each batch of an eval_loader, known on the host."""
     indices, size, n = list(loader.sampler), loader.batch_size, loader.dataset.n
     return [sum(i < n for i in indices[k : k + size]) for k in range(0, len(indices), size)]
+
+
+class LabelCheck:
+    """A collate_fn that checks class labels on the host, before they reach the device.
+
+    On XLA an out-of-range label does not raise (on the CPU, cross_entropy's
+    IndexError would): the run trains on garbage. The batch is still on the
+    host here, so the check costs no device sync. ``ignore_index`` (-100 for
+    ``nn.CrossEntropyLoss``) is allowed.
+    """
+
+    def __init__(self, collate_fn: Callable | None, classes: int, ignore_index: int = -100) -> None:
+        self.collate_fn, self.classes, self.ignore_index = collate_fn or default_collate, classes, ignore_index
+
+    def __call__(self, items: list) -> Any:
+        batch = self.collate_fn(items)
+        target = batch[-1] if isinstance(batch, (list, tuple)) and len(batch) >= 2 else None
+        if isinstance(target, torch.Tensor) and not target.is_floating_point() and target.numel():
+            bad = ((target < 0) & (target != self.ignore_index)) | (target >= self.classes)
+            if bool(bad.any()):
+                raise ValueError(
+                    f"labels must be class indices in [0, {self.classes}) for a model with {self.classes} "
+                    f"outputs, but a batch holds {sorted(set(target[bad].tolist()))[:5]}; check the "
+                    f"dataset's targets or the model's last layer"
+                )
+        return batch

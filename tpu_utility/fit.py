@@ -270,7 +270,7 @@ def one_cycle_fit(
     if valid_spec is not None:
         per_sample_loss(loss)  # fail now, not after the first epoch
     _check_checkpoint_dir(checkpoint_dir)
-    steps = Steps(loss, train_step, eval_step, accumulate_steps, max_grad_norm)
+    steps = Steps(loss, train_step, eval_step, accumulate_steps, max_grad_norm, default_loss=loss_fn is None)
     fingerprint = {
         "schedule": repr(schedule), "optimizer": opt_name, "weight_decay": weight_decay,
         "seed": check_seed(seed), "train samples": len(train_spec), "batch_size": train_spec.batch_size,

@@ -135,7 +135,8 @@ def _sweep(runner: Runner, loader: Any, opt: torch.optim.Optimizer, loss_fn: Cal
     step, model = 0, runner.model
     model.train()
     while step < sweep.num_steps and not result.diverged:
-        loader.sampler.set_epoch(step)
+        if hasattr(loader.sampler, "set_epoch"):
+            loader.sampler.set_epoch(step)
         for batch in runner.batches(loader):
             lr = sweep.start_lr * ratio**step
             for group in opt.param_groups:

@@ -9,6 +9,7 @@ are written by the master.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import random
@@ -18,15 +19,16 @@ from typing import Any, Callable
 
 import torch
 from torch import nn
+from torch.utils.data.dataloader import default_collate
 
 from . import xla
 from .checkpoint import CHECKPOINT_NAME, load_checkpoint, save_atomic, to_cpu
-from .data import LoaderSpec
+from .data import LabelCheck, LoaderSpec
 from .history import EpochRecord, History
 from .metrics import MetricSet
 from .monitor import StopRule, Watch, out_of_time
 from .optim import step_optimizer
-from .runner import Runner, default_eval_step, split_batch
+from .runner import Runner, default_eval_step, move_batch, split_batch
 from .schedule import one_cycle_curve
 
 BEST_NAME = "best.pt"
@@ -57,6 +59,7 @@ class Steps:
     eval_step: Callable | None = None
     accumulate_steps: int = 1
     max_grad_norm: float | None = None
+    default_loss: bool = False  # nn.CrossEntropyLoss(): labels are checked on the host
 
 
 @dataclass
@@ -135,6 +138,27 @@ class OneCycleDriver:
         return self.lrs[i]
 
 
+def _checked_labels(runner: Runner, train: LoaderSpec, valid: LoaderSpec | None, check_valid: bool
+                    ) -> tuple[LoaderSpec, LoaderSpec | None]:  # fmt: skip
+    """Specs whose collate_fn checks labels against the model's output width (found by tracing)."""
+    sample = [train.dataset[i] for i in range(min(2, len(train.dataset)))]
+    batch = move_batch((train.collate_fn or default_collate)(sample), runner.device)
+    training = runner.model.training
+    try:
+        runner.model.eval()  # no dropout: the random streams stay as they were
+        with torch.no_grad():
+            output = runner.run(lambda model, b: model(*split_batch(b, "train_step")[0]), batch)
+    finally:
+        runner.model.train(training)
+    if not isinstance(output, torch.Tensor) or output.dim() < 2:
+        return train, valid
+    classes = output.shape[-1]
+    train = dataclasses.replace(train, collate_fn=LabelCheck(train.collate_fn, classes))
+    if valid is not None and check_valid:
+        valid = dataclasses.replace(valid, collate_fn=LabelCheck(valid.collate_fn, classes))
+    return train, valid
+
+
 def _device_values(device: torch.device, *values: Any) -> list[torch.Tensor]:
     """Accumulators materialised on the device, like the previous step's outputs they stand for.
 
@@ -161,8 +185,11 @@ class _Run:
             xla.set_rng_seed(plan.seed)
         self.master = runner.topology.master
         self._optimizer()
-        self.train_loader = runner.train_loader(plan.train, plan.seed)
-        self.valid_loader = runner.eval_loader(plan.valid) if plan.valid is not None else None
+        train_spec, valid_spec = plan.train, plan.valid
+        if plan.steps.default_loss and plan.steps.train_step is None:
+            train_spec, valid_spec = _checked_labels(runner, train_spec, valid_spec, plan.steps.eval_step is None)
+        self.train_loader = runner.train_loader(train_spec, plan.seed)
+        self.valid_loader = runner.eval_loader(valid_spec) if valid_spec is not None else None
         self.metrics = MetricSet(plan.metrics, plan.steps.loss_fn, runner.device) if plan.valid is not None else None
         self.eval_step = plan.steps.eval_step or default_eval_step
         self.batches = len(self.train_loader)
@@ -230,7 +257,8 @@ def _epoch(run: _Run, epoch: int, started: float) -> tuple[EpochRecord, float]:
     plan, runner = run.plan, run.runner
     syncs0, transfers0 = xla.host_sync_count(), xla.transfer_from_device_count()
     t0 = time.perf_counter()
-    run.train_loader.sampler.set_epoch(epoch)
+    if hasattr(run.train_loader.sampler, "set_epoch"):
+        run.train_loader.sampler.set_epoch(epoch)
     if hasattr(plan.train.dataset, "set_epoch"):
         plan.train.dataset.set_epoch(epoch)  # e.g. CachedDataset serving another augmented copy
     train_sums, lr = _train_epoch(run, epoch)
