@@ -101,8 +101,8 @@ class MaskedPadding(Dataset):
     def __len__(self) -> int:
         return self.length
 
-    def __getitem__(self, i: int) -> tuple[Any, torch.Tensor]:
-        return self.dataset[i % self.n], torch.tensor(i if i < self.n else -1)
+    def __getitem__(self, i: int) -> tuple[Any, int]:
+        return self.dataset[i % self.n], (i if i < self.n else -1)
 
 
 class MaskCollate:
@@ -111,8 +111,8 @@ class MaskCollate:
     def __init__(self, collate_fn: Callable[[list], Any] | None) -> None:
         self.collate_fn = collate_fn or default_collate
 
-    def __call__(self, items: list[tuple[Any, torch.Tensor]]) -> tuple[Any, torch.Tensor]:
-        return self.collate_fn([s for s, _ in items]), torch.stack([f for _, f in items])
+    def __call__(self, items: list[tuple[Any, int]]) -> tuple[Any, torch.Tensor]:
+        return self.collate_fn([s for s, _ in items]), torch.tensor([i for _, i in items])
 
 
 # DataLoader settings we pass on unchanged (the sampler, batch size, collate_fn and

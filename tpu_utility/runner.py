@@ -316,12 +316,14 @@ class Runner:
     def predict(self, loader: Any, step: Step, tta: Sequence[Callable] | None) -> Any:
         """Outputs for every sample in dataset order, on the CPU, padding removed.
 
-        Outputs stay on the device for ``PREDICT_CHUNK`` batches, then move to
-        the host in one transfer.
+        Outputs stay on the device in chunks of ``PREDICT_CHUNK`` batches; a chunk
+        moves to the host in one transfer once the next chunk is under way, so the
+        device never waits for the host (and at most two chunks are held).
         """
         self.model.eval()
         on_host: list[tuple[list[torch.Tensor], torch.Tensor]] = []
-        pending: list[tuple[list[torch.Tensor], torch.Tensor]] = []
+        previous: list[tuple[list[torch.Tensor], torch.Tensor]] = []
+        current: list[tuple[list[torch.Tensor], torch.Tensor]] = []
         spec = None
         with torch.no_grad():
             for batch, index in self.batches(loader):
@@ -329,11 +331,13 @@ class Runner:
                 leaves, spec = pytree.tree_flatten(output)
                 if not all(isinstance(t, torch.Tensor) for t in leaves):
                     raise TypeError(f"predict_step must return tensors (a tensor, tuple or dict of them), but returned {output!r}")
-                pending.append((leaves, index))
-                if len(pending) == PREDICT_CHUNK:
-                    on_host += self._to_host(pending)
-                    pending = []
-            on_host += self._to_host(pending)
+                current.append((leaves, index))
+                if len(current) == PREDICT_CHUNK:
+                    on_host += self._to_host(previous)  # computed already: the device goes on with `current`
+                    previous, current = current, []
+            if self.on_xla:
+                xla.sync()  # the last batch's graph runs as every other batch's did (no new compile)
+            on_host += self._to_host(previous + current)
         return pytree.tree_unflatten(_in_order(on_host, loader.dataset.n), spec)
 
     def _predict_batch(self, step: Step, batch: Batch, tta: Sequence[Callable] | None) -> Any:
@@ -346,8 +350,6 @@ class Runner:
         """One device-to-host transfer for many batches (gathered over replicas first)."""
         if not pending:
             return []
-        if self.on_xla:
-            xla.sync()  # the last batch's graph runs as every other batch's did (no new compile)
         flat = [t for leaves, index in pending for t in (*leaves, index)]
         moved = iter(xla.to_cpu(xla.all_gather(flat)))
         width = len(pending[0][0])
@@ -363,10 +365,12 @@ def _in_order(parts: list[tuple[list[torch.Tensor], torch.Tensor]], n: int) -> l
     index = torch.cat([i for _, i in parts])
     keep = index >= 0
     where = index[keep]
+    in_place = len(index) >= n and torch.equal(index[:n], torch.arange(n))  # one loader, no sampler: in order
     ordered = []
     for k in range(len(parts[0][0])):
-        values = torch.cat([leaves[k] for leaves, _ in parts])[keep]
-        out = values.new_empty((n, *values.shape[1:]))
-        out[where] = values
-        ordered.append(out)
+        values = torch.cat([leaves[k] for leaves, _ in parts])
+        values = values[:n] if in_place else values[keep]
+        if not in_place:
+            values = values.new_empty((n, *values.shape[1:])).index_copy_(0, where, values)
+        ordered.append(values)
     return ordered
