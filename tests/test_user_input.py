@@ -216,3 +216,14 @@ except RuntimeError as e:
     assert r.returncode == 0, r.stderr[-3000:]  # no SIGSEGV
     assert "RuntimeError: cores='all' needs SPMD, but the XLA runtime already started without it" in r.stdout
     assert "Call setup_tpu() first thing" in r.stdout
+
+
+def test_num_workers_defaults_to_the_suggestion_and_a_loaders_own_is_kept():
+    import os
+
+    from tpu_utility.environment import suggest_num_workers
+
+    suggested = suggest_num_workers(os.cpu_count() or 1)
+    assert f"| {suggested} loader worker(s)" in fit(small_mlp(), flat_digits()).summary
+    own = DataLoader(flat_digits(), batch_size=32, shuffle=True, num_workers=0)
+    assert "| 0 loader worker(s)" in fit(small_mlp(), own, batch_size=None).summary

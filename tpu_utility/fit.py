@@ -217,7 +217,8 @@ def one_cycle_fit(
             can continue with ``resume=True``.
         train_step: ``(model, batch) -> loss`` replacing ``loss_fn(model(x), y)``.
         eval_step: ``(model, batch) -> (output, target)`` replacing ``(model(x), y)``.
-        num_workers: DataLoader workers per process (default: the DataLoader's, else 0).
+        num_workers: DataLoader workers per process (default: the DataLoader's own,
+            else what ``setup_tpu`` suggests for this host; the summary line says).
         seed: Seeds the model's random ops and the data order (epoch-wise).
         progress: A tqdm bar per epoch and a line per epoch (master only).
 
@@ -263,8 +264,9 @@ def one_cycle_fit(
     if loss_fn is not None and not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable, but given {loss_fn!r}")
     stop = _stop_rule(monitor, mode, early_stopping, restore_best, time_limit, valid_data is not None)
-    train_spec, valid_spec = _loader_specs(train_data, valid_data, batch_size, num_workers)
     n_cores, run_mode = process_mode(cores, strategy)
+    processes = n_cores if run_mode == "multiprocess" else 1
+    train_spec, valid_spec = _loader_specs(train_data, valid_data, batch_size, num_workers, processes)
     loss = loss_fn if loss_fn is not None else nn.CrossEntropyLoss()
     metric_table = resolve_metrics(metrics, loss_fn is None)
     if valid_spec is not None:
@@ -299,15 +301,19 @@ def _stop_rule(monitor: str | None, mode: str, patience: int | None, restore_bes
     return StopRule(watched, resolve_mode(watched, mode), patience, parse_duration(time_limit), bool(restore_best))
 
 
-def _loader_specs(train_data: Any, valid_data: Any, batch_size: int | None, num_workers: int | None
-                  ) -> tuple[LoaderSpec, LoaderSpec | None]:  # fmt: skip
+def _loader_specs(train_data: Any, valid_data: Any, batch_size: int | None, num_workers: int | None,
+                  processes: int) -> tuple[LoaderSpec, LoaderSpec | None]:  # fmt: skip
     train_spec = unpack_loader(train_data, batch_size, "train_data")
     valid_spec = None
     if valid_data is not None:
         # a DataLoader keeps its own batch size; a Dataset is batched like the training data
         own_size = None if isinstance(valid_data, DataLoader) else train_spec.batch_size
         valid_spec = unpack_loader(valid_data, own_size, "valid_data")
-    workers = num_workers if num_workers is not None else (train_spec.num_workers or 0)
+    workers = num_workers if num_workers is not None else train_spec.num_workers
+    if workers is None:  # a Dataset: what setup_tpu suggests for this host
+        from .environment import suggest_num_workers
+
+        workers = suggest_num_workers(os.cpu_count() or 1, processes)
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 0:
         raise ValueError(f"num_workers must be an int >= 0, but given {workers!r}")
     for spec in (train_spec, valid_spec):
