@@ -56,7 +56,7 @@ def hand_written(model: torch.nn.Module, ds: TensorDataset) -> torch.Tensor:
 
 
 def with_predict(model: torch.nn.Module, ds: TensorDataset) -> torch.Tensor:
-    return predict(model, ds, batch_size=BATCH)
+    return predict(model, ds, batch_size=BATCH, progress=False)
 
 
 def timed(fn, model, ds) -> tuple[float, int, torch.Tensor]:

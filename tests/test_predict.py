@@ -205,10 +205,22 @@ import warnings; warnings.simplefilter("ignore")
 import torch_xla
 from tpu_utility import predict, xla
 
+class Broken(torch.utils.data.Dataset):
+    def __len__(self):
+        return 100
+    def __getitem__(self, i):
+        if i == 70:
+            raise OSError(f"cannot read sample {i}")
+        return torch.randn(4)
+
 def worker(index):
     preds = predict(echo(), indexed(), batch_size=64)
     print("replica", xla.world_size(), "launched", xla.in_launched_process(),
           "in order:", torch.equal(preds.squeeze(1), torch.arange(1001, dtype=torch.float32)))
+    try:
+        predict(echo(), Broken(), batch_size=16)
+    except OSError as e:
+        print("raised in the launch:", e)
 
 if __name__ == "__main__":
     torch_xla.launch(worker, args=())
@@ -222,6 +234,7 @@ def test_predict_inside_a_multiprocess_launch_with_one_device(tmp_path):
                    env={"CPU_NUM_DEVICES": "1"}, timeout=600)  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]
     assert "replica 1 launched True in order: True" in r.stdout
+    assert "raised in the launch: cannot read sample 70" in r.stdout
 
 
 def test_predict_and_evaluate_without_torch_xla():

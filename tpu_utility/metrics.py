@@ -180,10 +180,12 @@ class MetricSet:
             try:
                 run()
             except Exception as error:
-                raise type(error)(
+                message = (
                     f"{what} failed on the first validation batch (output shape {tuple(output.shape)}, "
                     f"target {_describe(target)}): {error}"
-                ) from error
+                )
+                kind = type(error) if type(error) in (ValueError, TypeError, RuntimeError, IndexError) else RuntimeError
+                raise kind(message) from error
         for metric in self.torchmetrics.values():
             metric.reset()
 

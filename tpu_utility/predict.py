@@ -33,6 +33,7 @@ def predict(
     precision: Precision = "fp32",
     predict_step: Callable[[nn.Module, Any], Any] | None = None,
     tta: Sequence[Callable[[Any], Any]] | None = None,
+    progress: bool = True,
 ) -> Any:
     """The model's outputs for every sample, in dataset order, on the CPU.
 
@@ -51,6 +52,7 @@ def predict(
         predict_step: ``(model, batch) -> output`` replacing ``model(x)``.
         tta: Batch transforms whose outputs are averaged on the device (include
             ``lambda b: b`` to keep the plain prediction among them).
+        progress: A tqdm bar counting batches (master only; no host syncs).
 
     Returns:
         A tensor (or the tuple or dict of tensors the model returns), first
@@ -66,7 +68,7 @@ def predict(
     spec = unpack_loader(data, batch_size, "data")
     runner = _runner(model, cores, precision)
     try:
-        return runner.predict(runner.eval_loader(spec), predict_step or default_predict_step, tta)
+        return runner.predict(runner.eval_loader(spec), predict_step or default_predict_step, tta, progress)
     finally:
         runner.restore_model()
 

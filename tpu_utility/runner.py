@@ -313,7 +313,7 @@ class Runner:
             output, target = result
             metrics.check(output.float() if isinstance(output, torch.Tensor) else output, target)
 
-    def predict(self, loader: Any, step: Step, tta: Sequence[Callable] | None) -> Any:
+    def predict(self, loader: Any, step: Step, tta: Sequence[Callable] | None, progress: bool = False) -> Any:
         """Outputs for every sample in dataset order, on the CPU, padding removed.
 
         Outputs stay on the device in chunks of ``PREDICT_CHUNK`` batches; a chunk
@@ -325,8 +325,12 @@ class Runner:
         previous: list[tuple[list[torch.Tensor], torch.Tensor]] = []
         current: list[tuple[list[torch.Tensor], torch.Tensor]] = []
         spec = None
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=len(loader), desc="predict", leave=False, disable=not (progress and self.topology.master))
         with torch.no_grad():
             for batch, index in self.batches(loader):
+                bar.update(1)
                 output = self._predict_batch(step, batch, tta)
                 leaves, spec = pytree.tree_flatten(output)
                 if not all(isinstance(t, torch.Tensor) for t in leaves):
@@ -338,6 +342,7 @@ class Runner:
             if self.on_xla:
                 xla.sync()  # the last batch's graph runs as every other batch's did (no new compile)
             on_host += self._to_host(previous + current)
+        bar.close()
         return pytree.tree_unflatten(_in_order(on_host, loader.dataset.n), spec)
 
     def _predict_batch(self, step: Step, batch: Batch, tta: Sequence[Callable] | None) -> Any:
