@@ -193,27 +193,30 @@ class _Run:
         self.metrics = MetricSet(plan.metrics, plan.steps.loss_fn, runner.device) if plan.valid is not None else None
         self.eval_step = plan.steps.eval_step or default_eval_step
         self.batches = len(self.train_loader)
+        self._schedule()
+        self.watch = Watch()
+        self.best_state: dict[str, torch.Tensor] | None = None
+        self.start_epoch, self.opt_step = 0, 0
+        self.fingerprint = {**plan.fingerprint, "parameters": _parameter_digest(model)}
+        folder = plan.checkpoint_dir
+        self.paths = {"last": os.path.join(folder, CHECKPOINT_NAME), "best": os.path.join(folder, BEST_NAME)} if folder else {}
+
+    def _schedule(self) -> None:
+        """The whole one-cycle curve: its length is what each core iterates."""
+        plan, s = self.plan, self.plan.schedule
         per_epoch = self.batches // plan.steps.accumulate_steps
         if per_epoch < 1:
             raise ValueError(
                 f"accumulate_steps={plan.steps.accumulate_steps} exceeds the {self.batches} batches per epoch on each core"
             )
         self.total = per_epoch * plan.epochs
-        cores = runner.topology.cores
-        self.max_lr = plan.schedule.max_lr * (cores if plan.schedule.scale_lr_by_cores else 1)
-        s = plan.schedule
+        self.max_lr = s.max_lr * (self.runner.topology.cores if s.scale_lr_by_cores else 1)
         self.curve = one_cycle_curve(
             self.total, self.max_lr, pct_start=s.pct_start, div_factor=s.div_factor,
             final_div_factor=s.final_div_factor, base_momentum=s.base_momentum, max_momentum=s.max_momentum,
         )  # fmt: skip
         self.history = History(steps_per_epoch=per_epoch)
         self.history.summary = _summary(self)
-        self.watch = Watch()
-        self.best_state: dict[str, torch.Tensor] | None = None
-        self.start_epoch, self.opt_step = 0, 0
-        self.fingerprint = {**plan.fingerprint, "parameters": _parameter_digest(model)}
-        folder = plan.checkpoint_dir
-        self.paths = {k: os.path.join(folder, n) for k, n in (("last", CHECKPOINT_NAME), ("best", BEST_NAME))} if folder else {}
 
     def _optimizer(self) -> None:
         plan, runner = self.plan, self.runner
@@ -222,6 +225,8 @@ class _Run:
         fused = xla.fused_optimizer(plan.optimizer_name) if use_fused else None
         self.fused = fused is not None
         params = [p for p in runner.model.parameters() if p.requires_grad]
+        if not params:
+            raise ValueError("the model has no trainable parameters (all have requires_grad=False); unfreeze some layers")
         self.opt = (fused or plan.optimizer)(params, **plan.optimizer_args)
         # torch_xla's sync-free optimizers skip the step when found_inf is 1 (never, here)
         self.step_args = {"found_inf": _device_values(runner.device, 0.0)[0]} if fused else {}
@@ -245,7 +250,8 @@ def train(model: nn.Module, plan: FitPlan) -> tuple[nn.Module, History]:
     for epoch in range(run.start_epoch, plan.epochs):
         record, elapsed = _epoch(run, epoch, started)
         reason = _after_epoch(run, record)
-        reason = reason or (out_of_time(plan.stop.time_limit, elapsed, epoch + 1 - run.start_epoch) if epoch + 1 < plan.epochs else None)
+        if not reason and epoch + 1 < plan.epochs:
+            reason = out_of_time(plan.stop.time_limit, elapsed, epoch + 1 - run.start_epoch)
         if reason:
             _stop(run, reason)
             break
