@@ -227,3 +227,29 @@ def test_num_workers_defaults_to_the_suggestion_and_a_loaders_own_is_kept():
     assert f"| {suggested} loader worker(s)" in fit(small_mlp(), flat_digits()).summary
     own = DataLoader(flat_digits(), batch_size=32, shuffle=True, num_workers=0)
     assert "| 0 loader worker(s)" in fit(small_mlp(), own, batch_size=None).summary
+
+
+def _init_worker(worker_id):
+    torch.manual_seed(worker_id)
+
+
+def test_a_dataloaders_settings_reach_the_loaders_the_runner_builds():
+    from tpu_utility.data import eval_loader, train_loader, unpack_loader
+
+    generator = torch.Generator().manual_seed(5)
+    user = DataLoader(flat_digits(), batch_size=32, shuffle=True, num_workers=2, prefetch_factor=4,
+                      worker_init_fn=_init_worker, generator=generator, timeout=30)  # fmt: skip
+    spec = unpack_loader(user, None, "train_data")
+    for built in (train_loader(spec, 32, replicas=2, rank=1, seed=0), eval_loader(spec, 32, replicas=2, rank=1)):
+        assert (built.num_workers, built.prefetch_factor, built.timeout) == (2, 4, 30)
+        assert built.worker_init_fn is _init_worker and built.generator is generator
+
+
+def test_weight_decay_reaches_the_named_optimizer_and_is_refused_for_a_factory():
+    x = fit(small_mlp(), flat_digits(), optimizer="sgd", max_lr=0.05, weight_decay=0.5)
+    y = fit(small_mlp(), flat_digits(), optimizer="sgd", max_lr=0.05)
+    decayed = sum(p.detach().abs().sum().item() for p in x.model.parameters())
+    plain = sum(p.detach().abs().sum().item() for p in y.model.parameters())
+    assert decayed < 0.9 * plain
+    with pytest.raises(ValueError, match=r"weight_decay=0.1 applies to a named optimizer"):
+        fit(small_mlp(), flat_digits(), optimizer=lambda p: torch.optim.SGD(p, lr=0.1), weight_decay=0.1)
