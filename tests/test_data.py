@@ -1,5 +1,6 @@
 """make_sampler and the padded validation loader: each sample counted once."""
 
+import pytest
 import torch
 from torch.utils.data import DistributedSampler, TensorDataset
 
@@ -37,6 +38,7 @@ def test_validation_on_four_replicas_counts_1001_samples_once():
     assert shapes == {(batch,)}  # every batch full size: one graph
 
 
+@pytest.mark.filterwarnings("ignore:dropping the last")
 def test_hosts_of_a_pod_slice_each_load_their_share_of_the_global_batch():
     from tpu_utility.runner import Topology
 

@@ -269,6 +269,9 @@ def one_cycle_fit(
     train_spec, valid_spec = _loader_specs(train_data, valid_data, batch_size, num_workers, processes)
     loss = loss_fn if loss_fn is not None else nn.CrossEntropyLoss()
     metric_table = resolve_metrics(metrics, loss_fn is None)
+    figures = ["train_loss"] + (["valid_loss", *metric_table] if valid_data is not None else [])
+    if stop.monitor not in figures:
+        raise ValueError(f"monitor={stop.monitor!r} is not among this run's figures {figures}")
     if valid_spec is not None:
         per_sample_loss(loss)  # fail now, not after the first epoch
     _check_checkpoint_dir(checkpoint_dir)
