@@ -152,7 +152,7 @@ def _checked_labels(runner: Runner, train: LoaderSpec, valid: LoaderSpec | None,
         runner.model.train(training)
     if not isinstance(output, torch.Tensor) or output.dim() < 2:
         return train, valid
-    classes = output.shape[-1]
+    classes = output.shape[1]  # cross_entropy: (N, C) or (N, C, d1, ...)
     train = dataclasses.replace(train, collate_fn=LabelCheck(train.collate_fn, classes))
     if valid is not None and check_valid:
         valid = dataclasses.replace(valid, collate_fn=LabelCheck(valid.collate_fn, classes))
@@ -487,7 +487,7 @@ def _restore(run: _Run) -> None:
 def _check_fingerprint(path: str, state: dict[str, Any], run: _Run) -> None:
     """Refuses a checkpoint written by a different run, naming every difference."""
     saved = state.get("config", {}).get("fingerprint", {})
-    mine = run.fingerprint
+    mine = run.fingerprint if saved else {}  # a checkpoint from before fingerprints: steps only
     differences = [
         f"{key}: checkpoint {saved.get(key)!r}, this run {mine.get(key)!r}"
         for key in sorted(set(saved) | set(mine))
