@@ -257,3 +257,13 @@ def test_weight_decay_reaches_the_named_optimizer_and_is_refused_for_a_factory()
     assert decayed < 0.9 * plain
     with pytest.raises(ValueError, match=r"weight_decay=0.1 applies to a named optimizer"):
         fit(small_mlp(), flat_digits(), optimizer=lambda p: torch.optim.SGD(p, lr=0.1), weight_decay=0.1)
+
+
+def test_the_label_check_reads_the_class_dimension_of_a_per_pixel_model():
+    x = torch.randn(96, 1, 8, 8)
+    y = (x[:, 0] > 0).long() + (x[:, 0] > 1).long()  # 3 classes per pixel, a (N, 8, 8) target
+    segmenter = nn.Conv2d(1, 3, kernel_size=1)  # (N, 3, 8, 8): classes on dim 1, not the last
+    history = fit(segmenter, TensorDataset(x, y), epochs=2, max_lr=1e-1, metrics=[], batch_size=16)
+    assert history.records[-1].train_loss < history.records[0].train_loss
+    with pytest.raises(ValueError, match=r"labels must be class indices in \[0, 3\)"):
+        fit(segmenter, TensorDataset(x, y + 1), batch_size=16)
