@@ -247,3 +247,13 @@ print("figures:", sorted(evaluate(echo(), indexed(), loss_fn=torch.nn.functional
     assert r.returncode == 0, r.stderr[-3000:]
     assert "in order: True" in r.stdout
     assert "figures: ['loss']" in r.stdout
+
+
+def test_bf16_predict_leaves_fp32_weights_exactly_as_they_were():
+    torch.manual_seed(0)
+    model = small_mlp()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    out = predict(model, flat_digits(200), batch_size=32, precision="bf16")
+    assert out.shape == (200, 10)
+    for k, v in model.state_dict().items():
+        assert v.dtype == torch.float32 and torch.equal(v, before[k]), k

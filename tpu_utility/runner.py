@@ -248,6 +248,9 @@ class Runner:
         self.device = get_device()
         self.model = model
         self.precision = PrecisionMode.choose(precision, self.device)
+        self.found_weights = None
+        if self.precision.mode == "cast":  # bf16 -> fp32 would not give the weights back exactly
+            self.found_weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
         move_model(model, self.device)
         if self.precision.mode == "cast":
             model.to(torch.bfloat16)
@@ -259,6 +262,8 @@ class Runner:
     def restore_model(self) -> None:
         """Puts the model back on the device, dtype and mode it was found in."""
         self.found.restore(self.model)
+        if self.found_weights is not None:
+            self.model.load_state_dict(self.found_weights)
 
     # -- loaders
     def train_loader(self, spec: LoaderSpec, seed: int) -> Any:
