@@ -228,7 +228,8 @@ def test_num_workers_defaults_to_the_suggestion_and_a_loaders_own_is_kept():
     from tpu_utility.environment import suggest_num_workers
 
     suggested = suggest_num_workers(os.cpu_count() or 1)
-    assert f"| {suggested} loader worker(s)" in fit(small_mlp(), flat_digits()).summary
+    assert f"| {suggested} loader worker(s)" in fit(small_mlp(), _Recording(flat_digits())).summary
+    assert "| 0 loader worker(s)" in fit(small_mlp(), flat_digits()).summary  # tensors in memory: no workers
     own = DataLoader(flat_digits(), batch_size=32, shuffle=True, num_workers=0)
     assert "| 0 loader worker(s)" in fit(small_mlp(), own, batch_size=None).summary
 

@@ -31,7 +31,7 @@ from typing import Any, Callable, Sequence, get_args
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, TensorDataset
 
 from . import xla
 from .checkpoint import save_atomic, to_cpu
@@ -218,7 +218,8 @@ def one_cycle_fit(
         train_step: ``(model, batch) -> loss`` replacing ``loss_fn(model(x), y)``.
         eval_step: ``(model, batch) -> (output, target)`` replacing ``(model(x), y)``.
         num_workers: DataLoader workers per process (default: the DataLoader's own,
-            else what ``setup_tpu`` suggests for this host; the summary line says).
+            else what ``setup_tpu`` suggests for this host, or 0 for a TensorDataset,
+            whose samples are already in memory; the summary line says).
         seed: Seeds the model's random ops and the data order (epoch-wise).
         progress: A tqdm bar per epoch and a line per epoch (master only).
 
@@ -313,10 +314,11 @@ def _loader_specs(train_data: Any, valid_data: Any, batch_size: int | None, num_
         own_size = None if isinstance(valid_data, DataLoader) else train_spec.batch_size
         valid_spec = unpack_loader(valid_data, own_size, "valid_data")
     workers = num_workers if num_workers is not None else train_spec.num_workers
-    if workers is None:  # a Dataset: what setup_tpu suggests for this host
+    if workers is None:  # a Dataset: what setup_tpu suggests for this host, none for tensors in memory
         from .environment import suggest_num_workers
 
-        workers = suggest_num_workers(os.cpu_count() or 1, processes)
+        in_memory = isinstance(train_spec.dataset, TensorDataset)
+        workers = 0 if in_memory else suggest_num_workers(os.cpu_count() or 1, processes)
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 0:
         raise ValueError(f"num_workers must be an int >= 0, but given {workers!r}")
     for spec in (train_spec, valid_spec):

@@ -303,8 +303,9 @@ def _train_epoch(run: _Run, epoch: int) -> tuple[list[torch.Tensor], float]:
     lr = run.schedule.lrs[min(run.opt_step, run.schedule.total - 1)]
     bar = tqdm(total=run.batches, desc=f"epoch {epoch + 1}/{plan.epochs}", leave=False, dynamic_ncols=True,
                disable=not (plan.progress and run.master))  # fmt: skip
+    step = steps.train_step or _LossStep(steps.loss_fn)
     for i, batch in enumerate(runner.batches(run.train_loader)):
-        loss = runner.run(steps.train_step or _LossStep(steps.loss_fn), batch)
+        loss = runner.run(step, batch)
         if not isinstance(loss, torch.Tensor):
             raise TypeError(
                 f"train_step must return the loss as a tensor (so it can be backpropagated), but returned "
