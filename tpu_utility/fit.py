@@ -79,7 +79,7 @@ def resolve_optimizer(optimizer: Any) -> tuple[Callable[..., torch.optim.Optimiz
     raise TypeError(f"optimizer must be a name or a callable params -> Optimizer, but given {optimizer!r}")
 
 
-def _number(name: str, value: Any, low: float, high: float, *, closed: str = "()") -> float:
+def check_number(name: str, value: Any, low: float, high: float, *, closed: str = "()") -> float:
     """``value`` as a float, checked against an interval; ``closed`` says which ends belong to it."""
     ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
     if ok:
@@ -105,11 +105,11 @@ def check_seed(seed: Any) -> int:
 
 def _check_schedule(schedule: OneCycle) -> None:
     _positive("max_lr", schedule.max_lr)
-    _number("pct_start", schedule.pct_start, 0, 1)
-    _number("div_factor", schedule.div_factor, 0, math.inf)
-    _number("final_div_factor", schedule.final_div_factor, 0, math.inf)
-    _number("base_momentum", schedule.base_momentum, 0, 1, closed="[)")
-    _number("max_momentum", schedule.max_momentum, 0, 1, closed="[)")
+    check_number("pct_start", schedule.pct_start, 0, 1)
+    check_number("div_factor", schedule.div_factor, 0, math.inf)
+    check_number("final_div_factor", schedule.final_div_factor, 0, math.inf)
+    check_number("base_momentum", schedule.base_momentum, 0, 1, closed="[)")
+    check_number("max_momentum", schedule.max_momentum, 0, 1, closed="[)")
 
 
 def _check_checkpoint_dir(folder: Any) -> None:
@@ -131,7 +131,7 @@ def _check_checkpoint_dir(folder: Any) -> None:
 def _optimizer_args(optimizer: Any, weight_decay: float | None) -> dict[str, Any]:
     if weight_decay is None:
         return {}
-    _number("weight_decay", weight_decay, 0, math.inf, closed="[)")
+    check_number("weight_decay", weight_decay, 0, math.inf, closed="[)")
     if not isinstance(optimizer, str):
         raise ValueError(
             f"weight_decay={weight_decay} applies to a named optimizer ('adamw', 'adam', 'sgd'); "

@@ -12,7 +12,7 @@ from torch import nn
 
 from . import xla
 from .data import unpack_loader
-from .fit import _number, check_seed, resolve_optimizer
+from .fit import check_number, check_seed, resolve_optimizer
 from .runner import Runner, split_batch
 
 
@@ -49,14 +49,14 @@ def suggest_lr(lrs: list[float], losses: list[float]) -> float:
 
 
 def _check_sweep(start_lr: Any, end_lr: Any, num_steps: Any, smooth: Any, diverge_factor: Any) -> None:
-    _number("start_lr", start_lr, 0, math.inf)
-    _number("end_lr", end_lr, 0, math.inf)
+    check_number("start_lr", start_lr, 0, math.inf)
+    check_number("end_lr", end_lr, 0, math.inf)
     if not start_lr < end_lr:
         raise ValueError(f"need 0 < start_lr < end_lr, but given start_lr={start_lr}, end_lr={end_lr}")
     if isinstance(num_steps, bool) or not isinstance(num_steps, int) or num_steps < 2:
         raise ValueError(f"num_steps must be an int of at least 2, but given {num_steps!r}")
-    _number("smooth", smooth, 0, 1, closed="[)")
-    _number("diverge_factor", diverge_factor, 1, math.inf)
+    check_number("smooth", smooth, 0, 1, closed="[)")
+    check_number("diverge_factor", diverge_factor, 1, math.inf)
 
 
 def find_lr(
