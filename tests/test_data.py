@@ -1,10 +1,11 @@
 """make_sampler and the padded validation loader: each sample counted once."""
 
+import pytest
 import torch
 from torch.utils.data import DistributedSampler, TensorDataset
 
 from tpu_utility import make_sampler, xla
-from tpu_utility.data import eval_loader, padded_length
+from tpu_utility.data import eval_loader, padded_length, unpack_loader
 
 
 def test_one_replica_needs_no_sampler():
@@ -26,11 +27,55 @@ def test_validation_on_four_replicas_counts_1001_samples_once():
     seen, padded = [], 0
     shapes = set()
     for rank in range(replicas):
-        loader = eval_loader(ds, batch, replicas=replicas, rank=rank, collate_fn=None, num_workers=0)
-        for (values,), mask in loader:
+        loader = eval_loader(unpack_loader(ds, batch, "ds"), batch, replicas=replicas, rank=rank)
+        for (values,), index in loader:
+            mask = index >= 0
             shapes.add(tuple(values.shape))
             seen += values[mask].tolist()
             padded += int((~mask).sum())
     assert sorted(seen) == list(range(n))  # every sample exactly once
     assert padded == padded_length(n, batch, replicas) - n == 23
     assert shapes == {(batch,)}  # every batch full size: one graph
+
+
+@pytest.mark.filterwarnings("ignore:dropping the last")
+def test_hosts_of_a_pod_slice_each_load_their_share_of_the_global_batch():
+    from tpu_utility.runner import Topology
+
+    hosts, devices, per_core = 4, 16, 8
+    layouts = [Topology("spmd", hosts=hosts, host=h, devices=devices) for h in range(hosts)]
+    assert {t.loader_batch(per_core) for t in layouts} == {32}  # 4 local devices x 8
+    assert {t.global_batch(per_core) for t in layouts} == {128}  # the batch the mesh sees
+    assert [t.loaders for t in layouts] == [(4, 0), (4, 1), (4, 2), (4, 3)]
+    assert [t.master for t in layouts] == [True, False, False, False]
+    spec = unpack_loader(TensorDataset(torch.arange(1001)), per_core, "ds")
+    seen, shapes = [], set()
+    for t in layouts:
+        loaders, index = t.loaders
+        for (values,), idx in eval_loader(spec, t.loader_batch(per_core), replicas=loaders, rank=index):
+            shapes.add(tuple(values.shape))
+            seen += values[idx >= 0].tolist()
+    assert sorted(seen) == list(range(1001)) and shapes == {(32,)}  # each sample once, over all hosts
+    from tpu_utility.data import train_loader
+
+    firsts = []
+    for t in layouts:
+        loaders, index = t.loaders
+        loader = train_loader(spec, t.loader_batch(per_core), replicas=loaders, rank=index, seed=0)
+        firsts.append(set(next(iter(loader))[0].tolist()))
+    assert all(not (a & b) for i, a in enumerate(firsts) for b in firsts[i + 1 :])  # disjoint shares
+
+
+def test_single_and_multiprocess_layouts_and_an_uneven_mesh():
+    import pytest
+
+    from tpu_utility.runner import Topology
+
+    single = Topology()
+    assert (single.loaders, single.loader_batch(64), single.global_batch(64), single.cores) == ((1, 0), 64, 64, 1)
+    spmd = Topology("spmd", devices=8)
+    assert (spmd.loaders, spmd.loader_batch(16), spmd.cores) == ((1, 0), 128, 8)
+    replica = Topology("replica", replicas=8, rank=3)
+    assert (replica.loaders, replica.loader_batch(16), replica.global_batch(16), replica.master) == ((8, 3), 16, 128, False)
+    with pytest.raises(ValueError, match="6 devices do not split evenly over 4 hosts"):
+        Topology("spmd", hosts=4, devices=6)

@@ -52,7 +52,7 @@ def test_bf16_trains_on_xla_cpu(digits):
 
 def test_checkpoint_loads_on_cpu_without_torch_xla(tmp_path):
     fit(small_mlp(), flat_digits(), epochs=2, checkpoint_dir=str(tmp_path))
-    assert os.listdir(tmp_path) == ["last.pt"]  # no temporary files left
+    assert sorted(os.listdir(tmp_path)) == ["best.pt", "history.csv", "last.pt"]  # no temporary files left
     r = run_python(BLOCK_TORCH_XLA + f"""
 import torch
 state = torch.load({str(tmp_path / "last.pt")!r}, weights_only=True)
@@ -66,7 +66,7 @@ print("loaded")
 """)
     assert r.returncode == 0, r.stderr
     assert "epoch 2 step 88 devices ['cpu']" in r.stdout
-    assert "keys ['config', 'epoch', 'format', 'history', 'model', 'optimizer', 'rng', 'step', 'total_steps', 'versions']" in r.stdout
+    assert "keys ['config', 'epoch', 'format', 'history', 'model', 'monitor', 'optimizer', 'rng', 'step', 'total_steps', 'versions']" in r.stdout
     assert "history 2 torch_xla 2.9.0" in r.stdout
     assert "loaded" in r.stdout
 
@@ -121,8 +121,8 @@ def test_a_crash_while_writing_keeps_the_previous_checkpoint(tmp_path, monkeypat
     with pytest.raises(OSError, match="disk full"):
         fit(small_mlp(), flat_digits(), epochs=3, checkpoint_dir=str(tmp_path))
     monkeypatch.setattr(ckpt.torch, "save", real_save)
-    assert saves == [1, 2]
-    assert os.listdir(tmp_path) == ["last.pt"]
+    assert saves == [1, 1, 2]  # last.pt and best.pt after epoch 1, then last.pt fails
+    assert sorted(os.listdir(tmp_path)) == ["best.pt", "history.csv", "last.pt"]
     assert ckpt.load_checkpoint(str(tmp_path))["epoch"] == 1
 
 
@@ -212,7 +212,7 @@ def test_custom_steps_train_a_multi_input_model():
 
 
 def test_default_step_explains_an_unexpected_batch():
-    with pytest.raises(TypeError, match=r"expects batches of \(inputs, targets\), but a batch is dict.*train_step"):
+    with pytest.raises(TypeError, match=r"expects batches of \(inputs, targets\) or \(\*inputs, targets\), but a batch is dict.*train_step"):
         fit(TwoTower(), _TwoInputs(), epochs=1)
 
 

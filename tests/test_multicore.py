@@ -75,11 +75,14 @@ if __name__ == "__main__":
     train, valid = digits_datasets()
     before = make_model().state_dict()
     history = one_cycle_fit(make_model, train, valid_data=valid, epochs=3, max_lr=1e-2,
-                            cores="all", strategy="multiprocess", progress=False)
+                            cores="all", strategy="multiprocess", progress=False, early_stopping=2,
+                            restore_best=True)
     print(history.summary)
     print("runtime started in the parent:", xla.runtime_started())
     changed = any(not torch.equal(a, b) for a, b in zip(before.values(), history.model.state_dict().values()))
     print("weights came back:", changed)
+    print("best epoch", history.best_epoch, "|", history.stop_reason)
+    print("schedule steps", len(history.step_lrs), history.steps_per_epoch)
     for r in history.records:
         print("epoch", r.epoch, "loss", r.train_loss, "acc", r.metrics["accuracy"])
 """
@@ -94,6 +97,8 @@ def test_multiprocess_launch_with_one_device(tmp_path):
     assert "one_cycle_fit: multiprocess on 1 CPU core(s)" in r.stdout
     assert "runtime started in the parent: False" in r.stdout  # the device was never touched
     assert "weights came back: True" in r.stdout
+    assert "| completed 3 of 3 epochs; restored the best weights (epoch 3)" in r.stdout  # decided in the launch
+    assert "schedule steps 66 22" in r.stdout  # the per-step curve comes back for History.plot
     epochs = _values(r.stdout, "epoch")
     assert float(epochs[-1][3]) < 0.5 * float(epochs[0][3])
     assert float(epochs[-1][5]) > 0.9

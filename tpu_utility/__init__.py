@@ -26,6 +26,7 @@ from .history import EpochRecord, History
 from .loop import device_loader, launch, masked_loader, use_all_cores
 from .lr_finder import LRFinderResult, find_lr
 from .optim import step_optimizer
+from .predict import evaluate, predict
 from .presize import PresizeReport, presize_images
 from .schedule import one_cycle, one_cycle_curve
 
@@ -45,6 +46,7 @@ __all__ = [
     "DoctorError",
     "DoctorReport",
     "EpochRecord",
+    "evaluate",
     "find_lr",
     "get_device",
     "grad_scaler",
@@ -58,6 +60,7 @@ __all__ = [
     "one_cycle_curve",
     "one_cycle_fit",
     "padding_waste",
+    "predict",
     "presize_images",
     "PresizeReport",
     "save_checkpoint",

@@ -1,13 +1,17 @@
-"""make_sampler() and the loaders one_cycle_fit builds: fixed shapes, every
-validation sample counted once on any number of cores."""
+"""make_sampler() and the loaders the runner builds: fixed shapes, every
+validation sample counted once on any number of cores, the user's own sampler
+and DataLoader settings kept."""
 
 from __future__ import annotations
 
+import os
+import sys
 import warnings
-from typing import Any, Callable
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
 
 import torch
-from torch.utils.data import DataLoader, Dataset, DistributedSampler
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, RandomSampler, Sampler, SequentialSampler
 from torch.utils.data.dataloader import default_collate
 
 from . import xla
@@ -87,10 +91,11 @@ def padded_length(num_samples: int, batch_size: int, replicas: int) -> int:
 
 
 class MaskedPadding(Dataset):
-    """Pads a dataset to ``length`` by repeating samples, with a flag per item.
+    """Pads a dataset to ``length`` by repeating samples, with each item's index.
 
-    Item ``i`` is ``(dataset[i % n], i < n)``: padded items keep batch shapes fixed
-    and their flag (False) keeps them out of every sum.
+    Item ``i`` is ``(dataset[i % n], i)`` for ``i < n`` and ``(dataset[i % n], -1)``
+    for padding: padded items keep batch shapes fixed, a negative index keeps them
+    out of every sum, and real indices put predictions back in dataset order.
     """
 
     def __init__(self, dataset: Dataset, length: int) -> None:
@@ -99,26 +104,70 @@ class MaskedPadding(Dataset):
     def __len__(self) -> int:
         return self.length
 
-    def __getitem__(self, i: int) -> tuple[Any, torch.Tensor]:
-        return self.dataset[i % self.n], torch.tensor(i < self.n)
+    def __getitem__(self, i: int) -> tuple[Any, int]:
+        return self.dataset[i % self.n], (i if i < self.n else -1)
 
 
 class MaskCollate:
-    """Collates ``(sample, flag)`` items into ``(batch, mask)``; picklable for workers."""
+    """Collates ``(sample, index)`` items into ``(batch, indices)``; picklable for workers."""
 
     def __init__(self, collate_fn: Callable[[list], Any] | None) -> None:
         self.collate_fn = collate_fn or default_collate
 
-    def __call__(self, items: list[tuple[Any, torch.Tensor]]) -> tuple[Any, torch.Tensor]:
-        return self.collate_fn([s for s, _ in items]), torch.stack([f for _, f in items])
+    def __call__(self, items: list[tuple[Any, int]]) -> tuple[Any, torch.Tensor]:
+        return self.collate_fn([s for s, _ in items]), torch.tensor([i for _, i in items])
 
 
-def unpack_loader(data: Any, batch_size: int | None, name: str) -> tuple[Dataset, int, Callable | None, int | None]:
-    """Dataset, batch size, collate_fn and num_workers from a Dataset or DataLoader.
+# DataLoader settings we pass on unchanged (the sampler, batch size, collate_fn and
+# num_workers are handled explicitly).
+_KEPT_SETTINGS = ("pin_memory", "worker_init_fn", "generator", "prefetch_factor", "timeout",
+                  "multiprocessing_context", "persistent_workers", "in_order")  # fmt: skip
+
+
+@dataclass
+class LoaderSpec:
+    """What a Dataset or DataLoader given by the user asks for, kept whole.
+
+    ``sampler`` is the user's own sampler (None for a plain shuffled or
+    sequential one, which the runner replaces by a sharded one); ``settings``
+    are the other DataLoader arguments the user set.
+    """
+
+    dataset: Dataset
+    batch_size: int
+    collate_fn: Callable | None = None
+    num_workers: int | None = None
+    sampler: Sampler | None = None
+    shuffle: bool = True
+    settings: dict[str, Any] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(self.sampler) if self.sampler is not None else len(self.dataset)
+
+
+def _loader_settings(loader: DataLoader) -> dict[str, Any]:
+    defaults = {"pin_memory": False, "worker_init_fn": None, "generator": None, "timeout": 0,
+                "multiprocessing_context": None, "persistent_workers": False, "in_order": True,
+                "prefetch_factor": None if loader.num_workers == 0 else 2}  # fmt: skip
+    return {
+        name: getattr(loader, name)
+        for name in _KEPT_SETTINGS
+        if hasattr(loader, name) and getattr(loader, name) != defaults.get(name)
+    }
+
+
+def unpack_loader(data: Any, batch_size: int | None, name: str) -> LoaderSpec:
+    """A LoaderSpec from a Dataset or DataLoader.
 
     A DataLoader's own batch size is used; a different explicit ``batch_size`` is
-    an error rather than a silent choice between the two.
+    an error rather than a silent choice between the two. Its sampler (unless
+    the default sequential or random one) and its settings are kept.
     """
+    if isinstance(data, tuple) and len(data) == 2 and all(isinstance(t, torch.Tensor) for t in data):
+        raise TypeError(
+            f"{name} is a tuple of tensors (x, y); give a Dataset, for example "
+            f"torch.utils.data.TensorDataset(x, y)"
+        )
     if isinstance(data, DataLoader):
         if data.batch_size is None:
             raise ValueError(f"{name} is a DataLoader with batch_size=None; give it a fixed batch_size")
@@ -127,71 +176,164 @@ def unpack_loader(data: Any, batch_size: int | None, name: str) -> tuple[Dataset
                 f"batch_size={batch_size} differs from {name}.batch_size={data.batch_size}; "
                 f"give one of them"
             )
-        dataset = data.dataset
-        _check_sized(dataset, f"{name}.dataset")
-        return dataset, data.batch_size, data.collate_fn, data.num_workers
+        _check_sized(data.dataset, f"{name}.dataset")
+        own = data.sampler
+        default = isinstance(own, (RandomSampler, SequentialSampler)) and getattr(own, "data_source", None) is data.dataset
+        return LoaderSpec(
+            data.dataset, data.batch_size, data.collate_fn, data.num_workers,
+            sampler=None if default else own, shuffle=not isinstance(own, SequentialSampler),
+            settings=_loader_settings(data),
+        )  # fmt: skip
     _check_sized(data, name)
     size = 64 if batch_size is None else batch_size
     if isinstance(size, bool) or not isinstance(size, int) or size < 1:
         raise ValueError(f"batch_size must be a positive int, but given {size!r}")
-    return data, size, None, None
+    return LoaderSpec(data, size)
 
 
-def train_loader(
-    dataset: Dataset,
-    batch_size: int,
-    *,
-    replicas: int,
-    rank: int,
-    seed: int,
-    collate_fn: Callable | None,
-    num_workers: int,
-) -> DataLoader:
-    """Shuffled (seed + epoch, via set_epoch), drop_last so every batch has one shape."""
-    n = len(dataset)
-    if -(-n // replicas) < batch_size:
-        raise ValueError(
-            f"the training set has {n} samples, fewer than one batch of {batch_size} per core "
-            f"on {replicas} core(s); lower batch_size"
-        )
-    tail = -(-n // replicas) % batch_size
-    if tail:
-        warnings.warn(
-            f"dropping the last {tail} sample(s) per core each epoch (a short batch would change "
-            f"the graph's shapes and recompile); they are in other epochs' batches, since the "
-            f"order is reshuffled every epoch",
-            stacklevel=4,
-        )
-    sampler = DistributedSampler(dataset, num_replicas=replicas, rank=rank, shuffle=True, seed=seed)
-    return DataLoader(
-        dataset,
-        batch_size=batch_size,
-        sampler=sampler,
-        drop_last=True,
-        collate_fn=collate_fn,
-        num_workers=num_workers,
+class ShardedSampler(Sampler[int]):
+    """This replica's share of a user's sampler, the same draw on every replica.
+
+    The user's sampler is drawn once per epoch with a generator seeded by
+    ``seed + epoch`` (when it draws at random and has none of its own), padded by
+    repetition to a multiple of ``replicas``, and split round-robin.
+    """
+
+    def __init__(self, sampler: Sampler, replicas: int, rank: int, seed: int) -> None:
+        self.sampler, self.replicas, self.rank, self.seed, self.epoch = sampler, replicas, rank, seed, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+        if hasattr(self.sampler, "set_epoch"):
+            self.sampler.set_epoch(epoch)
+
+    def __len__(self) -> int:
+        return -(-len(self.sampler) // self.replicas)
+
+    def __iter__(self) -> Iterator[int]:
+        own = getattr(self.sampler, "generator", False)
+        if own is None:  # it would draw from the global RNG: a different order on each replica
+            self.sampler.generator = torch.Generator().manual_seed(self.seed + self.epoch)
+        try:
+            indices = list(self.sampler)
+        finally:
+            if own is None:
+                self.sampler.generator = None
+        total = len(self) * self.replicas
+        indices = (indices * (-(-total // len(indices))))[:total]
+        return iter(indices[self.rank :: self.replicas])
+
+
+def user_stacklevel() -> int:
+    """The stacklevel of the first caller outside tpu_utility, torch and torch_xla.
+
+    So a warning points at the user's line, not at our code or a launcher.
+    """
+    ours = (os.path.dirname(os.path.abspath(__file__)), os.path.dirname(torch.__file__))
+    frame, level = sys._getframe(1), 1
+    while frame is not None:
+        name = os.path.abspath(frame.f_code.co_filename)
+        if not name.startswith(ours) and "torch_xla" not in name and "multiprocessing" not in name:
+            return level
+        frame, level = frame.f_back, level + 1
+    return 1
+
+
+_PIN_MEMORY_WARNED = False
+
+
+def _dataloader(dataset: Dataset, spec: LoaderSpec, sampler: Sampler, batch_size: int, **kwargs: Any) -> DataLoader:
+    global _PIN_MEMORY_WARNED
+    settings = dict(spec.settings)
+    workers = spec.num_workers or 0
+    if settings.get("pin_memory") and xla.xla_requested():
+        settings.pop("pin_memory")
+        if not _PIN_MEMORY_WARNED:
+            _PIN_MEMORY_WARNED = True
+            warnings.warn(
+                "pin_memory=True has no effect on XLA (torch_xla's loader copies batches to the "
+                "device itself); it is left off",
+                stacklevel=user_stacklevel(),
+            )
+    if workers == 0:
+        settings.pop("prefetch_factor", None)
+        settings.pop("persistent_workers", None)
+    else:
         # workers keep their own copy of the dataset: one with set_epoch needs fresh ones each epoch
-        persistent_workers=num_workers > 0 and not hasattr(dataset, "set_epoch"),
-    )
+        settings.setdefault("persistent_workers", not hasattr(dataset, "set_epoch"))
+    return DataLoader(dataset, batch_size=batch_size, sampler=sampler, collate_fn=kwargs.pop("collate_fn", spec.collate_fn),
+                      num_workers=workers, **kwargs, **settings)  # fmt: skip
 
 
-def eval_loader(
-    dataset: Dataset,
-    batch_size: int,
-    *,
-    replicas: int,
-    rank: int,
-    collate_fn: Callable | None,
-    num_workers: int,
-) -> DataLoader:
-    """Every batch full size; padded items carry a False mask so each sample counts once."""
+def train_loader(spec: LoaderSpec, batch_size: int, *, replicas: int, rank: int, seed: int) -> DataLoader:
+    """Shuffled (seed + epoch, via set_epoch), drop_last so every batch has one shape.
+
+    ``batch_size`` is what this loader yields per step (per core, or per host
+    under SPMD); the data is split over ``replicas`` loaders.
+    """
+    if spec.sampler is None:
+        sampler: Sampler = DistributedSampler(spec.dataset, num_replicas=replicas, rank=rank, shuffle=spec.shuffle, seed=seed)
+    elif replicas > 1:
+        sampler = ShardedSampler(spec.sampler, replicas, rank, seed)
+    else:
+        sampler = spec.sampler
+    n = len(sampler)
+    if n < batch_size:
+        raise ValueError(
+            f"the training set has {len(spec)} samples, fewer than one batch of {batch_size} "
+            f"on each of {replicas} loader(s); lower batch_size"
+        )
+    tail = n % batch_size
+    if tail and rank == 0:
+        where = f" on each of the {replicas} processes" if replicas > 1 else ""
+        warnings.warn(
+            f"dropping the last {tail} sample(s){where} each epoch (a short batch would change "
+            f"the graph's shapes and recompile); they are in other epochs' batches when the "
+            f"order is reshuffled every epoch",
+            stacklevel=user_stacklevel(),
+        )
+    return _dataloader(spec.dataset, spec, sampler, batch_size, drop_last=True)
+
+
+def eval_loader(spec: LoaderSpec, batch_size: int, *, replicas: int, rank: int) -> DataLoader:
+    """Every batch full size; padded items carry index -1 so each sample counts once.
+
+    A user's own sampler chooses the samples (for example a validation split of
+    one dataset) and their order.
+    """
+    dataset = spec.dataset if spec.sampler is None else torch.utils.data.Subset(spec.dataset, list(spec.sampler))
     padded = MaskedPadding(dataset, padded_length(len(dataset), batch_size, replicas))
     sampler = DistributedSampler(padded, num_replicas=replicas, rank=rank, shuffle=False)
-    return DataLoader(
-        padded,
-        batch_size=batch_size,
-        sampler=sampler,
-        collate_fn=MaskCollate(collate_fn),
-        num_workers=num_workers,
-        persistent_workers=num_workers > 0,
-    )
+    return _dataloader(padded, spec, sampler, batch_size, collate_fn=MaskCollate(spec.collate_fn))
+
+
+def real_counts(loader: DataLoader) -> list[int]:
+    """Real (unpadded) samples in each batch of an eval_loader, known on the host."""
+    indices, size, n = list(loader.sampler), loader.batch_size, loader.dataset.n
+    return [sum(i < n for i in indices[k : k + size]) for k in range(0, len(indices), size)]
+
+
+class LabelCheck:
+    """A collate_fn that checks class labels on the host, before they reach the device.
+
+    On XLA an out-of-range label does not raise (on the CPU, cross_entropy's
+    IndexError would): the run trains on garbage. The batch is still on the
+    host here, so the check costs no device sync. ``ignore_index`` (-100 for
+    ``nn.CrossEntropyLoss``) is allowed.
+    """
+
+    def __init__(self, collate_fn: Callable | None, classes: int, ignore_index: int = -100) -> None:
+        self.collate_fn, self.classes, self.ignore_index = collate_fn or default_collate, classes, ignore_index
+
+    def __call__(self, items: list) -> Any:
+        batch = self.collate_fn(items)
+        target = batch[-1] if isinstance(batch, (list, tuple)) and len(batch) >= 2 else None
+        if isinstance(target, torch.Tensor) and not target.is_floating_point() and target.numel():
+            bad = ((target < 0) & (target != self.ignore_index)) | (target >= self.classes)
+            if bool(bad.any()):
+                raise ValueError(
+                    f"labels must be class indices in [0, {self.classes}) for a model with {self.classes} "
+                    f"outputs, but a batch holds {sorted(set(target[bad].tolist()))[:5]}; check the "
+                    f"dataset's targets or the model's last layer"
+                )
+        return batch

@@ -38,6 +38,7 @@ class TpuInfo:
     cache_dir: str | None
     num_workers: int
     cache_note: str = "off"
+    spmd: bool = False
 
     def summary(self) -> str:
         if self.xla:
@@ -54,6 +55,8 @@ class TpuInfo:
             f"  torch {self.torch_version}, torch_xla {self.torch_xla_version or 'not installed'}",
             f"  compile cache: {self.cache_dir or self.cache_note}",
         ]
+        if self.spmd:
+            lines.append(f"  SPMD on: one process drives all {self.num_devices} devices (setup_tpu(spmd=False) keeps it off)")
         return "\n".join(lines)
 
     def as_dict(self) -> dict:
@@ -134,11 +137,21 @@ def _host_ram_gb() -> float:
 _last_info: TpuInfo | None = None
 
 
+def _choose_spmd(spmd: bool | None, several_devices: bool) -> bool:
+    """Switches SPMD on now, before the runtime starts, when asked or when several devices are visible."""
+    if spmd is None:
+        spmd = several_devices and not xla.in_launched_process() and (xla.is_spmd() or not xla.runtime_started())
+    if spmd:
+        xla.use_spmd()
+    return bool(spmd)
+
+
 def setup_tpu(
     device: DeviceChoice = "auto",
     cache_dir: str | None = None,
     compile_cache: bool | None = None,
     verbose: bool = True,
+    spmd: bool | None = None,
 ) -> TpuInfo:
     """Prepares this process for XLA and prints what it found.
 
@@ -157,6 +170,10 @@ def setup_tpu(
             compiled programs, which is TPU; XLA:CPU writes them but cannot read them
             back. True forces it on, False leaves it off.
         verbose: Print the summary.
+        spmd: None (default) switches SPMD on when several XLA devices are visible
+            outside a launched process, so ``cores="all"`` works after other XLA
+            work (find_lr, earlier cells). False keeps it off (needed for
+            ``strategy="multiprocess"``); True forces it on.
 
     Returns:
         TpuInfo: platform, device type and kind, device count, host CPUs and RAM,
@@ -256,6 +273,7 @@ def setup_tpu(
         cache_dir=chosen_cache,
         cache_note=cache_note,
         num_workers=suggest_num_workers(cpus, processes),
+        spmd=_choose_spmd(spmd, use_xla and count > 1),
     )
     if verbose and info != _last_info:
         print(info.summary())

@@ -39,17 +39,23 @@ class EpochRecord:
 
 @dataclass
 class History:
-    """Per-epoch records of a run, plus the trained model.
+    """Per-epoch records of a run, the per-step schedule, why it stopped, and the model.
 
     Example:
         >>> history = one_cycle_fit(model, train_ds, epochs=5, max_lr=3e-3)  # doctest: +SKIP
         >>> history.records[-1].metrics["accuracy"]                          # doctest: +SKIP
+        >>> history.to_csv("history.csv")                                   # doctest: +SKIP
         >>> history.plot("history.png")                                     # doctest: +SKIP
     """
 
     records: list[EpochRecord] = field(default_factory=list)
     summary: str = ""
     model: Any = field(default=None, repr=False)
+    stop_reason: str = ""
+    best_epoch: int | None = None
+    step_lrs: list[float] = field(default_factory=list, repr=False)
+    step_momenta: list[float] = field(default_factory=list, repr=False)
+    steps_per_epoch: int = 0
 
     def __len__(self) -> int:
         return len(self.records)
@@ -58,36 +64,89 @@ class History:
         return self.records[i]
 
     def to_dicts(self) -> list[dict[str, Any]]:
+        """The records as nested dicts (metrics in a dict), as checkpoints store them."""
         return [asdict(r) for r in self.records]
 
     @classmethod
     def from_dicts(cls, rows: list[dict[str, Any]]) -> History:
         return cls([EpochRecord(**row) for row in rows])
 
-    def plot(self, path: str | None = None) -> Any:
-        """Losses, metrics and learning rate per epoch; saved to ``path`` if given.
+    def to_rows(self) -> list[dict[str, Any]]:
+        """Flat rows, one per epoch, each metric a column of its own."""
+        rows = []
+        for record in self.records:
+            row = asdict(record)
+            row.update(row.pop("metrics"))
+            rows.append(row)
+        return rows
 
-        Returns the matplotlib Figure (shown inline in a notebook).
+    def to_csv(self, path: str) -> None:
+        """Writes the flat rows to ``path`` (atomically: a crash leaves the previous file)."""
+        import csv
+        import os
+
+        rows = self.to_rows()
+        columns = list(dict.fromkeys(k for row in rows for k in row)) or ["epoch"]
+        tmp = f"{path}.tmp"
+        with open(tmp, "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=columns)
+            writer.writeheader()
+            writer.writerows(rows)
+        os.replace(tmp, path)
+
+    def to_pandas(self) -> Any:
+        """The flat rows as a pandas DataFrame (needs pandas)."""
+        try:
+            import pandas as pd
+        except ModuleNotFoundError as error:
+            raise ModuleNotFoundError("History.to_pandas needs pandas: pip install pandas (or use to_rows())") from error
+        return pd.DataFrame(self.to_rows())
+
+    def plot(self, path: str | None = None) -> Any:
+        """Losses and metrics per epoch, and the learning rate (and momentum) per step.
+
+        Saved to ``path`` if given. Returns the matplotlib Figure, built without
+        pyplot, so a notebook shows it once (as the cell's value) and no figure
+        stays open.
         """
-        import matplotlib.pyplot as plt
+        from matplotlib.figure import Figure
+        from matplotlib.ticker import MaxNLocator
 
         epochs = [r.epoch for r in self.records]
-        metric_names = sorted({k for r in self.records for k in r.metrics})
-        fig, axes = plt.subplots(1, 2 + bool(metric_names), figsize=(5 * (2 + bool(metric_names)), 3.5))
+        metric_names = list(dict.fromkeys(k for r in self.records for k in r.metrics))
+        panels = 2 + bool(metric_names)
+        fig = Figure(figsize=(5 * panels, 3.5))
+        axes = fig.subplots(1, panels)
         axes[0].plot(epochs, [r.train_loss for r in self.records], "o-", label="train")
         valid = [r.valid_loss if r.valid_loss is not None else math.nan for r in self.records]
         if any(not math.isnan(v) for v in valid):
             axes[0].plot(epochs, valid, "o-", label="valid")
+        if self.best_epoch:
+            axes[0].axvline(self.best_epoch, color="tab:green", linestyle=":", label=f"best (epoch {self.best_epoch})")
         axes[0].set(title="loss", xlabel="epoch")
         axes[0].legend()
-        axes[1].plot(epochs, [r.lr for r in self.records], "o-")
-        axes[1].set(title="learning rate (end of epoch)", xlabel="epoch", yscale="log")
+        self._plot_schedule(axes[1])
         if metric_names:
             for name in metric_names:
                 axes[2].plot(epochs, [r.metrics.get(name, math.nan) for r in self.records], "o-", label=name)
             axes[2].set(title="validation metrics", xlabel="epoch")
             axes[2].legend()
+        for ax in axes:
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         fig.tight_layout()
         if path is not None:
             fig.savefig(path, dpi=100)
         return fig
+
+    def _plot_schedule(self, ax: Any) -> None:
+        if self.step_lrs and self.steps_per_epoch:
+            x = [(i + 1) / self.steps_per_epoch for i in range(len(self.step_lrs))]
+            ax.plot(x, self.step_lrs, color="tab:blue", label="learning rate")
+            ax.set(title="schedule per optimizer step", xlabel="epoch", ylabel="learning rate")
+            if self.step_momenta:
+                twin = ax.twinx()
+                twin.plot(x, self.step_momenta, color="tab:orange", label="momentum")
+                twin.set_ylabel("momentum (beta1)")
+            return
+        ax.plot([r.epoch for r in self.records], [r.lr for r in self.records], "o-")
+        ax.set(title="learning rate (end of epoch)", xlabel="epoch", yscale="log")

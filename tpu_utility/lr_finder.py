@@ -1,4 +1,5 @@
-"""find_lr(): an exponential learning-rate sweep that leaves the model as it was."""
+"""find_lr(): an exponential learning-rate sweep that leaves the model as it was
+(weights, device, train/eval mode) and the global random state untouched."""
 
 from __future__ import annotations
 
@@ -10,9 +11,9 @@ import torch
 from torch import nn
 
 from . import xla
-from .data import train_loader, unpack_loader
-from .device import get_device, move_model
-from .fit import _device_batches, _split_xy, resolve_optimizer
+from .data import unpack_loader
+from .fit import check_number, check_seed, resolve_optimizer
+from .runner import Runner, split_batch
 
 
 @dataclass
@@ -25,9 +26,10 @@ class LRFinderResult:
     diverged: bool = False
 
     def plot(self, path: str | None = None) -> Any:
-        import matplotlib.pyplot as plt
+        from matplotlib.figure import Figure
 
-        fig, ax = plt.subplots(figsize=(5, 3.5))
+        fig = Figure(figsize=(5, 3.5))  # not pyplot's: a notebook shows the returned figure once
+        ax = fig.subplots()
         ax.plot(self.lrs, self.losses)
         ax.axvline(self.suggested_lr, color="tab:red", linestyle="--", label=f"suggested {self.suggested_lr:.1e}")
         ax.set(xscale="log", xlabel="learning rate", ylabel="smoothed loss", title="LR finder")
@@ -44,6 +46,17 @@ def suggest_lr(lrs: list[float], losses: list[float]) -> float:
         raise ValueError("the sweep recorded no loss; give more data or a larger num_steps")
     best = min(range(len(losses)), key=losses.__getitem__)
     return lrs[best] / 10
+
+
+def _check_sweep(start_lr: Any, end_lr: Any, num_steps: Any, smooth: Any, diverge_factor: Any) -> None:
+    check_number("start_lr", start_lr, 0, math.inf)
+    check_number("end_lr", end_lr, 0, math.inf)
+    if not start_lr < end_lr:
+        raise ValueError(f"need 0 < start_lr < end_lr, but given start_lr={start_lr}, end_lr={end_lr}")
+    if isinstance(num_steps, bool) or not isinstance(num_steps, int) or num_steps < 2:
+        raise ValueError(f"num_steps must be an int of at least 2, but given {num_steps!r}")
+    check_number("smooth", smooth, 0, 1, closed="[)")
+    check_number("diverge_factor", diverge_factor, 1, math.inf)
 
 
 def find_lr(
@@ -65,68 +78,102 @@ def find_lr(
 
     Losses stay on the device and are read every ``read_every`` steps in one
     transfer; the sweep stops once the smoothed loss exceeds ``diverge_factor``
-    times its minimum. The model's weights are restored afterwards.
+    times its minimum. Afterwards the model has its weights, device and
+    train/eval mode as before, and the global random state is as it was
+    (``seed`` only orders the data).
 
     Returns:
         LRFinderResult with ``lrs``, smoothed ``losses``, ``suggested_lr`` and ``plot()``.
+
+    Raises:
+        ValueError, TypeError: a bad argument, named with what is allowed.
 
     Example:
         >>> # was: an lr_finder from another library, or guessing
         >>> result = find_lr(model, train_ds)                 # doctest: +SKIP
         >>> one_cycle_fit(model, train_ds, epochs=5, max_lr=result.suggested_lr)  # doctest: +SKIP
     """
-    if not 0 < start_lr < end_lr:
-        raise ValueError(f"need 0 < start_lr < end_lr, but given start_lr={start_lr}, end_lr={end_lr}")
-    if num_steps < 2:
-        raise ValueError(f"num_steps must be at least 2, but given {num_steps}")
-    dataset, bs, collate, _ = unpack_loader(train_data, batch_size, "train_data")
+    _check_sweep(start_lr, end_lr, num_steps, smooth, diverge_factor)
+    if isinstance(read_every, bool) or not isinstance(read_every, int) or read_every < 1:
+        raise ValueError(f"read_every must be a positive int, but given {read_every!r}")
+    check_seed(seed)
+    spec = unpack_loader(train_data, batch_size, "train_data")
     loss_fn = loss_fn or nn.CrossEntropyLoss()
     make_opt, _ = resolve_optimizer(optimizer)
-
-    device = get_device()
-    move_model(model, device)
-    saved = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    torch.manual_seed(seed)
-    opt = make_opt(model.parameters())
-    loader = train_loader(dataset, bs, replicas=1, rank=0, seed=seed, collate_fn=collate, num_workers=0)
-    ratio = (end_lr / start_lr) ** (1 / (num_steps - 1))
-    result = LRFinderResult()
-    pending: list[tuple[float, torch.Tensor]] = []
-    avg, best, step = 0.0, math.inf, 0
-    model.train()
-    try:
-        while step < num_steps and not result.diverged:
-            loader.sampler.set_epoch(step)
-            for batch in _device_batches(loader, device, None):
-                lr = start_lr * ratio**step
-                for group in opt.param_groups:
-                    group["lr"] = lr
-                x, y = _split_xy(batch, "find_lr")
-                loss = loss_fn(model(x).float(), y)
-                opt.zero_grad(set_to_none=True)
-                loss.backward()
-                opt.step()
-                pending.append((lr, loss.detach()))
-                step += 1
-                if len(pending) == read_every or step == num_steps:
-                    values = xla.to_cpu([torch.stack([t for _, t in pending])])[0].tolist()
-                    for (lr_i, _), value in zip(pending, values):
-                        if not math.isfinite(value):
-                            result.diverged = True
-                            break
-                        avg = smooth * avg + (1 - smooth) * value
-                        smoothed = avg / (1 - smooth ** (len(result.losses) + 1))
-                        result.lrs.append(lr_i)
-                        result.losses.append(smoothed)
-                        best = min(best, smoothed)
-                        if smoothed > diverge_factor * best:
-                            result.diverged = True
-                            break
-                    pending.clear()
-                if step >= num_steps or result.diverged:
-                    break
-    finally:
-        model.load_state_dict(saved)
-        opt.zero_grad(set_to_none=True)
+    with torch.random.fork_rng(devices=[]):
+        runner = Runner(model)
+        xla_state = xla.get_rng_state() if runner.on_xla else None
+        saved = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        try:
+            opt = make_opt([p for p in model.parameters() if p.requires_grad])
+            sweep = _Sweep(start_lr, end_lr, num_steps, smooth, diverge_factor, read_every)
+            result = _sweep(runner, runner.train_loader(spec, seed), opt, loss_fn, sweep)
+        finally:
+            model.load_state_dict(saved)
+            runner.restore_model()
+            if xla_state is not None:
+                xla.set_rng_state(xla_state)
     result.suggested_lr = suggest_lr(result.lrs, result.losses)
     return result
+
+
+@dataclass
+class _Sweep:
+    start_lr: float
+    end_lr: float
+    num_steps: int
+    smooth: float
+    diverge_factor: float
+    read_every: int
+
+
+def _sweep(runner: Runner, loader: Any, opt: torch.optim.Optimizer, loss_fn: Callable, sweep: _Sweep) -> LRFinderResult:
+    ratio = (sweep.end_lr / sweep.start_lr) ** (1 / (sweep.num_steps - 1))
+    result = LRFinderResult()
+    pending: list[tuple[float, torch.Tensor]] = []
+    tracker = _Smoother(sweep.smooth, sweep.diverge_factor)
+    step, model = 0, runner.model
+    model.train()
+    while step < sweep.num_steps and not result.diverged:
+        if hasattr(loader.sampler, "set_epoch"):
+            loader.sampler.set_epoch(step)
+        for batch in runner.batches(loader):
+            lr = sweep.start_lr * ratio**step
+            for group in opt.param_groups:
+                group["lr"] = lr
+            inputs, y = split_batch(batch, "find_lr")
+            loss = loss_fn(model(*inputs).float(), y)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            pending.append((lr, loss.detach()))
+            step += 1
+            if len(pending) == sweep.read_every or step == sweep.num_steps:
+                values = xla.to_cpu([torch.stack([t for _, t in pending])])[0].tolist()
+                result.diverged = tracker.add(result, [lr_i for lr_i, _ in pending], values)
+                pending.clear()
+            if step >= sweep.num_steps or result.diverged:
+                break
+    opt.zero_grad(set_to_none=True)
+    return result
+
+
+class _Smoother:
+    """The bias-corrected exponential moving average of the loss, and the divergence test."""
+
+    def __init__(self, smooth: float, diverge_factor: float) -> None:
+        self.smooth, self.factor, self.avg, self.best = smooth, diverge_factor, 0.0, math.inf
+
+    def add(self, result: LRFinderResult, lrs: list[float], values: list[float]) -> bool:
+        """Appends to ``result``; True once the loss is non-finite or diverged."""
+        for lr, value in zip(lrs, values):
+            if not math.isfinite(value):
+                return True
+            self.avg = self.smooth * self.avg + (1 - self.smooth) * value
+            smoothed = self.avg / (1 - self.smooth ** (len(result.losses) + 1))
+            result.lrs.append(lr)
+            result.losses.append(smoothed)
+            self.best = min(self.best, smoothed)
+            if smoothed > self.factor * self.best:
+                return True
+        return False

@@ -436,12 +436,26 @@ def autocast(dev: torch.device, dtype: torch.dtype) -> Any:
 
 # ------------------------------------------------------------------- SPMD
 def use_spmd() -> None:
-    """Switches this process to SPMD (one process, the mesh of all devices)."""
-    require_xla()
+    """Switches this process to SPMD (one process, the mesh of all devices).
+
+    Raises:
+        RuntimeError: the runtime already runs without SPMD (something touched
+            the XLA device first). Switching then would move live tensors to a
+            virtual device, which crashes the process with several devices.
+    """
+    torch_xla = require_xla()
     import torch_xla.runtime as xr
 
-    if not xr.is_spmd():
-        xr.use_spmd()
+    if xr.is_spmd():
+        return
+    if torch_xla._XLAC._xla_get_spmd_config_is_locked():
+        raise RuntimeError(
+            "cores='all' needs SPMD, but the XLA runtime already started without it in this "
+            "process (something used the XLA device first: find_lr, get_device(), a tensor on "
+            "'xla'). Call setup_tpu() first thing (it switches SPMD on when several XLA devices "
+            "are visible), or restart the kernel and train with cores='all' before other XLA work."
+        )
+    xr.use_spmd()
 
 
 def is_spmd() -> bool:
@@ -452,17 +466,34 @@ def is_spmd() -> bool:
     return xr.is_spmd()
 
 
+def process_count() -> int:
+    """Processes of the job (one per host on a pod slice under SPMD); 1 off XLA."""
+    if not (xla_loaded() and runtime_started()):
+        return 1
+    import torch_xla.runtime as xr
+
+    return xr.process_count()
+
+
+def process_index() -> int:
+    if not (xla_loaded() and runtime_started()):
+        return 0
+    import torch_xla.runtime as xr
+
+    return xr.process_index()
+
+
 class _BatchSharding:
     """Shards every tensor of a batch along dim 0 over a 1-D data mesh.
 
     torch_xla's ShardingSpec applies only to tensors of its own rank; a batch
     holds images (4-D) and labels (1-D), so we build one spec per rank.
+    ``minibatch=True`` says each host's loader yields only its own share of the
+    global batch (several hosts on a pod slice).
     """
 
-    minibatch = False
-
-    def __init__(self, mesh: Any) -> None:
-        self._mesh = mesh
+    def __init__(self, mesh: Any, minibatch: bool = False) -> None:
+        self._mesh, self.minibatch = mesh, minibatch
         self._specs: dict[int, Any] = {}
 
     def xla_spec(self, t: torch.Tensor) -> Any:
@@ -471,14 +502,38 @@ class _BatchSharding:
         if t.dim() == 0:
             return None
         if t.dim() not in self._specs:
-            self._specs[t.dim()] = xs.ShardingSpec(self._mesh, ("data",) + (None,) * (t.dim() - 1))
+            partition = ("data",) + (None,) * (t.dim() - 1)
+            self._specs[t.dim()] = xs.ShardingSpec(self._mesh, partition, minibatch=self.minibatch)
         return self._specs[t.dim()].xla_spec(t)
 
 
-def device_loader(loader: Any, dev: torch.device, spmd_devices: int | None = None) -> Any:
+class _Relay:
+    """Iterates the host loader for torch_xla's loader thread, keeping its exception.
+
+    torch_xla's loader thread swallows an exception raised by the user's
+    Dataset: the epoch would just end early. The relay ends the iteration
+    cleanly and keeps the exception for the caller to raise.
+    """
+
+    def __init__(self, loader: Any) -> None:
+        self.loader, self.error = loader, None
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __iter__(self) -> Any:
+        try:
+            yield from self.loader
+        except Exception as error:  # noqa: BLE001 - re-raised in the caller's thread
+            self.error = error
+
+
+def device_loader(loader: Any, dev: torch.device, spmd_devices: int | None = None, minibatch: bool = False) -> Any:
     """torch_xla's MpDeviceLoader: background host-to-device copies, one graph cut per batch.
 
-    With ``spmd_devices``, each batch is sharded along dim 0 over that many devices.
+    With ``spmd_devices``, each batch is sharded along dim 0 over that many
+    devices; ``minibatch`` when each host loads only its share. An exception in
+    the user's Dataset or collate_fn is raised here, in the caller's thread.
     """
     import torch_xla.distributed.parallel_loader as pl
 
@@ -488,8 +543,31 @@ def device_loader(loader: Any, dev: torch.device, spmd_devices: int | None = Non
         import torch_xla.distributed.spmd as xs
 
         mesh = xs.Mesh(np.arange(spmd_devices), (spmd_devices,), ("data",))
-        sharding = _BatchSharding(mesh)
-    return pl.MpDeviceLoader(loader, dev, input_sharding=sharding)
+        sharding = _BatchSharding(mesh, minibatch)
+    relay = _Relay(loader)
+    batches = pl.MpDeviceLoader(relay, dev, input_sharding=sharding)
+
+    def relayed() -> Any:
+        yield from batches
+        if relay.error is not None:
+            raise relay.error
+
+    return relayed()
+
+
+def all_gather(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Concatenates each tensor over replicas along dim 0; identity on one replica."""
+    if world_size() == 1:
+        return tensors
+    import torch_xla.core.xla_model as xm
+
+    return [xm.all_gather(t, dim=0) for t in tensors]
+
+
+def gather_all_tensors(tensor: torch.Tensor, group: Any = None) -> list[torch.Tensor]:
+    """torchmetrics' ``dist_sync_fn``: one tensor per replica, over XLA collectives."""
+    gathered = all_gather([tensor.unsqueeze(0)])[0]
+    return list(gathered.unbind(0))
 
 
 def skip_next_loader_sync() -> None:

@@ -1,0 +1,259 @@
+"""predict and evaluate: dataset order, few transfers, one compile, exact figures,
+the model left as found; on 1 device, 4 SPMD devices, in a launch, without torch_xla."""
+
+import math
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset, SubsetRandomSampler, TensorDataset
+
+from conftest import BLOCK_TORCH_XLA, flat_digits, run_python, small_mlp
+from tpu_utility import evaluate, predict, xla
+
+INDEXED = """
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+def indexed(n=1001):
+    # the target is the sample's own index; feature 0 is the index too
+    x = torch.zeros(n, 4)
+    x[:, 0] = torch.arange(n, dtype=torch.float32)
+    x[:, 1:] = torch.randn(n, 3)
+    return TensorDataset(x, torch.arange(n))
+
+def echo():
+    model = nn.Linear(4, 1)
+    with torch.no_grad():
+        model.weight.copy_(torch.tensor([[1.0, 0.0, 0.0, 0.0]]))
+        model.bias.zero_()
+    return model
+"""
+exec(INDEXED)
+
+
+def test_predict_returns_every_sample_in_order_with_few_transfers_and_one_compile():
+    model, data = echo().to(xla.device()), indexed()  # on the device already: no weights move back
+    compiles0, transfers0 = xla.compile_count(), xla.transfer_from_device_count()
+    preds = predict(model, data, batch_size=64)
+    compiles, transfers = xla.compile_count() - compiles0, xla.transfer_from_device_count() - transfers0
+    assert torch.equal(preds.squeeze(1), torch.arange(1001, dtype=torch.float32))
+    assert transfers == 1, transfers  # 16 batches (the last one padded): one transfer
+    assert compiles == 1, compiles  # padded batches all have one shape
+    transfers0 = xla.transfer_from_device_count()
+    preds = predict(model, data, batch_size=16)
+    batches = math.ceil(1001 / 16)
+    transfers = xla.transfer_from_device_count() - transfers0
+    assert transfers <= math.ceil(batches / 16), (transfers, batches)  # never one per batch
+    assert torch.equal(preds.squeeze(1), torch.arange(1001, dtype=torch.float32))
+    again0 = xla.compile_count()
+    predict(model, data, batch_size=16)
+    assert xla.compile_count() == again0  # the same graph serves a second call
+
+
+def test_predict_leaves_the_model_as_found_and_keeps_output_structure():
+    model = echo().train()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+
+    class TwoHeads(nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x):
+            y = self.inner(x)
+            return {"value": y, "double": (y * 2, y * 3)}
+
+    wrapped = TwoHeads(model)
+    out = predict(wrapped, indexed(100), batch_size=16)
+    assert torch.equal(out["value"].squeeze(1), torch.arange(100, dtype=torch.float32))
+    assert torch.equal(out["double"][1].squeeze(1), 3 * torch.arange(100, dtype=torch.float32))
+    assert model.training and next(model.parameters()).device.type == "cpu"
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k])
+
+
+def test_predict_inputs_alone_a_loader_sampler_predict_step_and_tta():
+    data = indexed(300)
+    inputs_only = TensorDataset(data.tensors[0])
+    plain = predict(echo(), inputs_only, batch_size=32)
+    assert torch.equal(plain.squeeze(1), torch.arange(300, dtype=torch.float32))
+    picked = [5, 17, 250, 3]
+    loader = DataLoader(data, batch_size=2, sampler=SubsetRandomSampler(picked))
+    chosen = predict(echo(), loader).squeeze(1)
+    assert sorted(chosen.tolist()) == sorted(float(i) for i in picked)  # the user's sampler chose them
+    stepped = predict(echo(), data, batch_size=32, predict_step=lambda m, b: m(b[0]) + 1)
+    assert torch.equal(stepped.squeeze(1), torch.arange(1, 301, dtype=torch.float32))
+    both = predict(echo(), data, batch_size=32, tta=[lambda b: b, lambda b: (b[0] * 3, b[1])])
+    assert torch.allclose(both.squeeze(1), 2 * torch.arange(300, dtype=torch.float32))
+
+
+def test_evaluate_is_exact_and_matches_a_plain_cpu_loop(digits):
+    torch.manual_seed(0)
+    model = small_mlp()
+    _, valid = digits
+    figures = evaluate(model, valid, batch_size=64)
+    x, y = valid.tensors
+    with torch.no_grad():
+        out = model(x)
+    assert figures["loss"] == pytest.approx(nn.functional.cross_entropy(out, y).item(), rel=1e-5)
+    assert figures["accuracy"] == pytest.approx((out.argmax(1) == y).float().mean().item(), abs=1e-6)
+    assert next(model.parameters()).device.type == "cpu"
+
+
+class _Broken(Dataset):
+    """Sample 70 raises, as a corrupt file in a user's Dataset would."""
+
+    def __len__(self):
+        return 200
+
+    def __getitem__(self, i):
+        if i == 70:
+            raise OSError(f"cannot read sample {i}: corrupt file")
+        return torch.randn(1, 8, 8), i % 10
+
+
+@pytest.mark.filterwarnings("ignore:dropping the last")
+def test_a_dataset_error_reaches_the_caller_in_training_validation_and_prediction():
+    from tpu_utility import one_cycle_fit
+
+    with pytest.raises(OSError, match="cannot read sample 70"):
+        one_cycle_fit(small_mlp(), _Broken(), epochs=1, max_lr=1e-3, batch_size=16, progress=False)
+    with pytest.raises(OSError, match="cannot read sample 70"):
+        one_cycle_fit(small_mlp(), flat_digits(), valid_data=_Broken(), epochs=1, max_lr=1e-3,
+                      batch_size=16, progress=False)  # fmt: skip
+    with pytest.raises(OSError, match="cannot read sample 70"):
+        predict(small_mlp(), _Broken(), batch_size=16)
+
+
+SPMD_SCRIPT = INDEXED + """
+import warnings; warnings.simplefilter("ignore")
+from torch.utils.data import Dataset
+from tpu_utility import evaluate, predict, xla
+from tpu_utility.demo import digits_datasets
+
+model, data = echo(), indexed()
+preds = predict(model, data, batch_size=16, cores="all")
+print("in order:", torch.equal(preds.squeeze(1), torch.arange(1001, dtype=torch.float32)))
+print("devices:", xla.global_device_count(), "spmd:", xla.is_spmd())
+print("model back on:", next(model.parameters()).device.type)
+
+_, valid = digits_datasets()
+torch.manual_seed(0)
+net = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, 32), torch.nn.ReLU(), torch.nn.Linear(32, 10))
+got = evaluate(net, valid, batch_size=16, cores="all")
+x, y = valid.tensors
+with torch.no_grad():
+    out = net(x)
+print("loss", got["loss"], torch.nn.functional.cross_entropy(out, y).item())
+print("accuracy", got["accuracy"], (out.argmax(1) == y).float().mean().item())
+
+class Broken(Dataset):
+    def __len__(self):
+        return 200
+    def __getitem__(self, i):
+        if i in (150, 151, 152, 153, 154):  # any training order draws some of them
+            raise OSError(f"cannot read sample {i}")
+        return torch.randn(1, 8, 8), i % 10
+try:
+    predict(net, Broken(), batch_size=8, cores="all")
+except OSError as e:
+    print("raised:", e)
+
+from torchmetrics.classification import MulticlassAccuracy
+from tpu_utility import one_cycle_fit
+train, valid = digits_datasets()
+torch.manual_seed(0)
+h = one_cycle_fit(net, train, valid_data=valid, epochs=6, max_lr=1e-2, batch_size=16, cores="all",
+                  metrics={"acc": MulticlassAccuracy(num_classes=10, average="micro"), "accuracy": "accuracy"},
+                  monitor="acc", early_stopping=1, restore_best=True, progress=False)
+print("epochs", len(h.records), "best", h.best_epoch, "|", h.stop_reason)
+print("torchmetrics", h.records[-1].metrics["acc"], "ours", h.records[-1].metrics["accuracy"])
+final = evaluate(h.model, valid, cores="all")
+print("restored", final["accuracy"], h.records[h.best_epoch - 1].metrics["accuracy"])
+try:
+    one_cycle_fit(net, Broken(), epochs=1, max_lr=1e-3, batch_size=8, cores="all", progress=False)
+except OSError as e:
+    print("training raised:", e)
+"""
+
+
+def test_predict_and_evaluate_on_four_spmd_devices():
+    r = run_python(SPMD_SCRIPT, env={"CPU_NUM_DEVICES": "4"}, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "in order: True" in r.stdout
+    assert "devices: 4 spmd: True" in r.stdout
+    assert "model back on: cpu" in r.stdout
+    for key in ("loss", "accuracy"):
+        (_, got, want), = [line.split() for line in r.stdout.splitlines() if line.startswith(key)]
+        assert float(got) == pytest.approx(float(want), rel=1e-5, abs=1e-6), key
+    assert "raised: cannot read sample 150" in r.stdout
+    training_error = r.stdout.split("training raised:", 1)[1]  # from a loader worker: with its traceback
+    assert "cannot read sample 15" in training_error
+    (line,) = [x for x in r.stdout.splitlines() if x.startswith("epochs")]
+    epochs, best = int(line.split()[1]), int(line.split()[3])
+    assert epochs == 6 or f"did not improve for 1 epoch(s)" in line
+    (_, tm, _, ours), = [x.split() for x in r.stdout.splitlines() if x.startswith("torchmetrics")]
+    assert float(tm) == pytest.approx(float(ours), abs=1e-6)  # micro accuracy: both count every sample once
+    (_, now, then), = [x.split() for x in r.stdout.splitlines() if x.startswith("restored")]
+    assert float(now) == pytest.approx(float(then), abs=1e-6)  # the best epoch's weights came back
+
+
+MP_SCRIPT = INDEXED + """
+import warnings; warnings.simplefilter("ignore")
+import torch_xla
+from tpu_utility import predict, xla
+
+class Broken(torch.utils.data.Dataset):
+    def __len__(self):
+        return 100
+    def __getitem__(self, i):
+        if i == 70:
+            raise OSError(f"cannot read sample {i}")
+        return torch.randn(4)
+
+def worker(index):
+    preds = predict(echo(), indexed(), batch_size=64)
+    print("replica", xla.world_size(), "launched", xla.in_launched_process(),
+          "in order:", torch.equal(preds.squeeze(1), torch.arange(1001, dtype=torch.float32)))
+    try:
+        predict(echo(), Broken(), batch_size=16)
+    except OSError as e:
+        print("raised in the launch:", e)
+
+if __name__ == "__main__":
+    torch_xla.launch(worker, args=())
+"""
+
+
+def test_predict_inside_a_multiprocess_launch_with_one_device(tmp_path):
+    script = tmp_path / "predict_mp.py"
+    script.write_text(MP_SCRIPT)
+    r = run_python(f"import runpy; runpy.run_path({str(script)!r}, run_name='__main__')",
+                   env={"CPU_NUM_DEVICES": "1"}, timeout=600)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "replica 1 launched True in order: True" in r.stdout
+    assert "raised in the launch: cannot read sample 70" in r.stdout
+
+
+def test_predict_and_evaluate_without_torch_xla():
+    r = run_python(BLOCK_TORCH_XLA + INDEXED + """
+from tpu_utility import evaluate, predict
+preds = predict(echo(), indexed(), batch_size=64)
+print("in order:", torch.equal(preds.squeeze(1), torch.arange(1001, dtype=torch.float32)))
+print("figures:", sorted(evaluate(echo(), indexed(), loss_fn=torch.nn.functional.l1_loss, metrics=[]) ))
+""", env={"PJRT_DEVICE": None})
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "in order: True" in r.stdout
+    assert "figures: ['loss']" in r.stdout
+
+
+def test_bf16_predict_leaves_fp32_weights_exactly_as_they_were():
+    torch.manual_seed(0)
+    model = small_mlp()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    out = predict(model, flat_digits(200), batch_size=32, precision="bf16")
+    assert out.shape == (200, 10)
+    for k, v in model.state_dict().items():
+        assert v.dtype == torch.float32 and torch.equal(v, before[k]), k

@@ -1,0 +1,386 @@
+"""Runner: what one process needs to run a model on its share of the cores.
+
+``one_cycle_fit``, ``evaluate``, ``predict`` and ``find_lr`` each build one
+``Runner`` per process. It holds the device, the model, the precision and the
+data layout (``Topology``: single core, SPMD over a mesh of devices and hosts,
+or one replica of a multi-process launch), builds the loaders for that layout,
+turns host batches into device batches (sharded under SPMD), and runs the two
+loops that never train: evaluation sums and prediction.
+
+Who loads which samples is plain arithmetic (``Topology``), tested with
+simulated process counts; the runner only asks torch_xla for the numbers.
+"""
+
+from __future__ import annotations
+
+import os
+from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Literal, Sequence, get_args
+
+import torch
+from torch import nn
+from torch.utils import _pytree as pytree
+
+from . import xla
+from .data import LoaderSpec, eval_loader, real_counts, train_loader
+from .device import get_device, move_model
+from .metrics import MetricSet
+
+Strategy = Literal["auto", "spmd", "multiprocess"]
+Precision = Literal["fp32", "bf16"]
+Batch = Any
+Step = Callable[[nn.Module, Batch], Any]
+
+PREDICT_CHUNK = 16  # batches of outputs kept on the device between host transfers
+
+
+# ----------------------------------------------------------- pure choices
+def resolve_cores(cores: int | str, available: int) -> int:
+    """The number of cores to run on: 1 or all of them (TPUs run 1 or all)."""
+    if cores == "all":
+        return available
+    if isinstance(cores, bool) or not isinstance(cores, int):
+        raise TypeError(f"cores must be 1, 'all' or an int, but given {cores!r}")
+    if cores != 1 and cores != available:
+        raise ValueError(f"cores must be 1 or {available} (all cores here), or 'all', but given {cores}")
+    return cores
+
+
+def choose_strategy(strategy: str, cores: int, in_launch: bool) -> str:
+    """"single", "spmd", "multiprocess" (we launch) or "replica" (already launched)."""
+    if strategy not in get_args(Strategy):
+        raise ValueError(f"strategy must be one of {get_args(Strategy)}, but given {strategy!r}")
+    if in_launch:
+        return "replica"
+    if strategy == "multiprocess":
+        return "multiprocess"
+    if cores == 1 and strategy == "auto":
+        return "single"
+    return "spmd"
+
+
+def available_cores() -> int:
+    """XLA devices this job could use, counted without starting the runtime."""
+    if not xla.xla_requested():
+        return 1
+    if xla.pjrt_device() == "TPU" or (xla.pjrt_device() is None and xla.detect_tpu().chips):
+        return xla.detect_tpu().devices
+    return int(os.environ.get(f"{xla.pjrt_device()}_NUM_DEVICES", "1"))
+
+
+def process_mode(cores: int | str, strategy: str = "auto") -> tuple[int, str]:
+    """(cores, mode) for this process; ``mode`` as ``choose_strategy`` names it.
+
+    Raises:
+        ValueError: several cores asked for where there are no XLA devices.
+    """
+    n_cores = resolve_cores(cores, available_cores())
+    mode = choose_strategy(strategy, n_cores, xla.in_launched_process() and xla.world_size() > 1)
+    if mode in ("spmd", "multiprocess") and not xla.xla_requested():
+        raise ValueError(
+            f"strategy={strategy!r} with cores={cores!r} needs XLA devices (a TPU, or PJRT_DEVICE set); "
+            f"none here, so use cores=1"
+        )
+    return n_cores, mode
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Who runs and who loads what, as plain numbers.
+
+    ``replicas``/``rank``: processes that each run their own copy of the graph
+    (a multi-process launch). ``hosts``/``host``: processes of one SPMD program
+    (one per host on a pod slice), each loading its share of the global batch.
+    ``devices``: the SPMD mesh size over all hosts.
+    """
+
+    mode: str = "single"  # "single", "spmd" or "replica"
+    replicas: int = 1
+    rank: int = 0
+    hosts: int = 1
+    host: int = 0
+    devices: int = 1
+
+    def __post_init__(self) -> None:
+        if self.mode == "spmd" and self.devices % self.hosts:
+            raise ValueError(f"{self.devices} devices do not split evenly over {self.hosts} hosts")
+
+    @property
+    def cores(self) -> int:
+        return self.devices if self.mode == "spmd" else self.replicas
+
+    @property
+    def loaders(self) -> tuple[int, int]:
+        """(how many loaders split the data, this one's index)."""
+        return (self.hosts, self.host) if self.mode == "spmd" else (self.replicas, self.rank)
+
+    @property
+    def master(self) -> bool:
+        return self.rank == 0 and self.host == 0
+
+    def loader_batch(self, per_core: int) -> int:
+        """Samples this process loads per step: its cores' share of the global batch."""
+        return per_core * self.devices // self.hosts if self.mode == "spmd" else per_core
+
+    def global_batch(self, per_core: int) -> int:
+        return per_core * self.cores
+
+
+def current_topology(mode: str) -> Topology:
+    """This process's Topology; switches SPMD on for mode "spmd" (before the runtime starts)."""
+    if mode == "spmd":
+        xla.use_spmd()
+        return Topology("spmd", hosts=xla.process_count(), host=xla.process_index(), devices=xla.global_device_count())
+    if mode == "replica":
+        return Topology("replica", replicas=xla.world_size(), rank=xla.ordinal())
+    return Topology("single")
+
+
+# ----------------------------------------------------------------- batches
+def move_batch(batch: Batch, device: torch.device) -> Batch:
+    return pytree.tree_map(lambda t: t.to(device, non_blocking=True) if isinstance(t, torch.Tensor) else t, batch)
+
+
+def _cast_floats(batch: Batch, dtype: torch.dtype) -> Batch:
+    return pytree.tree_map(
+        lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, batch
+    )
+
+
+def split_batch(batch: Batch, what: str) -> tuple[tuple, Any]:
+    """``(*inputs, target)`` of a default batch: ``model(*inputs)`` is compared with ``target``."""
+    if not isinstance(batch, (list, tuple)) or len(batch) < 2:
+        size = f" of length {len(batch)}" if hasattr(batch, "__len__") else ""
+        raise TypeError(
+            f"the default {what} expects batches of (inputs, targets) or (*inputs, targets), but a "
+            f"batch is {type(batch).__name__}{size}; pass {what}=... to handle this batch structure"
+        )
+    return tuple(batch[:-1]), batch[-1]
+
+
+def default_eval_step(model: nn.Module, batch: Batch) -> tuple[Any, Any]:
+    inputs, target = split_batch(batch, "eval_step")
+    return model(*inputs), target
+
+
+def default_predict_step(model: nn.Module, batch: Batch) -> Any:
+    """``model(x)`` for a tensor, ``model(*inputs)`` for ``(*inputs, target)`` (the target is ignored)."""
+    if isinstance(batch, torch.Tensor):
+        return model(batch)
+    if isinstance(batch, (list, tuple)) and batch:
+        return model(*batch[:-1]) if len(batch) > 1 else model(batch[0])
+    raise TypeError(
+        f"the default predict_step expects batches of inputs or (*inputs, target), but a batch is "
+        f"{type(batch).__name__}; pass predict_step=lambda model, batch: ... to handle it"
+    )
+
+
+@dataclass
+class PrecisionMode:
+    """How bf16 is applied on this device: autocast, or casting model and inputs."""
+
+    mode: str  # "fp32", "autocast" or "cast"
+    device: torch.device
+
+    @classmethod
+    def choose(cls, precision: str, device: torch.device) -> PrecisionMode:
+        if precision not in get_args(Precision):
+            raise ValueError(f"precision must be one of {get_args(Precision)}, but given {precision!r}")
+        if precision == "fp32":
+            return cls("fp32", device)
+        if device.type == "xla":
+            return cls("autocast" if xla.bf16_autocast_available() else "cast", device)
+        return cls("autocast", device)
+
+    def context(self) -> Any:
+        if self.mode != "autocast":
+            return nullcontext()
+        if self.device.type == "xla":
+            return xla.autocast(self.device, torch.bfloat16)
+        return torch.autocast(self.device.type, dtype=torch.bfloat16)
+
+    def inputs(self, batch: Batch) -> Batch:
+        return _cast_floats(batch, torch.bfloat16) if self.mode == "cast" else batch
+
+    @property
+    def label(self) -> str:
+        return {"fp32": "fp32", "autocast": "bf16 (autocast)", "cast": "bf16 (model and inputs cast)"}[self.mode]
+
+
+@dataclass(frozen=True)
+class _Placement:
+    """Where and how a model was found: device, train/eval mode, floating dtype."""
+
+    device: torch.device
+    training: bool
+    dtype: torch.dtype | None
+
+    @classmethod
+    def of(cls, model: nn.Module) -> _Placement:
+        params = [p for p in model.parameters()]
+        floats = [p.dtype for p in params if p.is_floating_point()]
+        device = params[0].device if params else torch.device("cpu")
+        return cls(device, model.training, floats[0] if floats else None)
+
+    def restore(self, model: nn.Module) -> None:
+        move_model(model, self.device)
+        if self.dtype is not None and any(p.is_floating_point() and p.dtype != self.dtype for p in model.parameters()):
+            model.to(self.dtype)
+        model.train(self.training)
+
+
+# ------------------------------------------------------------------ runner
+class Runner:
+    """One process's device, model, precision and data layout.
+
+    Example:
+        >>> runner = Runner(model, precision="bf16", mode="spmd")   # doctest: +SKIP
+        >>> loader = runner.eval_loader(unpack_loader(valid_ds, 64, "valid_data"))  # doctest: +SKIP
+        >>> for batch, index in runner.batches(loader): ...          # doctest: +SKIP
+    """
+
+    def __init__(self, model: nn.Module, precision: str = "fp32", mode: str = "single") -> None:
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model must be an nn.Module, but given {model!r}")
+        self.found = _Placement.of(model)
+        self.topology = current_topology(mode)
+        self.device = get_device()
+        self.model = model
+        self.precision = PrecisionMode.choose(precision, self.device)
+        self.found_weights = None
+        if self.precision.mode == "cast":  # bf16 -> fp32 would not give the weights back exactly
+            self.found_weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        move_model(model, self.device)
+        if self.precision.mode == "cast":
+            model.to(torch.bfloat16)
+
+    @property
+    def on_xla(self) -> bool:
+        return self.device.type == "xla"
+
+    def restore_model(self) -> None:
+        """Puts the model back on the device, dtype and mode it was found in."""
+        self.found.restore(self.model)
+        if self.found_weights is not None:
+            self.model.load_state_dict(self.found_weights)
+
+    # -- loaders
+    def train_loader(self, spec: LoaderSpec, seed: int) -> Any:
+        loaders, index = self.topology.loaders
+        return train_loader(spec, self.topology.loader_batch(spec.batch_size), replicas=loaders, rank=index, seed=seed)
+
+    def eval_loader(self, spec: LoaderSpec) -> Any:
+        loaders, index = self.topology.loaders
+        return eval_loader(spec, self.topology.loader_batch(spec.batch_size), replicas=loaders, rank=index)
+
+    def batches(self, loader: Any) -> Iterator[Batch]:
+        """Device batches (sharded over the mesh under SPMD); Dataset errors reach the caller."""
+        if self.on_xla:
+            spmd = self.topology.mode == "spmd"
+            devices = self.topology.devices if spmd else None
+            return xla.device_loader(loader, self.device, devices, minibatch=spmd and self.topology.hosts > 1)
+        return (move_batch(b, self.device) for b in loader)
+
+    def first_batch(self, loader: Any) -> Batch:
+        """The loader's first batch on the device, for checks before a run (traced, not run)."""
+        return move_batch(next(iter(loader)), self.device)
+
+    def run(self, step: Step, batch: Batch) -> Any:
+        """``step(model, batch)`` under this precision."""
+        batch = self.precision.inputs(batch)
+        with self.precision.context():
+            return step(self.model, batch)
+
+    # -- the loops that do not train
+    def eval_sums(self, loader: Any, metrics: MetricSet, eval_step: Step) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Evaluates every sample once; returns ``metrics.figures()`` (on the device, not read)."""
+        self.model.eval()
+        metrics.reset()
+        counts = real_counts(loader)
+        with torch.no_grad():
+            for (batch, index), real in zip(self.batches(loader), counts):
+                output, target = self.run(eval_step, batch)
+                metrics.update(output.float(), target, index, real)
+        return metrics.figures()
+
+    def check_eval(self, loader: Any, metrics: MetricSet, eval_step: Step) -> None:
+        """eval_step, the loss and every metric on the first batch, before any epoch is spent."""
+        batch, _ = self.first_batch(loader)
+        self.model.eval()
+        with torch.no_grad():
+            result = self.run(eval_step, batch)
+            if not (isinstance(result, (tuple, list)) and len(result) == 2):
+                raise TypeError(
+                    f"eval_step must return (output, target), but returned {type(result).__name__}"
+                    f"{f' of length {len(result)}' if hasattr(result, '__len__') else ''}"
+                )
+            output, target = result
+            metrics.check(output.float() if isinstance(output, torch.Tensor) else output, target)
+
+    def predict(self, loader: Any, step: Step, tta: Sequence[Callable] | None, progress: bool = False) -> Any:
+        """Outputs for every sample in dataset order, on the CPU, padding removed.
+
+        Outputs stay on the device in chunks of ``PREDICT_CHUNK`` batches; a chunk
+        moves to the host in one transfer once the next chunk is under way, so the
+        device never waits for the host (and at most two chunks are held).
+        """
+        self.model.eval()
+        on_host: list[tuple[list[torch.Tensor], torch.Tensor]] = []
+        previous: list[tuple[list[torch.Tensor], torch.Tensor]] = []
+        current: list[tuple[list[torch.Tensor], torch.Tensor]] = []
+        spec = None
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=len(loader), desc="predict", leave=False, disable=not (progress and self.topology.master))
+        with torch.no_grad():
+            for batch, index in self.batches(loader):
+                bar.update(1)
+                output = self._predict_batch(step, batch, tta)
+                leaves, spec = pytree.tree_flatten(output)
+                if not all(isinstance(t, torch.Tensor) for t in leaves):
+                    raise TypeError(f"predict_step must return tensors (a tensor, tuple or dict of them), but returned {output!r}")
+                current.append((leaves, index))
+                if len(current) == PREDICT_CHUNK:
+                    on_host += self._to_host(previous)  # computed already: the device goes on with `current`
+                    previous, current = current, []
+            if self.on_xla:
+                xla.sync()  # the last batch's graph runs as every other batch's did (no new compile)
+            on_host += self._to_host(previous + current)
+        bar.close()
+        return pytree.tree_unflatten(_in_order(on_host, loader.dataset.n), spec)
+
+    def _predict_batch(self, step: Step, batch: Batch, tta: Sequence[Callable] | None) -> Any:
+        if not tta:
+            return self.run(step, batch)
+        outputs = [self.run(step, transform(batch)) for transform in tta]
+        return pytree.tree_map(lambda *ts: torch.stack([t.float() for t in ts]).mean(0), *outputs)
+
+    def _to_host(self, pending: list[tuple[list[torch.Tensor], torch.Tensor]]) -> list[tuple[list[torch.Tensor], torch.Tensor]]:
+        """One device-to-host transfer for many batches (gathered over replicas first)."""
+        if not pending:
+            return []
+        flat = [t for leaves, index in pending for t in (*leaves, index)]
+        moved = iter(xla.to_cpu(xla.all_gather(flat)))
+        width = len(pending[0][0])
+        result = []
+        for _ in pending:
+            leaves = [next(moved) for _ in range(width)]
+            result.append((leaves, next(moved)))
+        return result
+
+
+def _in_order(parts: list[tuple[list[torch.Tensor], torch.Tensor]], n: int) -> list[torch.Tensor]:
+    """Each output leaf over all batches, placed by dataset index, padding dropped."""
+    index = torch.cat([i for _, i in parts])
+    keep = index >= 0
+    where = index[keep]
+    in_place = len(index) >= n and torch.equal(index[:n], torch.arange(n))  # one loader, no sampler: in order
+    ordered = []
+    for k in range(len(parts[0][0])):
+        values = torch.cat([leaves[k] for leaves, _ in parts])
+        values = values[:n] if in_place else values[keep]
+        if not in_place:
+            values = values.new_empty((n, *values.shape[1:])).index_copy_(0, where, values)
+        ordered.append(values)
+    return ordered

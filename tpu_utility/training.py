@@ -1,0 +1,505 @@
+"""The training loop one_cycle_fit runs in each process, on a Runner.
+
+Per epoch: train (losses summed on the device), evaluate (metrics summed on
+the device), then one read of every figure, all-reduced over replicas, from
+which every replica takes the same decisions: NaN stop, best epoch, early
+stop, time limit. Checkpoints (``last.pt``, ``best.pt``) and ``history.csv``
+are written by the master.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from torch import nn
+from torch.utils.data.dataloader import default_collate
+
+from . import xla
+from .checkpoint import CHECKPOINT_NAME, load_checkpoint, save_atomic, to_cpu
+from .data import LabelCheck, LoaderSpec
+from .history import EpochRecord, History
+from .metrics import MetricSet
+from .monitor import StopRule, Watch, out_of_time
+from .optim import step_optimizer
+from .runner import Runner, default_eval_step, move_batch, split_batch
+from .schedule import one_cycle_curve
+
+BEST_NAME = "best.pt"
+HISTORY_NAME = "history.csv"
+_NO_BAD_STEP = float(2**24)  # "no non-finite loss yet"; exact in float32
+_clock = time.monotonic  # the time-limit clock (tests replace it)
+
+
+@dataclass
+class OneCycle:
+    """The schedule's arguments, as in ``torch.optim.lr_scheduler.OneCycleLR``."""
+
+    max_lr: float
+    pct_start: float = 0.25
+    div_factor: float = 25.0
+    final_div_factor: float = 1e4
+    base_momentum: float = 0.85
+    max_momentum: float = 0.95
+    scale_lr_by_cores: bool = False
+
+
+@dataclass
+class Steps:
+    """How a batch becomes a loss and an evaluation."""
+
+    loss_fn: Callable
+    train_step: Callable | None = None
+    eval_step: Callable | None = None
+    accumulate_steps: int = 1
+    max_grad_norm: float | None = None
+    default_loss: bool = False  # nn.CrossEntropyLoss(): labels are checked on the host
+
+
+@dataclass
+class FitPlan:
+    """Everything a training process needs; picklable for a spawned launch."""
+
+    epochs: int
+    train: LoaderSpec
+    valid: LoaderSpec | None
+    schedule: OneCycle
+    steps: Steps
+    optimizer: Callable[..., torch.optim.Optimizer]
+    optimizer_name: str
+    optimizer_args: dict[str, Any]
+    metrics: dict[str, Any]
+    stop: StopRule
+    checkpoint_dir: str | None = None
+    resume: bool = False
+    precision: str = "fp32"
+    seed: int = 0
+    progress: bool = True
+    cores: int = 1
+    mode: str = "single"
+    fingerprint: dict[str, Any] = field(default_factory=dict)
+
+
+class OneCycleDriver:
+    """Feeds the one-cycle schedule to the optimizer before every step.
+
+    The named optimizers "adam" and "adamw" are torch_xla's fused sync-free ones
+    on XLA and take Python floats. A user's own torch Adam-family optimizer gets
+    ``lr`` and ``betas`` as device tensors (``capturable=True``) copied from a
+    table of the whole schedule, uploaded once: Python-float hyperparameters
+    would change the graph whenever a value rounds to a special constant
+    (``1 - lr * wd == 1.0`` in float32 late in the schedule), because torch_xla
+    uploads scalars by value. Other optimizers (SGD) take Python floats, the only
+    form their step accepts without a host sync.
+    """
+
+    def __init__(self, opt: torch.optim.Optimizer, curve: tuple[list[float], list[float]], device: torch.device,
+                 start_step: int) -> None:  # fmt: skip
+        self.lrs, self.moms = curve
+        self.total, self.step_index = len(self.lrs), start_step
+        self.on_device = (
+            device.type == "xla"
+            and not xla.is_fused_optimizer(opt)  # they take Python floats without syncing or recompiling
+            and all("betas" in g and "capturable" in g for g in opt.param_groups)
+        )
+        if self.on_device:
+            self.table = torch.tensor([self.lrs, self.moms], dtype=torch.float32).T.contiguous().to(device)
+            self.device_index = torch.tensor([min(start_step, self.total - 1)], device=device)
+            self.lr = torch.tensor(self.lrs[0], device=device)
+            self.beta1 = torch.tensor(self.moms[0], device=device)
+            for group in opt.param_groups:
+                group["capturable"] = True
+                group["lr"] = self.lr
+                # beta2 stays constant; as a device tensor, Adam's addcmul_(value=1 - beta2) would
+                # .item() it every step, so it is a CPU tensor (torch requires both betas tensors).
+                group["betas"] = (self.beta1, torch.tensor(float(group["betas"][1])))
+
+    def before_step(self, opt: torch.optim.Optimizer) -> float:
+        i = min(self.step_index, self.total - 1)
+        self.step_index += 1
+        if self.on_device:
+            row = self.table.index_select(0, self.device_index).squeeze(0)
+            self.lr.copy_(row[0])
+            self.beta1.copy_(row[1])
+            self.device_index.add_(1).clamp_(max=self.total - 1)
+            return self.lrs[i]
+        for group in opt.param_groups:
+            group["lr"] = self.lrs[i]
+            if "betas" in group:
+                group["betas"] = (self.moms[i], group["betas"][1])
+            elif group.get("momentum", 0) > 0:
+                group["momentum"] = self.moms[i]
+        return self.lrs[i]
+
+
+def _checked_labels(runner: Runner, train: LoaderSpec, valid: LoaderSpec | None, check_valid: bool
+                    ) -> tuple[LoaderSpec, LoaderSpec | None]:  # fmt: skip
+    """Specs whose collate_fn checks labels against the model's output width (found by tracing)."""
+    sample = [train.dataset[i] for i in range(min(2, len(train.dataset)))]
+    batch = move_batch((train.collate_fn or default_collate)(sample), runner.device)
+    training = runner.model.training
+    try:
+        runner.model.eval()  # no dropout: the random streams stay as they were
+        with torch.no_grad():
+            output = runner.run(lambda model, b: model(*split_batch(b, "train_step")[0]), batch)
+    finally:
+        runner.model.train(training)
+    if not isinstance(output, torch.Tensor) or output.dim() < 2:
+        return train, valid
+    classes = output.shape[1]  # cross_entropy: (N, C) or (N, C, d1, ...)
+    train = dataclasses.replace(train, collate_fn=LabelCheck(train.collate_fn, classes))
+    if valid is not None and check_valid:
+        valid = dataclasses.replace(valid, collate_fn=LabelCheck(valid.collate_fn, classes))
+    return train, valid
+
+
+def _device_values(device: torch.device, *values: Any) -> list[torch.Tensor]:
+    """Accumulators materialised on the device, like the previous step's outputs they stand for.
+
+    Left as pending constants (torch_xla keeps small uploads as scalars in the
+    graph), they would merge into an epoch's first step and make it a graph of its
+    own; run now, they are plain device data in every epoch.
+    """
+    tensors = [torch.tensor(v, dtype=torch.float32).to(device) for v in values]
+    if device.type == "xla":
+        xla.sync()
+    return tensors
+
+
+# ------------------------------------------------------------ one process
+class _Run:
+    """One process's training state: the runner, optimizer, schedule, loaders, history."""
+
+    def __init__(self, model: nn.Module, plan: FitPlan) -> None:
+        self.plan = plan
+        torch.manual_seed(plan.seed)
+        random.seed(plan.seed)
+        self.runner = runner = Runner(model, plan.precision, plan.mode)
+        if runner.on_xla:
+            xla.set_rng_seed(plan.seed)
+        self.master = runner.topology.master
+        self._optimizer()
+        train_spec, valid_spec = plan.train, plan.valid
+        if plan.steps.default_loss and plan.steps.train_step is None:
+            train_spec, valid_spec = _checked_labels(runner, train_spec, valid_spec, plan.steps.eval_step is None)
+        self.train_loader = runner.train_loader(train_spec, plan.seed)
+        self.valid_loader = runner.eval_loader(valid_spec) if valid_spec is not None else None
+        self.metrics = MetricSet(plan.metrics, plan.steps.loss_fn, runner.device) if plan.valid is not None else None
+        self.eval_step = plan.steps.eval_step or default_eval_step
+        self.batches = len(self.train_loader)
+        self._schedule()
+        self.watch = Watch()
+        self.best_state: dict[str, torch.Tensor] | None = None
+        self.start_epoch, self.opt_step = 0, 0
+        self.fingerprint = {**plan.fingerprint, "parameters": _parameter_digest(model)}
+        folder = plan.checkpoint_dir
+        self.paths = {"last": os.path.join(folder, CHECKPOINT_NAME), "best": os.path.join(folder, BEST_NAME)} if folder else {}
+
+    def _schedule(self) -> None:
+        """The whole one-cycle curve: its length is what each core iterates."""
+        plan, s = self.plan, self.plan.schedule
+        per_epoch = self.batches // plan.steps.accumulate_steps
+        if per_epoch < 1:
+            raise ValueError(
+                f"accumulate_steps={plan.steps.accumulate_steps} exceeds the {self.batches} batches per epoch on each core"
+            )
+        self.total = per_epoch * plan.epochs
+        self.max_lr = s.max_lr * (self.runner.topology.cores if s.scale_lr_by_cores else 1)
+        self.curve = one_cycle_curve(
+            self.total, self.max_lr, pct_start=s.pct_start, div_factor=s.div_factor,
+            final_div_factor=s.final_div_factor, base_momentum=s.base_momentum, max_momentum=s.max_momentum,
+        )  # fmt: skip
+        self.history = History(steps_per_epoch=per_epoch)
+        self.history.summary = _summary(self)
+
+    def _optimizer(self) -> None:
+        plan, runner = self.plan, self.runner
+        # torch_xla's fused Adam fails to compile for bf16 parameters: cast mode keeps torch's.
+        use_fused = runner.on_xla and plan.optimizer_name in ("adam", "adamw") and runner.precision.mode != "cast"
+        fused = xla.fused_optimizer(plan.optimizer_name) if use_fused else None
+        self.fused = fused is not None
+        params = [p for p in runner.model.parameters() if p.requires_grad]
+        if not params:
+            raise ValueError("the model has no trainable parameters (all have requires_grad=False); unfreeze some layers")
+        self.opt = (fused or plan.optimizer)(params, **plan.optimizer_args)
+        # torch_xla's sync-free optimizers skip the step when found_inf is 1 (never, here)
+        self.step_args = {"found_inf": _device_values(runner.device, 0.0)[0]} if fused else {}
+
+
+def train(model: nn.Module, plan: FitPlan) -> tuple[nn.Module, History]:
+    """Trains ``model`` in this process; returns it and the History."""
+    run = _Run(model, plan)
+    if run.valid_loader is not None:
+        run.runner.check_eval(run.valid_loader, run.metrics, run.eval_step)
+    if run.runner.on_xla:
+        xla.sync()  # set-up tensors become device data, not part of epoch 1's first graph
+    if plan.resume and "last" in run.paths and os.path.exists(run.paths["last"]):
+        _restore(run)
+    run.schedule = OneCycleDriver(run.opt, run.curve, run.runner.device, run.opt_step)
+    if run.master and plan.progress:
+        print(run.history.summary)
+        if run.start_epoch:
+            print(f"resumed from {run.paths['last']} after epoch {run.start_epoch}")
+    started = _clock()
+    for epoch in range(run.start_epoch, plan.epochs):
+        record, elapsed = _epoch(run, epoch, started)
+        reason = _after_epoch(run, record)
+        if not reason and epoch + 1 < plan.epochs:
+            reason = out_of_time(plan.stop.time_limit, elapsed, epoch + 1 - run.start_epoch)
+        if reason:
+            _stop(run, reason)
+            break
+    _finish(run)
+    return model, run.history
+
+
+def _epoch(run: _Run, epoch: int, started: float) -> tuple[EpochRecord, float]:
+    plan, runner = run.plan, run.runner
+    syncs0, transfers0 = xla.host_sync_count(), xla.transfer_from_device_count()
+    t0 = time.perf_counter()
+    if hasattr(run.train_loader.sampler, "set_epoch"):
+        run.train_loader.sampler.set_epoch(epoch)
+    if hasattr(plan.train.dataset, "set_epoch"):
+        plan.train.dataset.set_epoch(epoch)  # e.g. CachedDataset serving another augmented copy
+    train_sums, lr = _train_epoch(run, epoch)
+    sums, computed = run.runner.eval_sums(run.valid_loader, run.metrics, run.eval_step) if run.valid_loader else ([], [])
+    values, synced, bad_step = _read_epoch(runner.device, train_sums, sums, [*computed, torch.tensor(_clock() - started)])
+    del train_sums, sums, computed  # lazy views kept alive would run as a graph of their own at the next sync
+    loss_sum, n_batches = values[0], values[1]
+    if bad_step < _NO_BAD_STEP or not math.isfinite(loss_sum):
+        where = f"step {int(bad_step)}" if bad_step < _NO_BAD_STEP else "a step"
+        raise FloatingPointError(
+            f"the training loss became NaN or inf in epoch {epoch + 1} at {where} of {run.batches}; "
+            f"stopped. The last good checkpoint (if any) is {run.paths.get('last', 'not kept (no checkpoint_dir)')}. "
+            f"Try a lower max_lr, max_grad_norm=1.0 or precision='fp32'."
+        )
+    seconds = time.perf_counter() - t0
+    record = EpochRecord(
+        epoch=epoch + 1, train_loss=loss_sum / n_batches, valid_loss=None, metrics={}, lr=lr, seconds=seconds,
+        samples_per_s=run.batches * runner.topology.global_batch(plan.train.batch_size) / seconds,
+    )  # fmt: skip
+    if run.metrics is not None:
+        record.valid_loss, record.metrics = run.metrics.values(values[2:], synced[:-1])
+    record.compiles = xla.compile_count()
+    record.host_syncs = xla.host_sync_count() - syncs0
+    record.transfers = xla.transfer_from_device_count() - transfers0
+    return record, synced[-1]
+
+
+def _train_epoch(run: _Run, epoch: int) -> tuple[list[torch.Tensor], float]:
+    from tqdm.auto import tqdm
+
+    plan, runner, steps = run.plan, run.runner, run.plan.steps
+    runner.model.train()
+    run.opt.zero_grad(set_to_none=True)
+    # bad_step: 1-based step of the first non-finite loss
+    loss_sum, n_batches, bad_step = _device_values(runner.device, 0.0, 0.0, _NO_BAD_STEP)
+    lr = run.schedule.lrs[min(run.opt_step, run.schedule.total - 1)]
+    bar = tqdm(total=run.batches, desc=f"epoch {epoch + 1}/{plan.epochs}", leave=False, dynamic_ncols=True,
+               disable=not (plan.progress and run.master))  # fmt: skip
+    step = steps.train_step or _LossStep(steps.loss_fn)
+    for i, batch in enumerate(runner.batches(run.train_loader)):
+        loss = runner.run(step, batch)
+        if not isinstance(loss, torch.Tensor):
+            raise TypeError(
+                f"train_step must return the loss as a tensor (so it can be backpropagated), but returned "
+                f"{type(loss).__name__} {loss!r}"
+            )
+        loss = loss.float()
+        (loss / steps.accumulate_steps if steps.accumulate_steps > 1 else loss).backward()
+        n_batches = n_batches + 1
+        bad_step = torch.where((bad_step == _NO_BAD_STEP) & ~torch.isfinite(loss), n_batches, bad_step)
+        loss_sum = loss_sum + loss.detach()
+        if (i + 1) % steps.accumulate_steps == 0:
+            lr = run.schedule.before_step(run.opt)
+            # MpDeviceLoader cuts the graph at every batch, so the step needs no barrier
+            step_optimizer(run.opt, barrier=False, max_grad_norm=steps.max_grad_norm, optimizer_args=run.step_args)
+            run.opt.zero_grad(set_to_none=True)
+            run.opt_step += 1
+        bar.update(1)
+    bar.close()
+    run.opt.zero_grad(set_to_none=True)  # a partial accumulation at the epoch's end is dropped
+    return [loss_sum, bad_step, n_batches], lr
+
+
+class _LossStep:
+    """The default train step: ``loss_fn(model(*inputs).float(), target)``."""
+
+    def __init__(self, loss_fn: Callable) -> None:
+        self.loss_fn = loss_fn
+
+    def __call__(self, model: nn.Module, batch: Any) -> torch.Tensor:
+        inputs, target = split_batch(batch, "train_step")
+        return self.loss_fn(model(*inputs).float(), target)
+
+
+def _read_epoch(device: torch.device, train_sums: list[torch.Tensor], eval_sums: list[torch.Tensor],
+                same: list[torch.Tensor]) -> tuple[list[float], list[float], float]:  # fmt: skip
+    """The epoch's one device read, reduced over replicas: sums added, the first bad step
+    the minimum, figures already equal on every replica (torchmetrics, elapsed time) the maximum."""
+    loss_sum, bad_step, n_batches = train_sums
+    summed = torch.stack([t.float().reshape(()).to(device) for t in [loss_sum, n_batches, *eval_sums]])
+    synced = torch.stack([t.float().reshape(()).to(device) for t in same])
+    summed, synced = xla.all_reduce([summed], "sum")[0], xla.all_reduce([synced], "max")[0]
+    bad_step = xla.all_reduce([bad_step.reshape(1)], "min")[0]
+    values, synced_values, (first_bad,) = (t.tolist() for t in xla.to_cpu([summed, synced, bad_step]))
+    return values, synced_values, first_bad
+
+
+# ---------------------------------------------------- decisions and files
+def _figures(record: EpochRecord) -> dict[str, float]:
+    figures = {"train_loss": record.train_loss, **record.metrics}
+    if record.valid_loss is not None:
+        figures["valid_loss"] = record.valid_loss
+    return figures
+
+
+def _after_epoch(run: _Run, record: EpochRecord) -> str | None:
+    """Records the epoch, keeps the best, writes the files; why to stop, or None."""
+    plan, history = run.plan, run.history
+    history.records.append(record)
+    improved = run.watch.update(plan.stop, record.epoch, _figures(record))
+    history.best_epoch = run.watch.best_epoch or None
+    if improved and plan.stop.restore_best:
+        run.best_state = to_cpu(run.runner.model.state_dict())
+    if run.paths and run.master:
+        state = _state(run, record.epoch)
+        save_atomic(state, run.paths["last"])
+        if improved:
+            save_atomic(state, run.paths["best"])
+        history.to_csv(os.path.join(plan.checkpoint_dir, HISTORY_NAME))
+    if run.master and plan.progress:
+        from tqdm.auto import tqdm
+
+        tqdm.write(record.line(plan.epochs) + ("  *best" if improved and plan.stop.patience is not None else ""))
+    return run.watch.early_stop(plan.stop)
+
+
+def _stop(run: _Run, reason: str) -> None:
+    run.history.stop_reason = reason
+    if reason.startswith("time limit"):
+        if run.paths:
+            reason += f"; resume with the same call and resume=True (checkpoint {run.paths['last']})"
+        else:
+            reason += "; no checkpoint_dir was given, so this run cannot be resumed"
+        run.history.stop_reason = reason
+    if run.master and run.plan.progress:
+        print(f"stopped: {run.history.stop_reason}")
+
+
+def _finish(run: _Run) -> None:
+    done = run.history.records[-1].epoch if run.history.records else run.start_epoch
+    run.history.step_lrs = run.curve[0][: run.opt_step]
+    run.history.step_momenta = run.curve[1][: run.opt_step] if _uses_momentum(run.opt) else []
+    if not run.history.stop_reason:
+        run.history.stop_reason = f"completed {done} of {run.plan.epochs} epochs"
+    if run.plan.stop.restore_best:
+        best = run.best_state
+        if best is None and "best" in run.paths and os.path.exists(run.paths["best"]):
+            best = load_checkpoint(run.paths["best"])["model"]
+        if best is not None:
+            run.runner.model.load_state_dict(best)
+            run.history.stop_reason += f"; restored the best weights (epoch {run.watch.best_epoch})"
+
+
+def _parameter_digest(model: nn.Module) -> str:
+    """Parameter names and shapes, as a short digest (the same model class gives the same)."""
+    import hashlib
+
+    text = ";".join(f"{k}:{tuple(v.shape)}" for k, v in model.state_dict().items())
+    return f"{len(model.state_dict())} tensors, {hashlib.sha1(text.encode()).hexdigest()[:12]}"
+
+
+def _uses_momentum(opt: torch.optim.Optimizer) -> bool:
+    return all("betas" in g or g.get("momentum", 0) > 0 for g in opt.param_groups)
+
+
+def _summary(run: _Run) -> str:
+    plan, runner = run.plan, run.runner
+    device, cores = runner.device, runner.topology.cores
+    kind = xla.runtime_device_type() if device.type == "xla" else device.type
+    scaled = f"scaled x{cores} by cores" if plan.schedule.scale_lr_by_cores else "not scaled by cores"
+    workers = plan.train.num_workers or 0
+    return (
+        f"one_cycle_fit: {plan.mode} on {cores} {kind} core(s) | batch {plan.train.batch_size} per core, "
+        f"{runner.topology.global_batch(plan.train.batch_size)} global | {run.batches} batches/epoch per core "
+        f"x {plan.epochs} epochs = {run.total} optimizer steps | max_lr {run.max_lr:.2e} ({scaled}) | "
+        f"{runner.precision.label} | {plan.optimizer_name}{' (torch_xla sync-free, fused)' if run.fused else ''} "
+        f"| {workers} loader worker(s)"
+    )
+
+
+def _versions() -> dict[str, str]:
+    return {
+        "torch": str(torch.__version__),
+        "torch_xla": xla.installed_version("torch_xla") or "",
+        "tpu_utility": xla.installed_version("tpu_utility") or "",
+    }
+
+
+def _state(run: _Run, epoch: int) -> dict[str, Any]:
+    plan = run.plan
+    state = {
+        "format": 1,
+        "epoch": epoch,
+        "step": run.opt_step,
+        "total_steps": run.total,
+        "model": run.runner.model.state_dict(),
+        "optimizer": run.opt.state_dict(),
+        "rng": {
+            "torch": torch.get_rng_state(),
+            "xla": xla.get_rng_state() if run.runner.on_xla else 0,
+            "python": random.getstate(),
+        },
+        "history": run.history.to_dicts(),
+        "monitor": run.watch.as_dict(),
+        "versions": _versions(),
+        "config": {"epochs": plan.epochs, "max_lr": plan.schedule.max_lr, "batch_size": plan.train.batch_size,
+                   "cores": plan.cores, "fingerprint": run.fingerprint},  # fmt: skip
+    }
+    return to_cpu(state)
+
+
+def _restore(run: _Run) -> None:
+    path = run.paths["last"]
+    state = load_checkpoint(path)
+    _check_fingerprint(path, state, run)
+    run.runner.model.load_state_dict(state["model"])
+    run.opt.load_state_dict(state["optimizer"])
+    if xla.is_fused_optimizer(run.opt):  # torch's loader leaves "step" on the CPU; the fused op needs it on the device
+        for param, param_state in run.opt.state.items():
+            param_state["step"] = param_state["step"].to(param.device)
+    torch.set_rng_state(state["rng"]["torch"])
+    version, internal, gauss = state["rng"]["python"]
+    random.setstate((version, tuple(internal), gauss))
+    if run.runner.on_xla:
+        xla.set_rng_state(int(state["rng"]["xla"]))
+    run.start_epoch, run.opt_step = int(state["epoch"]), int(state["step"])
+    run.history.records = History.from_dicts(state["history"]).records
+    run.watch = Watch(**state.get("monitor", {}))
+
+
+def _check_fingerprint(path: str, state: dict[str, Any], run: _Run) -> None:
+    """Refuses a checkpoint written by a different run, naming every difference."""
+    saved = state.get("config", {}).get("fingerprint", {})
+    mine = run.fingerprint if saved else {}  # a checkpoint from before fingerprints: steps only
+    differences = [
+        f"{key}: checkpoint {saved.get(key)!r}, this run {mine.get(key)!r}"
+        for key in sorted(set(saved) | set(mine))
+        if saved.get(key) != mine.get(key)
+    ]
+    if state.get("total_steps") != run.total:
+        differences.append(f"optimizer steps: checkpoint {state.get('total_steps')}, this run {run.total}")
+    if differences:
+        raise ValueError(
+            f"{path} was written by a different run, so resume=True refuses it:\n  "
+            + "\n  ".join(differences)
+            + "\nResume with the same arguments (changing epochs changes the one-cycle schedule too, "
+            "so it cannot extend a run), or give another checkpoint_dir to start afresh."
+        )
