@@ -182,8 +182,6 @@ def test_one_cycle_fit_with_buckets_through_train_step_and_eval_step(text_task):
     assert history.records[-1].metrics["accuracy"] == pytest.approx(text_task[2], abs=0.03)
 
 
-@pytest.mark.xfail(raises=TypeError, strict=False,
-                   reason="one_cycle_fit's default step takes (*inputs, target) once helper i8's change lands")  # fmt: skip
 def test_one_cycle_fit_default_step_takes_tokens_mask_target(text_task):
     collate = BucketCollate.from_lengths([len(s) for s, _ in text_task[0]], num_buckets=4, batch_size=BATCH)
     torch.manual_seed(0)

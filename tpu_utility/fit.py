@@ -221,7 +221,7 @@ def one_cycle_fit(
             else what ``setup_tpu`` suggests for this host, or 0 for a TensorDataset,
             whose samples are already in memory; the summary line says).
         seed: Seeds the model's random ops and the data order (epoch-wise).
-        progress: A tqdm bar per epoch and a line per epoch (master only).
+        progress: A progress bar per epoch (a widget in notebooks, none in logs) and a line per epoch (master only).
 
     Returns:
         History: per-epoch records (losses, metrics, lr, seconds, samples/s,

@@ -52,7 +52,7 @@ def predict(
         predict_step: ``(model, batch) -> output`` replacing ``model(x)``.
         tta: Batch transforms whose outputs are averaged on the device (include
             ``lambda b: b`` to keep the plain prediction among them).
-        progress: A tqdm bar counting batches (master only; no host syncs).
+        progress: A progress bar counting batches (master only; no host syncs).
 
     Returns:
         A tensor (or the tuple or dict of tensors the model returns), first

@@ -26,6 +26,7 @@ from . import xla
 from .data import LoaderSpec, eval_loader, real_counts, train_loader
 from .device import get_device, move_model
 from .metrics import MetricSet
+from .progress import progress_bar
 
 Strategy = Literal["auto", "spmd", "multiprocess"]
 Precision = Literal["fp32", "bf16"]
@@ -330,9 +331,7 @@ class Runner:
         previous: list[tuple[list[torch.Tensor], torch.Tensor]] = []
         current: list[tuple[list[torch.Tensor], torch.Tensor]] = []
         spec = None
-        from tqdm.auto import tqdm
-
-        bar = tqdm(total=len(loader), desc="predict", leave=False, disable=not (progress and self.topology.master))
+        bar = progress_bar(len(loader), "predict", enabled=progress and self.topology.master)
         with torch.no_grad():
             for batch, index in self.batches(loader):
                 bar.update(1)

@@ -28,6 +28,7 @@ from .history import EpochRecord, History
 from .metrics import MetricSet
 from .monitor import StopRule, Watch, out_of_time
 from .optim import step_optimizer
+from .progress import progress_bar, write_line
 from .runner import Runner, default_eval_step, move_batch, split_batch
 from .schedule import one_cycle_curve
 
@@ -293,16 +294,13 @@ def _epoch(run: _Run, epoch: int, started: float) -> tuple[EpochRecord, float]:
 
 
 def _train_epoch(run: _Run, epoch: int) -> tuple[list[torch.Tensor], float]:
-    from tqdm.auto import tqdm
-
     plan, runner, steps = run.plan, run.runner, run.plan.steps
     runner.model.train()
     run.opt.zero_grad(set_to_none=True)
     # bad_step: 1-based step of the first non-finite loss
     loss_sum, n_batches, bad_step = _device_values(runner.device, 0.0, 0.0, _NO_BAD_STEP)
     lr = run.schedule.lrs[min(run.opt_step, run.schedule.total - 1)]
-    bar = tqdm(total=run.batches, desc=f"epoch {epoch + 1}/{plan.epochs}", leave=False, dynamic_ncols=True,
-               disable=not (plan.progress and run.master))  # fmt: skip
+    bar = progress_bar(run.batches, f"epoch {epoch + 1}/{plan.epochs}", enabled=plan.progress and run.master)
     step = steps.train_step or _LossStep(steps.loss_fn)
     for i, batch in enumerate(runner.batches(run.train_loader)):
         loss = runner.run(step, batch)
@@ -375,9 +373,7 @@ def _after_epoch(run: _Run, record: EpochRecord) -> str | None:
             save_atomic(state, run.paths["best"])
         history.to_csv(os.path.join(plan.checkpoint_dir, HISTORY_NAME))
     if run.master and plan.progress:
-        from tqdm.auto import tqdm
-
-        tqdm.write(record.line(plan.epochs) + ("  *best" if improved and plan.stop.patience is not None else ""))
+        write_line(record.line(plan.epochs) + ("  *best" if improved and plan.stop.patience is not None else ""))
     return run.watch.early_stop(plan.stop)
 
 
