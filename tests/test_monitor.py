@@ -180,3 +180,15 @@ def test_history_csv_rows_and_plot_of_the_per_step_schedule(tmp_path, digits):
     ticks = fig.axes[0].get_xticks()
     assert all(float(t).is_integer() for t in ticks)
     assert os.path.getsize(tmp_path / "h.png") > 0
+
+
+def test_a_second_fit_into_a_checkpoint_dir_in_use_is_refused_before_training(tmp_path):
+    from tpu_utility.files import folder_lock
+
+    with folder_lock(str(tmp_path), "another notebook's one_cycle_fit"):
+        with pytest.raises(RuntimeError, match="is in use by another process") as e:
+            fit(small_mlp(), flat_digits(), epochs=1, checkpoint_dir=str(tmp_path))
+    assert str(tmp_path) in str(e.value) and "another notebook's one_cycle_fit" in str(e.value)
+    assert not (tmp_path / "last.pt").exists()  # nothing of the refused run was written
+    fit(small_mlp(), flat_digits(), epochs=1, checkpoint_dir=str(tmp_path))  # free again: trains
+    assert sorted(os.listdir(tmp_path)) == ["best.pt", "history.csv", "last.pt"]  # and leaves no lock file

@@ -24,6 +24,7 @@ from torch.utils.data.dataloader import default_collate
 from . import xla
 from .checkpoint import CHECKPOINT_NAME, load_checkpoint, save_atomic, to_cpu
 from .data import LabelCheck, LoaderSpec
+from .files import folder_lock
 from .history import EpochRecord, History
 from .metrics import MetricSet
 from .monitor import StopRule, Watch, out_of_time
@@ -234,7 +235,18 @@ class _Run:
 
 
 def train(model: nn.Module, plan: FitPlan) -> tuple[nn.Module, History]:
-    """Trains ``model`` in this process; returns it and the History."""
+    """Trains ``model`` in this process; returns it and the History.
+
+    The master holds ``checkpoint_dir``'s lock for the whole run, so a second fit
+    writing the same folder is refused at once instead of overwriting this one's files.
+    """
+    if plan.checkpoint_dir is None or not xla.is_master():
+        return _train(model, plan)
+    with folder_lock(plan.checkpoint_dir, "one_cycle_fit"):
+        return _train(model, plan)
+
+
+def _train(model: nn.Module, plan: FitPlan) -> tuple[nn.Module, History]:
     run = _Run(model, plan)
     if run.valid_loader is not None:
         run.runner.check_eval(run.valid_loader, run.metrics, run.eval_step)
