@@ -192,7 +192,13 @@ def check_versions(torch_version: str, xla_version: str | None, torchvision_vers
 
 
 def require_xla() -> Any:
-    """Imports torch_xla, or raises ModuleNotFoundError with the install command."""
+    """Imports torch_xla, or raises ModuleNotFoundError with the install command.
+
+    Cheap once the runtime runs (every ``sync`` and ``step_optimizer`` comes here):
+    the checks below passed before it started.
+    """
+    if runtime_started():
+        return sys.modules["torch_xla"]
     if not XLA_INSTALLED:
         raise ModuleNotFoundError(f"torch_xla is not installed. Install it with: {INSTALL_HINT}")
     check_versions(torch.__version__, installed_version("torch_xla"))
