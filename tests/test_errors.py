@@ -89,7 +89,7 @@ def test_setup_tpu_bad_choice():
         ({"optimizer": "lamb"}, r"optimizer must be one of \['adam', 'adamw', 'sgd'\] or a callable, but given 'lamb'"),
         ({"metrics": "f1"}, r"metric 'f1' is unknown; allowed names: \['accuracy'\]"),
         ({"epochs": 0}, r"epochs must be a positive int, but given 0"),
-        ({"max_lr": -1.0}, r"max_lr must be a positive number, but given -1.0"),
+        ({"max_lr": -1.0}, r"max_lr must be finite and > 0, but given -1.0"),
         ({"resume": True}, r"resume=True needs checkpoint_dir"),
         ({"batch_size": 4096}, r"fewer than one batch of 4096"),
     ],

@@ -106,11 +106,11 @@ def test_batches_of_several_inputs_and_a_target_use_model_star_inputs():
 @pytest.mark.parametrize(
     "kwargs, error, message",
     [
-        ({"div_factor": 0}, ValueError, r"div_factor must be a number in \(0, ∞\), but given 0"),
-        ({"final_div_factor": -1.0}, ValueError, r"final_div_factor must be a number in \(0, ∞\), but given -1.0"),
-        ({"base_momentum": 1.0}, ValueError, r"base_momentum must be a number in \[0, 1\), but given 1.0"),
-        ({"max_momentum": -0.1}, ValueError, r"max_momentum must be a number in \[0, 1\), but given -0.1"),
-        ({"pct_start": 1.0}, ValueError, r"pct_start must be a number in \(0, 1\), but given 1.0"),
+        ({"div_factor": 0}, ValueError, r"div_factor must be finite and > 0, but given 0"),
+        ({"final_div_factor": -1.0}, ValueError, r"final_div_factor must be finite and > 0, but given -1.0"),
+        ({"base_momentum": 1.0}, ValueError, r"base_momentum must be in \[0, 1\), but given 1.0"),
+        ({"max_momentum": -0.1}, ValueError, r"max_momentum must be in \[0, 1\), but given -0.1"),
+        ({"pct_start": 1.0}, ValueError, r"pct_start must be between 0 and 1 \(exclusive\), but given 1.0"),
         ({"seed": 2**70}, ValueError, r"seed must be an int in \[0, 2\*\*63\), but given"),
         ({"seed": 1.5}, ValueError, r"seed must be an int in \[0, 2\*\*63\), but given 1.5"),
         ({"weight_decay": -1}, ValueError, r"weight_decay must be a number in \[0, ∞\), but given -1"),

@@ -40,6 +40,7 @@ from .history import History
 from .metrics import METRICS, accuracy, per_sample_loss, resolve_metrics
 from .monitor import Mode, StopRule, parse_duration, resolve_mode
 from .runner import Precision, Strategy, available_cores, choose_strategy, process_mode, resolve_cores
+from .schedule import check_one_cycle
 from .training import FitPlan, OneCycle, Steps, train
 
 __all__ = ["one_cycle_fit", "resolve_optimizer", "resolve_cores", "choose_strategy", "available_cores",
@@ -104,12 +105,8 @@ def check_seed(seed: Any) -> int:
 
 
 def _check_schedule(schedule: OneCycle) -> None:
-    _positive("max_lr", schedule.max_lr)
-    check_number("pct_start", schedule.pct_start, 0, 1)
-    check_number("div_factor", schedule.div_factor, 0, math.inf)
-    check_number("final_div_factor", schedule.final_div_factor, 0, math.inf)
-    check_number("base_momentum", schedule.base_momentum, 0, 1, closed="[)")
-    check_number("max_momentum", schedule.max_momentum, 0, 1, closed="[)")
+    momenta = (schedule.base_momentum, schedule.max_momentum)
+    check_one_cycle(1, schedule.max_lr, schedule.pct_start, schedule.div_factor, schedule.final_div_factor, momenta)
 
 
 def _check_checkpoint_dir(folder: Any) -> None:

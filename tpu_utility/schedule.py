@@ -29,9 +29,12 @@ def _in_range(name: str, value: object, low: float, high: float, allowed: str) -
     return number
 
 
-def _check(total_steps: int, max_lr: float, pct_start: float, div_factor: float, final_div_factor: float,
+def check_one_cycle(total_steps: int, max_lr: float, pct_start: float, div_factor: float, final_div_factor: float,
            momenta: tuple[float, float]) -> None:  # fmt: skip
-    """Raises a ValueError/TypeError naming any one-cycle argument outside its range."""
+    """Raises a ValueError/TypeError naming any one-cycle argument outside its range.
+
+    ``one_cycle``, ``one_cycle_curve`` and ``one_cycle_fit`` (before any epoch) check with it.
+    """
     if isinstance(total_steps, bool) or not isinstance(total_steps, int):
         raise TypeError(f"total_steps must be an int, but given {total_steps!r} of type {type(total_steps).__name__}")
     if not 1 <= total_steps <= _MAX_STEPS:
@@ -81,7 +84,7 @@ def one_cycle(
         >>> round(lr, 6), momentum
         (0.00012, 0.95)
     """
-    _check(total_steps, max_lr, pct_start, div_factor, final_div_factor, (base_momentum, max_momentum))
+    check_one_cycle(total_steps, max_lr, pct_start, div_factor, final_div_factor, (base_momentum, max_momentum))
     if isinstance(step, bool) or not isinstance(step, int):
         raise TypeError(f"step must be an int, but given {step!r} of type {type(step).__name__}")
     if not 0 <= step < total_steps:
