@@ -379,10 +379,15 @@ def all_reduce(tensors: list[torch.Tensor], op: str = "sum") -> list[torch.Tenso
 
 
 def rendezvous(tag: str) -> None:
-    if world_size() > 1:
+    """Waits until every replica gets here (xm.rendezvous; torch.distributed.barrier under CUDA DDP)."""
+    if world_size() == 1:
+        return
+    if xla_loaded() and (runtime_started() or in_launched_process()):
         import torch_xla.core.xla_model as xm
 
         xm.rendezvous(tag)
+    else:
+        torch.distributed.barrier()
 
 
 def set_rng_seed(seed: int) -> None:
