@@ -8,9 +8,9 @@ runs on every usable core, and lists unreadable images instead of stopping.
 Re-running it resumes: an output is skipped only if it opens, decodes whole and
 has the requested size, and the settings (size, mode, quality) recorded in a
 hidden ``.tpu-presize.json`` in ``dst_dir`` are the ones asked for now; with
-other settings every output is written again (counted as ``redone``). Each is written under a hidden ``.tpu-partial`` name
-(which no image loader picks up) and renamed when complete, and the temporaries
-a killed run left are removed. Pool workers exit when their parent is killed.
+other settings every output is written again (counted as ``redone``). Each is
+written under a hidden ``.tpu-partial`` name (which no image loader picks up)
+and renamed when complete, and the temporaries a killed run left are removed. Pool workers exit when their parent is killed.
 """
 
 from __future__ import annotations
