@@ -428,9 +428,14 @@ def is_fused_optimizer(optimizer: Any) -> bool:
     return isinstance(optimizer, (syncfree.Adam, syncfree.AdamW))
 
 
-def bf16_autocast_available() -> bool:
-    """torch_xla's autocast supports TPU (and CUDA builds), but refuses XLA:CPU."""
-    return runtime_device_type() == "TPU"
+def bf16_autocast_available(hardware: str | None = None) -> bool:
+    """torch_xla's autocast supports TPU (and CUDA builds), but refuses XLA:CPU.
+
+    Args:
+        hardware: The XLA device type ("TPU", "CPU"...); None asks the running
+            runtime (False when none runs).
+    """
+    return (hardware or runtime_device_type()) == "TPU"
 
 
 def autocast(dev: torch.device, dtype: torch.dtype) -> Any:
