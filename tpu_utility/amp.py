@@ -155,6 +155,14 @@ class PassThroughScaler(torch.amp.GradScaler):
     ``step(optimizer)`` is ``step_optimizer(optimizer)``: on XLA it averages the
     gradients over replicas and cuts the graph, so the loop's
     ``scaler.step(optimizer)`` line stays as it was.
+
+    Gradient clipping: a CUDA loop's ``scaler.unscale_(opt)``,
+    ``clip_grad_norm_(model.parameters(), 1.0)``, ``scaler.step(opt)`` still
+    runs, but under a multi-process launch it clips each replica's own gradient
+    before ``step`` averages them, so the averaged gradient is not the one
+    clipped. Replace the three lines with
+    ``step_optimizer(opt, scaler=scaler, max_grad_norm=1.0)``, which clips after
+    the all-reduce (and unscales first on CUDA).
     """
 
     def __init__(self) -> None:
