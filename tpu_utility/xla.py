@@ -335,7 +335,8 @@ def launch(fn: Callable[..., Any], args: tuple = (), start_method: str = "spawn"
         raise RuntimeError(
             "The XLA runtime already started in this process, so a multi-process launch "
             "cannot follow. Restart the kernel and launch before touching the XLA device "
-            "(no get_device(), no tensors on 'xla'), or use strategy='spmd'."
+            "(no get_device(), no tensors on 'xla'), or use one process for all cores: "
+            "use_all_cores() in a hand-written loop, strategy='spmd' in one_cycle_fit."
         )
     if hasattr(torch_xla, "launch"):
         torch_xla.launch(fn, args=args, start_method=start_method)
