@@ -438,35 +438,3 @@ def test_cache_dataset_leaves_the_callers_random_streams_as_they_were(tmp_path):
     seed_all()
     cache_dataset(Augmented(20), str(tmp_path / "c"), copies=2, progress=False)  # reuses (plan, fingerprint only)
     assert _draws() == without
-
-
-def test_presize_rerun_with_other_settings_redoes_every_output(tmp_path):
-    src, dst = tmp_path / "src", tmp_path / "dst"
-    _image_folder(src)
-    first = presize_images(str(src), str(dst), 16, quality=95, workers=1, progress=False)
-    assert (first.written, first.redone) == (8, 0)
-    fine = (dst / "dog" / "1.jpg").read_bytes()
-    lower = presize_images(str(src), str(dst), 16, quality=10, workers=1, progress=False)
-    assert (lower.written, lower.redone, lower.skipped) == (8, 8, 0)  # was: every file skipped at the old quality
-    assert len((dst / "dog" / "1.jpg").read_bytes()) < len(fine)
-    again = presize_images(str(src), str(dst), 16, quality=10, workers=1, progress=False)
-    assert (again.written, again.skipped) == (0, 8)
-    square = presize_images(str(src), str(dst), 16, mode="crop", quality=10, workers=1, progress=False)
-    assert square.redone == 8
-    with Image.open(dst / "cat" / "1.png") as img:
-        assert img.size == (16, 16)
-    from torchvision.datasets import ImageFolder
-
-    assert len(ImageFolder(str(dst))) == 8  # the hidden settings record is not an image
-
-
-def test_presize_uses_the_usable_cpus_by_default(tmp_path, monkeypatch):
-    from tpu_utility import presize
-
-    sizes = []
-    real = presize.ProcessPoolExecutor
-    monkeypatch.setattr(presize, "usable_cpus", lambda: 1)  # a container quota of one CPU on a bigger host
-    monkeypatch.setattr(presize, "ProcessPoolExecutor", lambda max_workers, **kw: sizes.append(max_workers) or real(max_workers, **kw))
-    _image_folder(tmp_path / "src")
-    presize_images(str(tmp_path / "src"), str(tmp_path / "dst"), 16, progress=False)
-    assert sizes == [1]
