@@ -416,3 +416,25 @@ def test_a_source_that_cannot_be_seeded_is_named_and_still_cached(tmp_path):
     assert len(CachedDataset(str(tmp_path), verify=True)) == 12
     with pytest.warns(UserWarning, match=r"different values"):
         cache_dataset(Unseedable(12), str(tmp_path), progress=False)  # reused: only its length can be checked
+
+
+def _draws():
+    import random
+
+    return torch.rand(3).tolist(), random.random(), np.random.rand()
+
+
+def test_cache_dataset_leaves_the_callers_random_streams_as_they_were(tmp_path):
+    import random
+
+    def seed_all():
+        torch.manual_seed(42), random.seed(42), np.random.seed(42)
+
+    seed_all()
+    without = _draws()
+    seed_all()
+    cache_dataset(Augmented(20), str(tmp_path / "c"), copies=2, progress=False)  # builds (plan, fingerprint, shards)
+    assert _draws() == without
+    seed_all()
+    cache_dataset(Augmented(20), str(tmp_path / "c"), copies=2, progress=False)  # reuses (plan, fingerprint only)
+    assert _draws() == without

@@ -402,3 +402,13 @@ def test_predictions_read_every_step_get_the_accumulate_on_device_fix():
     report = doctor(port_step(model, optimizer, loss_fn, keep_preds), batches=batches())
     assert report.kinds() == {"host_sync"}, str(report)
     assert "torch.cat(preds).cpu()" in report.findings[0].fix
+
+
+def test_a_model_without_parameters_is_a_clear_error_or_finding_not_stop_iteration():
+    from tpu_utility.doctor import check_optimizer
+
+    with pytest.raises(ValueError, match=r"the Flatten given has none; pass your own step\(batch\)"):
+        doctor(nn.Flatten(), batches=batches(), mode="eval")  # was: StopIteration from next(model.parameters())
+    stray = torch.optim.SGD([nn.Parameter(torch.zeros(2))], lr=0.1)
+    finding = check_optimizer(nn.ReLU(), stray)
+    assert finding.kind == "optimizer_params" and "the model has no parameters at all" in finding.message

@@ -190,3 +190,43 @@ def test_killing_the_parent_frees_its_workers_and_a_rerun_finishes_with_nothing_
         with Image.open(dst / "cls" / name) as img:
             img.load()
             assert min(img.size) == 48
+
+
+def _small_folder(root):
+    (root / "cat").mkdir(parents=True)
+    (root / "dog").mkdir()
+    for k in range(3):
+        _photo(seed=k).save(root / "cat" / f"{k}.jpg", quality=95)
+        _photo(120, 160, seed=k).save(root / "dog" / f"{k}.png")
+
+
+def test_a_rerun_with_other_settings_redoes_every_output(tmp_path):
+    from torchvision.datasets import ImageFolder
+
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    _small_folder(src)
+    first = presize_images(str(src), str(dst), 32, quality=95, workers=1, progress=False)
+    assert (first.written, first.redone) == (6, 0)
+    fine = (dst / "cat" / "0.jpg").stat().st_size
+    lower = presize_images(str(src), str(dst), 32, quality=10, workers=1, progress=False)
+    assert (lower.written, lower.redone, lower.skipped) == (6, 6, 0)  # was: all 6 skipped, still at quality 95
+    assert (dst / "cat" / "0.jpg").stat().st_size < fine
+    again = presize_images(str(src), str(dst), 32, quality=10, workers=1, progress=False)
+    assert (again.written, again.skipped) == (0, 6)
+    square = presize_images(str(src), str(dst), 32, mode="crop", quality=10, workers=1, progress=False)
+    assert square.redone == 6
+    with Image.open(dst / "dog" / "0.png") as img:
+        assert img.size == (32, 32)
+    assert len(ImageFolder(str(dst))) == 6  # the hidden settings record is not an image
+
+
+def test_workers_default_to_the_usable_cpus(tmp_path, monkeypatch):
+    from tpu_utility import presize
+
+    sizes = []
+    real = presize.ProcessPoolExecutor
+    monkeypatch.setattr(presize, "usable_cpus", lambda: 1)  # a container quota of one CPU on a bigger host
+    monkeypatch.setattr(presize, "ProcessPoolExecutor", lambda max_workers, **kw: sizes.append(max_workers) or real(max_workers, **kw))
+    _small_folder(tmp_path / "src")
+    presize_images(str(tmp_path / "src"), str(tmp_path / "dst"), 32, progress=False)
+    assert sizes == [1]

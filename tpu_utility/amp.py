@@ -42,6 +42,11 @@ _DTYPES = (torch.float16, torch.bfloat16)
 _SAID: set[str] = set()
 
 
+def _check_dtype(dtype: Any) -> None:
+    if dtype is not None and dtype not in _DTYPES:
+        raise ValueError(f"dtype must be None, torch.float16 or torch.bfloat16, but given {dtype!r}")
+
+
 def _say_once(message: str) -> None:
     if message not in _SAID:
         _SAID.add(message)
@@ -58,16 +63,17 @@ class AutocastPlan:
 
 
 def plan_autocast(device_type: str, dtype: torch.dtype | None, xla_hardware: str | None = None) -> AutocastPlan:
-    """The autocast for a device type (pure: ``xla_hardware`` is "TPU", "CPU"... on XLA).
+    """The autocast for a device type (``xla_hardware`` is "TPU", "CPU"... on XLA).
+
+    Pure when ``xla_hardware`` is given; None asks the running XLA runtime, if any.
 
     Raises:
         ValueError: ``dtype`` is not None, torch.float16 or torch.bfloat16.
     """
-    if dtype is not None and dtype not in _DTYPES:
-        raise ValueError(f"dtype must be None, torch.float16 or torch.bfloat16, but given {dtype!r}")
+    _check_dtype(dtype)
     if device_type == "cuda":
         return AutocastPlan("torch", dtype or torch.float16)
-    if device_type == "xla" and xla_hardware == "TPU":
+    if device_type == "xla" and xla.bf16_autocast_available(xla_hardware):
         note = None
         if dtype == torch.float16:
             note = (
@@ -149,6 +155,14 @@ class PassThroughScaler(torch.amp.GradScaler):
     ``step(optimizer)`` is ``step_optimizer(optimizer)``: on XLA it averages the
     gradients over replicas and cuts the graph, so the loop's
     ``scaler.step(optimizer)`` line stays as it was.
+
+    Gradient clipping: a CUDA loop's ``scaler.unscale_(opt)``,
+    ``clip_grad_norm_(model.parameters(), 1.0)``, ``scaler.step(opt)`` still
+    runs, but under a multi-process launch it clips each replica's own gradient
+    before ``step`` averages them, so the averaged gradient is not the one
+    clipped. Replace the three lines with
+    ``step_optimizer(opt, scaler=scaler, max_grad_norm=1.0)``, which clips after
+    the all-reduce (and unscales first on CUDA).
     """
 
     def __init__(self) -> None:
@@ -191,8 +205,7 @@ def grad_scaler(
         >>> # was: scaler = torch.amp.GradScaler("cuda")
         >>> scaler = grad_scaler(device)   # doctest: +SKIP
     """
-    if dtype is not None and dtype not in _DTYPES:
-        raise ValueError(f"dtype must be None, torch.float16 or torch.bfloat16, but given {dtype!r}")
+    _check_dtype(dtype)
     device = get_device() if device is None else torch.device(device)
     if device.type == "cuda" and dtype in (None, torch.float16):
         return torch.amp.GradScaler("cuda", **kwargs)

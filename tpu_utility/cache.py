@@ -26,6 +26,8 @@ import os
 import random
 import re
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -107,6 +109,18 @@ class _Seeded(Dataset):
         random.seed(s)
         np.random.seed(s % 2**32)
         return self.dataset[index]
+
+
+@contextmanager
+def _callers_rng_kept() -> Iterator[None]:
+    """Restores the caller's torch (CPU), random and numpy streams, which _Seeded reseeds."""
+    python_state, numpy_state = random.getstate(), np.random.get_state()
+    try:
+        with torch.random.fork_rng(devices=[]):
+            yield
+    finally:
+        random.setstate(python_state)
+        np.random.set_state(numpy_state)
 
 
 def _sha256(path: str) -> str:
@@ -243,7 +257,9 @@ def cache_dataset(
         copies: Differently augmented passes to store; ``CachedDataset.set_epoch``
             serves copy ``epoch % copies``.
         shard_mb: Target size of one shard file.
-        seed: Seeds each sample's augmentation as ``(seed, copy, index)``.
+        seed: Seeds each sample's augmentation as ``(seed, copy, index)``. The
+            caller's torch, random and numpy random states are the same after
+            the call as before it.
         num_workers: DataLoader workers running the dataset in parallel.
         progress: A progress bar (a widget in notebooks; none in logs).
 
@@ -265,14 +281,15 @@ def cache_dataset(
     _check_arguments(dataset, copies, shard_mb, seed, num_workers)
     _check_target(path)
     os.makedirs(path, exist_ok=True)
-    plan = _plan(dataset, copies, shard_mb, seed)
     manifest_path = os.path.join(path, MANIFEST)
-    if _complete(path, plan):
-        return manifest_path  # nothing to write: no lock needed (the folder may be read-only)
-    with folder_lock(path, "building a cache with cache_dataset", timeout=None):
-        if _complete(path, plan):  # another build finished while this one waited
-            return manifest_path
-        _build(dataset, path, plan, num_workers, progress)
+    with _callers_rng_kept():  # the per-sample seeding must not change the user's later random numbers
+        plan = _plan(dataset, copies, shard_mb, seed)
+        if _complete(path, plan):
+            return manifest_path  # nothing to write: no lock needed (the folder may be read-only)
+        with folder_lock(path, "building a cache with cache_dataset", timeout=None):
+            if _complete(path, plan):  # another build finished while this one waited
+                return manifest_path
+            _build(dataset, path, plan, num_workers, progress)
     return manifest_path
 
 

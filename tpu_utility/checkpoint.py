@@ -89,6 +89,13 @@ def save_checkpoint(path: str, model: torch.nn.Module | None = None, optimizer: 
     The file loads with ``load_checkpoint`` onto any device, or with plain
     ``torch.load(path, weights_only=True)`` on a machine without torch_xla.
 
+    Under a multi-process launch (``torch_xla.launch``, ``one_cycle_fit(strategy="mp")``
+    or CUDA DDP) call it from every process: only the master (ordinal 0) copies
+    the state to the host and writes the file, then all processes meet at a
+    rendezvous, so none reads the file before it is whole (like
+    ``xm.save(..., master_only=True)``). The replicas hold the same weights, so
+    one copy is the checkpoint.
+
     Args:
         path: The file to write (its folder is created).
         model: Stored as ``"model"``: its ``state_dict()``.
@@ -114,7 +121,10 @@ def save_checkpoint(path: str, model: torch.nn.Module | None = None, optimizer: 
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, but given {type(optimizer).__name__}")
         state["optimizer"] = optimizer.state_dict()
     state.update(extra)
-    save_atomic(to_cpu(state), path)
+    _check_loadable(state, "the checkpoint")  # on every process: the same error everywhere, before the rendezvous
+    if xla.ordinal() == 0:
+        save_atomic(to_cpu(state), path)
+    xla.rendezvous("tpu_utility.save_checkpoint")
 
 
 def _damaged(path: str, why: str) -> ValueError:

@@ -40,6 +40,7 @@ from torch.utils.data import DataLoader
 
 from . import xla
 from .buckets import choose_buckets
+from .loop import move_to_device
 from .optim import step_optimizer
 
 Kind = Literal[
@@ -185,11 +186,12 @@ def check_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer) -> Findi
     stray = [p for p in params if id(p) not in own]
     if not stray:
         return None
-    model_device = next(model.parameters()).device
+    first = next(iter(model.parameters()), None)
+    model_place = f"the model on {first.device}" if first is not None else "the model has no parameters at all"
     return Finding(
         "optimizer_params",
         f"{len(stray)} of the optimizer's {len(params)} parameters are not the model's (they are on "
-        f"{stray[0].device}, the model on {model_device}): optimizer.step() updates copies and the model "
+        f"{stray[0].device}, {model_place}): optimizer.step() updates copies and the model "
         f"does not learn. The optimizer was built before model.to(device).",
         "build the optimizer after the move: model.to(device); optimizer = AdamW(model.parameters())",
     )
@@ -380,20 +382,23 @@ def _tracing(run: _Run) -> Iterator[None]:
 # -------------------------------------------------------------- the running
 def _default_step(model: nn.Module, optimizer: torch.optim.Optimizer | None, loss_fn: Callable,
                   mode: Mode) -> Callable:  # fmt: skip
-    device = next(model.parameters()).device
+    first = next(iter(model.parameters()), None)
+    if first is None:
+        raise ValueError(
+            f"doctor(model, ...) runs the batch on the device of the model's parameters, but the "
+            f"{type(model).__name__} given has none; pass your own step(batch) callable that moves the batch"
+        )
+    device = first.device
     total: list[torch.Tensor] = []
 
-    def move(batch: Any) -> Any:
-        return pytree.tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, tuple(batch))
-
     def train_step(batch: Any) -> None:
-        x, y = move(batch)
+        x, y = move_to_device(tuple(batch), device)
         optimizer.zero_grad(set_to_none=True)
         loss_fn(model(x), y).backward()
         step_optimizer(optimizer)
 
     def eval_step(batch: Any) -> None:
-        x, y = move(batch)
+        x, y = move_to_device(tuple(batch), device)
         with torch.no_grad():
             loss = loss_fn(model(x), y)
         total[:] = [total[0] + loss if total else loss]  # accumulated on the device

@@ -3,16 +3,19 @@
 Decoding a 3000x2000 JPEG to train at 224 px wastes the host CPU every epoch.
 Presizing keeps the folder structure (so ``torchvision.datasets.ImageFolder``
 works on the result) and each image's format (JPEG stays JPEG, at ``quality``),
-runs on every host core, and lists unreadable images instead of stopping.
+runs on every usable core, and lists unreadable images instead of stopping.
 
 Re-running it resumes: an output is skipped only if it opens, decodes whole and
-has the requested size; each is written under a hidden ``.tpu-partial`` name
-(which no image loader picks up) and renamed when complete, and the temporaries
-a killed run left are removed. Pool workers exit when their parent is killed.
+has the requested size, and the settings (size, mode, quality) recorded in a
+hidden ``.tpu-presize.json`` in ``dst_dir`` are the ones asked for now; with
+other settings every output is written again (counted as ``redone``). Each is
+written under a hidden ``.tpu-partial`` name (which no image loader picks up)
+and renamed when complete, and the temporaries a killed run left are removed. Pool workers exit when their parent is killed.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 import time
@@ -20,6 +23,7 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
+from .environment import usable_cpus
 from .files import atomic_write, remove_stale_temporaries
 from .progress import progress_bar
 
@@ -33,6 +37,7 @@ _MODES = {
     "TIFF": {"1", "L", "LA", "P", "PA", "RGB", "RGBA", "CMYK", "YCbCr", "LAB", "I", "I;16", "F"},
 }
 _QUALITY_FORMATS = ("JPEG", "WEBP")
+SETTINGS_NAME = ".tpu-presize.json"  # hidden: ImageFolder and glob("*") skip it
 
 
 @dataclass
@@ -40,7 +45,8 @@ class PresizeReport:
     """What presize_images did: files written, files already done, files it could not read.
 
     ``redone`` counts outputs found truncated, unreadable or of another size
-    (an interrupted or earlier run with other settings) and written again.
+    (an interrupted run), or made by an earlier run with another size, mode or
+    quality, and written again.
     """
 
     written: int = 0
@@ -123,11 +129,11 @@ def _resize(src: str, size: int, mode: str) -> tuple[Any, str, dict[str, Any]]:
     return out, fmt, info
 
 
-def _resize_one(job: tuple[str, str, int, str, int]) -> tuple[str, str | None]:
+def _resize_one(job: tuple[str, str, int, str, int, bool]) -> tuple[str, str | None]:
     """Returns (status, error): "written", "redone", "skipped" or "failed"."""
-    src, dst, size, mode, quality = job
+    src, dst, size, mode, quality, redo = job
     state = _done(dst, size, mode)
-    if state:
+    if state and not redo:
         return "skipped", None
     try:
         out, fmt, info = _resize(src, size, mode)
@@ -143,6 +149,42 @@ def _remove_leftovers(dst_dir: str) -> None:
     """Temporaries a killed run left (their writers are dead), in every folder under ``dst_dir``."""
     for root, _, _ in os.walk(dst_dir):
         remove_stale_temporaries(root, old_suffixes=IMAGE_EXTENSIONS)  # and earlier releases' .tmp-XXXXXXXX.jpg
+
+
+def _recorded_settings(dst_dir: str) -> dict[str, Any] | None:
+    """The settings the outputs in ``dst_dir`` were made with; None if unknown (no or damaged record)."""
+    try:
+        with open(os.path.join(dst_dir, SETTINGS_NAME)) as f:
+            settings = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return settings if isinstance(settings, dict) else None
+
+
+def _record_settings(dst_dir: str, settings: dict[str, Any]) -> None:
+    os.makedirs(dst_dir, exist_ok=True)
+    with atomic_write(os.path.join(dst_dir, SETTINGS_NAME)) as f:
+        f.write(json.dumps(settings, sort_keys=True).encode())
+
+
+def _holds_images(dst_dir: str) -> bool:
+    return any(name.lower().endswith(IMAGE_EXTENSIONS) for _, _, files in os.walk(dst_dir) for name in files)
+
+
+def _must_redo(dst_dir: str, settings: dict[str, Any]) -> bool:
+    """True when ``dst_dir`` holds outputs made with other (or unknown) settings.
+
+    The record is written before the run when nothing is to be redone, else only
+    after every output was redone: a run killed half-way through a change of
+    settings redoes everything again, never skips an output made the old way.
+    """
+    recorded = _recorded_settings(dst_dir)
+    if recorded == settings:
+        return False
+    if recorded is None and not _holds_images(dst_dir):
+        _record_settings(dst_dir, settings)  # a new folder: every output will be made with these
+        return False
+    return True
 
 
 def presize_images(
@@ -163,9 +205,11 @@ def presize_images(
         size: The short side (``mode="short_side"``, aspect kept) or the square
             side (``mode="crop"``, resized then center-cropped).
         mode: "short_side" or "crop".
-        workers: Processes (default: all host CPUs).
+        workers: Processes (default: the CPUs this process may use, container
+            CPU quota included).
         quality: JPEG and WebP quality, 1-100. Every other format keeps its
-            own lossless encoding; each image keeps its input format.
+            own lossless encoding; each image keeps its input format. Re-running
+            with another ``quality``, ``size`` or ``mode`` writes every output again.
         progress: A progress bar (a widget in notebooks; none in logs).
 
     Returns:
@@ -187,7 +231,7 @@ def presize_images(
     if isinstance(quality, bool) or not isinstance(quality, int) or not 1 <= quality <= 100:
         raise ValueError(f"quality must be an int from 1 to 100, but given {quality!r}")
     if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 1):
-        raise ValueError(f"workers must be a positive int or None (all host CPUs), but given {workers!r}")
+        raise ValueError(f"workers must be a positive int or None (the usable CPUs), but given {workers!r}")
     if not os.path.isdir(src_dir):
         raise FileNotFoundError(f"src_dir {src_dir!r} is not a folder")
     src_abs, dst_abs = os.path.abspath(src_dir), os.path.abspath(dst_dir)
@@ -195,15 +239,17 @@ def presize_images(
         raise ValueError(f"dst_dir {dst_dir!r} must be outside src_dir {src_dir!r}")
 
     _remove_leftovers(dst_dir)
+    settings = {"size": size, "mode": mode, "quality": quality}
+    redo = _must_redo(dst_dir, settings)
     jobs = []
     for root, dirs, files in os.walk(src_dir):
         dirs.sort()
         for name in sorted(files):
             if name.lower().endswith(IMAGE_EXTENSIONS) and not name.startswith(".tmp-"):
                 src = os.path.join(root, name)
-                jobs.append((src, os.path.join(dst_dir, os.path.relpath(src, src_dir)), size, mode, quality))
+                jobs.append((src, os.path.join(dst_dir, os.path.relpath(src, src_dir)), size, mode, quality, redo))
     report = PresizeReport()
-    pool = ProcessPoolExecutor(max_workers=workers or os.cpu_count() or 1, initializer=_watch_parent, initargs=(os.getpid(),))
+    pool = ProcessPoolExecutor(max_workers=workers or usable_cpus(), initializer=_watch_parent, initargs=(os.getpid(),))
     bar = progress_bar(len(jobs), "presizing", enabled=progress, unit="image")
     try:
         results = pool.map(_resize_one, jobs, chunksize=16)
@@ -216,6 +262,8 @@ def presize_images(
                 report.skipped += 1
             else:
                 report.failed.append((job[0], error or ""))
+        if redo:
+            _record_settings(dst_dir, settings)  # every output is now made with these settings
     finally:
         bar.close()
         pool.shutdown(wait=True, cancel_futures=True)  # an interrupt does not wait for every queued image

@@ -341,7 +341,8 @@ def launch(fn: Callable[..., Any], args: tuple = (), start_method: str = "spawn"
         raise RuntimeError(
             "The XLA runtime already started in this process, so a multi-process launch "
             "cannot follow. Restart the kernel and launch before touching the XLA device "
-            "(no get_device(), no tensors on 'xla'), or use strategy='spmd'."
+            "(no get_device(), no tensors on 'xla'), or use one process for all cores: "
+            "use_all_cores() in a hand-written loop, strategy='spmd' in one_cycle_fit."
         )
     if hasattr(torch_xla, "launch"):
         torch_xla.launch(fn, args=args, start_method=start_method)
@@ -385,10 +386,15 @@ def all_reduce(tensors: list[torch.Tensor], op: str = "sum") -> list[torch.Tenso
 
 
 def rendezvous(tag: str) -> None:
-    if world_size() > 1:
+    """Waits until every replica gets here (xm.rendezvous; torch.distributed.barrier under CUDA DDP)."""
+    if world_size() == 1:
+        return
+    if xla_loaded() and (runtime_started() or in_launched_process()):
         import torch_xla.core.xla_model as xm
 
         xm.rendezvous(tag)
+    else:
+        torch.distributed.barrier()
 
 
 def set_rng_seed(seed: int) -> None:
@@ -429,9 +435,14 @@ def is_fused_optimizer(optimizer: Any) -> bool:
     return isinstance(optimizer, (syncfree.Adam, syncfree.AdamW))
 
 
-def bf16_autocast_available() -> bool:
-    """torch_xla's autocast supports TPU (and CUDA builds), but refuses XLA:CPU."""
-    return runtime_device_type() == "TPU"
+def bf16_autocast_available(hardware: str | None = None) -> bool:
+    """torch_xla's autocast supports TPU (and CUDA builds), but refuses XLA:CPU.
+
+    Args:
+        hardware: The XLA device type ("TPU", "CPU"...); None asks the running
+            runtime (False when none runs).
+    """
+    return (hardware or runtime_device_type()) == "TPU"
 
 
 def autocast(dev: torch.device, dtype: torch.dtype) -> Any:
