@@ -52,7 +52,11 @@ def test_notebook_runs_end_to_end(tmp_path, monkeypatch):
     assert "validation accuracy:" in text
     images = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs if "image/png" in o.get("data", {})]
     assert len(images) >= 2  # the LR finder and history plots, inline
-    assert (tmp_path / "checkpoints" / "last.pt").exists()
+    assert (tmp_path / "checkpoints" / "last.pt").exists() and (tmp_path / "checkpoints" / "best.pt").exists()
+    rows = (tmp_path / "submission.csv").read_text().splitlines()
+    assert rows[0] == "id,label" and [r.split(",")[0] for r in rows[1:]] == [str(i) for i in range(len(rows) - 1)]
+    accuracy = float(text.split("accuracy against the held-out labels: ")[1].split("%")[0])
+    assert accuracy > 90  # predictions in dataset order: shuffled rows would score about 10%
     stderr = "".join(o.get("text", "") for c in nb.cells for o in c.get("outputs", []) if o.get("name") == "stderr")
     assert "IProgress not found" not in stderr  # ipywidgets is there, so bars are widgets
 

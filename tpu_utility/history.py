@@ -7,6 +7,22 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 
+
+def closed_figure(figsize: tuple[float, float]) -> Any:
+    """A pyplot figure, closed at once: a notebook shows it once, as the cell's value.
+
+    Made by pyplot so that a notebook's inline backend is loaded and renders the
+    returned figure as an image (a bare ``Figure`` shows as ``<Figure size ...>``
+    text when nothing imported pyplot); closed so the backend does not show it a
+    second time at the cell's end, and no figure stays open.
+    """
+    import matplotlib.pyplot as plt
+
+    fig = plt.figure(figsize=figsize)
+    plt.close(fig)
+    return fig
+
+
 @dataclass
 class EpochRecord:
     """One epoch's figures, read from the device once at the epoch's end.
@@ -105,17 +121,15 @@ class History:
     def plot(self, path: str | None = None) -> Any:
         """Losses and metrics per epoch, and the learning rate (and momentum) per step.
 
-        Saved to ``path`` if given. Returns the matplotlib Figure, built without
-        pyplot, so a notebook shows it once (as the cell's value) and no figure
-        stays open.
+        Saved to ``path`` if given. Returns the matplotlib Figure, which a notebook
+        shows once, as the cell's value (``history.plot()``, without a semicolon).
         """
-        from matplotlib.figure import Figure
         from matplotlib.ticker import MaxNLocator
 
         epochs = [r.epoch for r in self.records]
         metric_names = list(dict.fromkeys(k for r in self.records for k in r.metrics))
         panels = 2 + bool(metric_names)
-        fig = Figure(figsize=(5 * panels, 3.5))
+        fig = closed_figure(figsize=(5 * panels, 3.5))
         axes = fig.subplots(1, panels)
         axes[0].plot(epochs, [r.train_loss for r in self.records], "o-", label="train")
         valid = [r.valid_loss if r.valid_loss is not None else math.nan for r in self.records]

@@ -13,6 +13,7 @@ from torch import nn
 from . import xla
 from .data import unpack_loader
 from .fit import check_number, check_seed, resolve_optimizer
+from .history import closed_figure
 from .runner import Runner, split_batch
 
 
@@ -26,9 +27,7 @@ class LRFinderResult:
     diverged: bool = False
 
     def plot(self, path: str | None = None) -> Any:
-        from matplotlib.figure import Figure
-
-        fig = Figure(figsize=(5, 3.5))  # not pyplot's: a notebook shows the returned figure once
+        fig = closed_figure(figsize=(5, 3.5))  # a notebook shows the returned figure once
         ax = fig.subplots()
         ax.plot(self.lrs, self.losses)
         ax.axvline(self.suggested_lr, color="tab:red", linestyle="--", label=f"suggested {self.suggested_lr:.1e}")
