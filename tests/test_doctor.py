@@ -412,3 +412,18 @@ def test_a_model_without_parameters_is_a_clear_error_or_finding_not_stop_iterati
     stray = torch.optim.SGD([nn.Parameter(torch.zeros(2))], lr=0.1)
     finding = check_optimizer(nn.ReLU(), stray)
     assert finding.kind == "optimizer_params" and "the model has no parameters at all" in finding.message
+
+
+def test_an_evaluation_under_inference_mode_is_named_with_its_fix():
+    model, _, _ = setup()
+    model.eval()
+
+    def eval_step(batch):
+        with torch.inference_mode():  # as torchvision's reference evaluates
+            return model(batch[0].to(device())).argmax(1)
+
+    with pytest.raises(DoctorError) as e:
+        doctor(eval_step, batches=batches(), mode="eval")
+    assert "inference_mode" in e.value.report.kinds()
+    (finding,) = [f for f in e.value.report.findings if f.kind == "inference_mode"]
+    assert "tpu_utility.inference_mode()" in finding.fix and "torch.no_grad()" in finding.fix

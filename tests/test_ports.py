@@ -251,6 +251,32 @@ def test_masked_evaluation_counts_each_sample_once_without_recompiling():
     print(f"masked evaluation port: 3 edited lines, compiles per pass {_per_epoch(start, compiles)}")
 
 
+def _reference_evaluate(model, loader, device, context):
+    """torchvision's classification reference, as written (its evaluate() under inference_mode)."""
+    correct = torch.zeros((), device=device)
+    with context():
+        for image, target in loader:
+            image, target = image.to(device, non_blocking=True), target.to(device, non_blocking=True)
+            output = model(image)
+            correct += (output.argmax(1) == target).sum()
+    return correct.item() / len(loader.dataset)
+
+
+def test_inference_mode_evaluation_fails_on_xla_as_written_and_runs_after_the_port():
+    # Edited lines: 2 (the device line, and torch.inference_mode() -> inference_mode()).
+    from tpu_utility import inference_mode
+
+    device = get_device()  # was: torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Flatten(), nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10)).to(device).eval()
+    loader = DataLoader(flat_digits(256), batch_size=64)
+    with pytest.raises(RuntimeError, match="Cannot set version_counter for inference tensor"):
+        _reference_evaluate(model, loader, device, torch.inference_mode)  # the cause, still there on XLA
+    ported = _reference_evaluate(model, loader, device, inference_mode)
+    expected = _reference_evaluate(model.cpu(), loader, torch.device("cpu"), torch.inference_mode)
+    assert ported == pytest.approx(expected)  # the same figure as on plain CPU
+
+
 # ------------------------------------------------------- optimizer built before the move
 def _train_digits(build_optimizer_first: bool) -> list[float]:
     torch.manual_seed(0)

@@ -23,7 +23,7 @@ from .doctor import DoctorError, DoctorReport, doctor
 from .environment import TpuInfo, setup_tpu
 from .fit import one_cycle_fit
 from .history import EpochRecord, History
-from .loop import device_loader, launch, masked_loader, use_all_cores
+from .loop import device_loader, inference_mode, launch, masked_loader, use_all_cores
 from .lr_finder import LRFinderResult, find_lr
 from .optim import step_optimizer
 from .predict import evaluate, predict
@@ -51,6 +51,7 @@ __all__ = [
     "get_device",
     "grad_scaler",
     "History",
+    "inference_mode",
     "launch",
     "load_checkpoint",
     "LRFinderResult",

@@ -40,12 +40,12 @@ from torch.utils.data import DataLoader
 
 from . import xla
 from .buckets import choose_buckets
-from .loop import move_to_device
+from .loop import INFERENCE_MODE_ERROR, move_to_device
 from .optim import step_optimizer
 
 Kind = Literal[
     "not_on_xla", "optimizer_params", "tied_weights", "batch_split", "graph_growth", "recompile",
-    "device_slicing", "host_sync", "cpu_fallback",
+    "device_slicing", "host_sync", "cpu_fallback", "inference_mode",
 ]  # fmt: skip
 Mode = Literal["train", "eval"]
 _OWN_DIRS = tuple(
@@ -156,6 +156,21 @@ class DoctorError(RuntimeError):
 
 
 # ------------------------------------------------------------ static checks
+def check_error(error: BaseException) -> Finding | None:
+    """Names the cause and fix of an error your step raised, where one is known."""
+    if isinstance(error, RuntimeError) and INFERENCE_MODE_ERROR in str(error):
+        return Finding(
+            "inference_mode",
+            "the step runs under torch.inference_mode(), which XLA cannot run: a layer that views a weight "
+            "made outside inference mode (nn.Linear transposes its weight) stops with 'Cannot set "
+            "version_counter for inference tensor'",
+            "with tpu_utility.inference_mode(): (torch.no_grad() on XLA, the same speed there; "
+            "torch.inference_mode() elsewhere), or torch.no_grad() directly",
+        )
+    return None
+
+
+
 def check_xla(model: nn.Module | None) -> Finding | None:
     """XLA must be in use and the model on it, else doctor has nothing to measure."""
     fix = "device = get_device(); model.to(device) before building the optimizer; move each batch with .to(device)"
@@ -772,7 +787,7 @@ def doctor(
     try:
         _run(step, plan, warmup, run)
     except Exception as error:
-        report = _report(run, mode, findings + _analyse(run, mode, model, findings)[0], [])
+        report = _report(run, mode, findings + _analyse(run, mode, model, findings)[0] + [check_error(error)], [])
         report.error, report.error_step = error, len(run.records) + 1
         raise DoctorError(report) from error
     if not run.measured:

@@ -5,13 +5,14 @@ never had to do: cut the lazy graph once per step (or it grows and recompiles
 every step), keep every batch the same shape (or each new shape compiles), and
 spread the batch over the cores. This module gives each as one line::
 
-    from tpu_utility import device_loader, get_device, masked_loader, use_all_cores
+    from tpu_utility import device_loader, get_device, inference_mode, masked_loader, use_all_cores
     cores = use_all_cores()                 # optional, first: SPMD over every core
     device = get_device()                   # was: torch.device("cuda")
     for x, y in device_loader(loader):      # was: for x, y in loader:
         ...                                 # any update: optimizer, scaler or p.data.add_
     for (x, y), mask in device_loader(masked_loader(valid_loader)):
         correct += ((model(x).argmax(1) == y) & mask).sum()   # every sample once
+    with inference_mode():                  # was: with torch.inference_mode(): (fails on XLA)
 
 Off XLA ``device_loader`` moves each batch to the device and nothing else, so the
 same loop runs on CUDA and CPU.
@@ -206,6 +207,36 @@ def masked_loader(data: Any, batch_size: int | None = None) -> DataLoader:
     return eval_loader(
         dataset, size, replicas=xla.world_size(), rank=xla.ordinal(), collate_fn=collate_fn, num_workers=workers or 0
     )
+
+
+INFERENCE_MODE_ERROR = "Cannot set version_counter for inference tensor"
+
+
+def inference_mode(device: torch.device | str | None = None) -> Any:
+    """``torch.inference_mode()`` where it works; ``torch.no_grad()`` on XLA.
+
+    On XLA an evaluation under ``torch.inference_mode()`` stops with ``RuntimeError:
+    Cannot set version_counter for inference tensor`` at the first ``nn.Linear``:
+    the layer transposes its weight, a tensor made outside inference mode, and
+    torch_xla's view of it asks for a version counter that inference mode has
+    switched off (the same failure as any backend whose views go through a
+    wrapper, pytorch/pytorch#170419). ``no_grad`` skips the same autograd work,
+    and XLA compiles the same graph either way, so nothing is lost.
+
+    Args:
+        device: The device the evaluation runs on; default: XLA when it is in use
+            (without starting its runtime), else plain ``torch.inference_mode()``.
+
+    Returns:
+        A context manager.
+
+    Example:
+        >>> # was: with torch.inference_mode():
+        >>> with inference_mode():
+        ...     output = model(x)        # doctest: +SKIP
+    """
+    on_xla = xla.is_xla_device(device) if device is not None else xla.xla_requested()
+    return torch.no_grad() if on_xla else torch.inference_mode()
 
 
 def use_all_cores() -> int:
