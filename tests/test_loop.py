@@ -166,3 +166,17 @@ def test_each_launched_process_gets_its_own_part(monkeypatch):
     assert (sampler.num_replicas, sampler.rank, list(sampler)) == (4, 2, [2, 6, 0])  # 0: padding
     parts = list(masked_loader(ds, batch_size=2))  # padded to 16 = 2 batches x 2 x 4 processes
     assert [(y.tolist(), m.tolist()) for (_, y), m in parts] == [([2, 6], [True, True]), ([0, 4], [False, False])]
+
+
+def _open_handle(worker_id):  # a user's per-worker set-up (an HDF5/LMDB handle, say)
+    pass
+
+
+def test_masked_loader_keeps_the_loaders_own_settings():
+    generator = torch.Generator().manual_seed(3)
+    loader = DataLoader(TensorDataset(torch.arange(10.0)), batch_size=4, num_workers=1,
+                        worker_init_fn=_open_handle, generator=generator, timeout=30)  # fmt: skip
+    masked = masked_loader(loader)
+    assert (masked.worker_init_fn, masked.generator, masked.timeout, masked.num_workers) == (_open_handle, generator, 30, 1)
+    values = torch.cat([b[0][m] for b, m in masked])
+    assert sorted(values.tolist()) == [float(i) for i in range(10)]  # each sample once, through a worker

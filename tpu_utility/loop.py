@@ -20,6 +20,7 @@ same loop runs on CUDA and CPU.
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from typing import Any, Callable, Iterable, Iterator, Literal, get_args
 
@@ -171,8 +172,9 @@ def masked_loader(data: Any, batch_size: int | None = None) -> DataLoader:
     loader serves every core: give the global batch size.
 
     Args:
-        data: A Dataset, or a DataLoader whose dataset, batch size, collate_fn and
-            workers are used (its shuffling is not: evaluation order does not matter).
+        data: A Dataset, or a DataLoader whose dataset, batch size, collate_fn,
+            workers and other settings (``worker_init_fn``, ``generator``...) are kept
+            (its shuffling is not: evaluation order does not matter).
         batch_size: For a Dataset (default 64); for a DataLoader it must be None or
             equal to its own.
 
@@ -203,10 +205,22 @@ def masked_loader(data: Any, batch_size: int | None = None) -> DataLoader:
                 "masked instead, so every sample counts once",
                 stacklevel=2,
             )
-    dataset, size, collate_fn, workers = unpack_loader(data, batch_size, "data")
-    return eval_loader(
-        dataset, size, replicas=xla.world_size(), rank=xla.ordinal(), collate_fn=collate_fn, num_workers=workers or 0
-    )
+    # the sampler only orders the whole dataset (checked above): the padded loader's own replaces it
+    spec = dataclasses.replace(unpack_loader(data, batch_size, "data"), sampler=None)
+    loader = eval_loader(spec, spec.batch_size, replicas=xla.world_size(), rank=xla.ordinal())
+    loader.collate_fn = _IndexMask(loader.collate_fn)
+    return loader
+
+
+class _IndexMask:
+    """Turns the padded loader's ``(batch, indices)`` into ``(batch, mask)``; picklable for workers."""
+
+    def __init__(self, collate_fn: Callable[[list], Any]) -> None:
+        self.collate_fn = collate_fn
+
+    def __call__(self, items: list) -> tuple[Any, torch.Tensor]:
+        batch, indices = self.collate_fn(items)
+        return batch, indices >= 0  # padding carries index -1
 
 
 INFERENCE_MODE_ERROR = "Cannot set version_counter for inference tensor"
