@@ -79,3 +79,33 @@ def test_single_and_multiprocess_layouts_and_an_uneven_mesh():
     assert (replica.loaders, replica.loader_batch(16), replica.global_batch(16), replica.master) == ((8, 3), 16, 128, False)
     with pytest.raises(ValueError, match="6 devices do not split evenly over 4 hosts"):
         Topology("spmd", hosts=4, devices=6)
+
+
+def _ids(loader):
+    return sorted(int(i) for batch in loader for i in batch[0])
+
+
+def test_make_samplers_distributed_sampler_is_sharded_once_not_twice():
+    from torch.utils.data import DataLoader
+
+    from tpu_utility.data import train_loader
+
+    ds = TensorDataset(torch.arange(100))
+    seen = []
+    for rank in range(2):  # what make_sampler gives each process of a launch
+        user = DataLoader(ds, batch_size=10, sampler=DistributedSampler(ds, num_replicas=2, rank=rank))
+        spec = unpack_loader(user, None, "train_data")
+        assert spec.sampler is None  # stands in for the runner's own sharded sampler
+        seen += _ids(train_loader(spec, 10, replicas=2, rank=rank, seed=0))
+    assert sorted(seen) == list(range(100))  # together the replicas see every sample once
+
+
+def test_a_random_sampler_with_settings_of_its_own_is_kept():
+    from torch.utils.data import DataLoader, RandomSampler
+
+    ds = TensorDataset(torch.arange(100))
+    more = RandomSampler(ds, replacement=True, num_samples=1000)
+    assert unpack_loader(DataLoader(ds, batch_size=10, sampler=more), None, "d").sampler is more
+    g = torch.Generator().manual_seed(7)
+    assert unpack_loader(DataLoader(ds, batch_size=10, shuffle=True, generator=g), None, "d").sampler is not None
+    assert unpack_loader(DataLoader(ds, batch_size=10, shuffle=True), None, "d").sampler is None  # plain: replaced

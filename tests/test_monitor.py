@@ -192,3 +192,26 @@ def test_a_second_fit_into_a_checkpoint_dir_in_use_is_refused_before_training(tm
     assert not (tmp_path / "last.pt").exists()  # nothing of the refused run was written
     fit(small_mlp(), flat_digits(), epochs=1, checkpoint_dir=str(tmp_path))  # free again: trains
     assert sorted(os.listdir(tmp_path)) == ["best.pt", "history.csv", "last.pt"]  # and leaves no lock file
+
+
+def test_auto_mode_asks_the_metric_then_its_name_and_refuses_to_guess():
+    from torchmetrics.regression import MeanSquaredError
+
+    from tpu_utility.monitor import resolve_mode
+
+    assert resolve_mode("valid_loss", "auto") == "min" and resolve_mode("top1_accuracy", "auto") == "max"
+    assert resolve_mode("mae", "auto") == "min" and resolve_mode("perplexity", "auto") == "min"
+    assert resolve_mode("mse_metric", "auto", MeanSquaredError().higher_is_better) == "min"
+    with pytest.raises(ValueError, match=r"mode='auto' cannot tell whether monitor='score' should rise or fall"):
+        resolve_mode("score", "auto")
+
+
+def test_the_time_estimate_leaves_the_first_epochs_compile_out():
+    # limit 3600 s; epoch 1 took 1500 s (1000 of them compiling), the next ones 500 s each
+    assert out_of_time(3600, 3000, 4, last_epoch=500) is None  # a fifth epoch ends at 3500 s
+    assert out_of_time(3600, 3500, 5, last_epoch=500).startswith("time limit")
+
+
+def test_a_metric_may_not_take_a_figures_name(digits):
+    with pytest.raises(ValueError, match=r"a metric may not be named 'train_loss'"):
+        fit(small_mlp(), digits[0], valid_data=digits[1], metrics={"train_loss": lambda o, t: o.sum(1)})

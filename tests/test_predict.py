@@ -257,3 +257,33 @@ def test_bf16_predict_leaves_fp32_weights_exactly_as_they_were():
     assert out.shape == (200, 10)
     for k, v in model.state_dict().items():
         assert v.dtype == torch.float32 and torch.equal(v, before[k]), k
+
+
+def test_evaluate_checks_labels_on_the_host_as_training_does():
+    ds = TensorDataset(torch.randn(40, 4), torch.full((40,), 7))  # a 3-class model, labels 7
+    with pytest.raises(ValueError, match=r"labels must be class indices in \[0, 3\)"):
+        evaluate(nn.Linear(4, 3), ds, batch_size=8)
+
+
+def test_predict_over_a_random_sampler_returns_rows_in_dataset_order():
+    ds = TensorDataset(torch.arange(100.0).unsqueeze(1))
+    loader = DataLoader(ds, batch_size=4, sampler=SubsetRandomSampler([5, 3, 90, 1]))
+    out = predict(nn.Identity(), loader, predict_step=lambda model, batch: model(batch[0]))
+    assert out.flatten().tolist() == [1.0, 3.0, 5.0, 90.0]  # ascending dataset index, whatever the draw
+
+
+def test_a_model_of_mixed_dtypes_comes_back_in_its_own_dtypes():
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    model[1].to(torch.bfloat16).requires_grad_(False)  # a frozen bf16 head
+    predict(model, TensorDataset(torch.randn(8, 4)), predict_step=lambda m, b: m[0](b[0]))
+    assert (model[0].weight.dtype, model[1].weight.dtype) == (torch.float32, torch.bfloat16)
+
+
+def test_a_bf16_fit_on_xla_cpu_gives_the_model_back_in_float32_for_predict():
+    from tpu_utility import one_cycle_fit
+
+    train = flat_digits(256)
+    history = one_cycle_fit(small_mlp(), train, epochs=1, max_lr=3e-3, batch_size=32, precision="bf16", progress=False)
+    assert {p.dtype for p in history.model.parameters()} == {torch.float32}  # trained by casting; given back as found
+    out = predict(history.model, train)  # fp32, after a bf16 run: one graph of one precision
+    assert out.shape == (256, 10) and out.dtype == torch.float32

@@ -4,6 +4,8 @@ and DataLoader settings kept."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import os
 import sys
 import warnings
@@ -156,6 +158,20 @@ def _loader_settings(loader: DataLoader) -> dict[str, Any]:
     }
 
 
+def _only_orders(sampler: Sampler, dataset: Dataset) -> bool:
+    """True for a sampler that only orders the whole dataset (or shards it, as make_sampler's
+    DistributedSampler does): the runner's own sharded sampler stands in for it. Anything
+    else (a subset, weights, replacement, its own generator) is the user's and is kept."""
+    if isinstance(sampler, SequentialSampler):
+        return sampler.data_source is dataset
+    if isinstance(sampler, RandomSampler):
+        plain = not sampler.replacement and sampler._num_samples is None and sampler.generator is None
+        return plain and sampler.data_source is dataset
+    if isinstance(sampler, DistributedSampler):  # sharding it again would split each shard anew
+        return sampler.dataset is dataset
+    return False
+
+
 def unpack_loader(data: Any, batch_size: int | None, name: str) -> LoaderSpec:
     """A LoaderSpec from a Dataset or DataLoader.
 
@@ -178,10 +194,10 @@ def unpack_loader(data: Any, batch_size: int | None, name: str) -> LoaderSpec:
             )
         _check_sized(data.dataset, f"{name}.dataset")
         own = data.sampler
-        default = isinstance(own, (RandomSampler, SequentialSampler)) and getattr(own, "data_source", None) is data.dataset
+        shuffle = own.shuffle if isinstance(own, DistributedSampler) else not isinstance(own, SequentialSampler)
         return LoaderSpec(
             data.dataset, data.batch_size, data.collate_fn, data.num_workers,
-            sampler=None if default else own, shuffle=not isinstance(own, SequentialSampler),
+            sampler=None if _only_orders(own, data.dataset) else own, shuffle=shuffle,
             settings=_loader_settings(data),
         )  # fmt: skip
     _check_sized(data, name)
@@ -301,7 +317,9 @@ def eval_loader(spec: LoaderSpec, batch_size: int, *, replicas: int, rank: int) 
     A user's own sampler chooses the samples (for example a validation split of
     one dataset) and their order.
     """
-    dataset = spec.dataset if spec.sampler is None else torch.utils.data.Subset(spec.dataset, list(spec.sampler))
+    # a user's sampler chooses the samples; they are evaluated in ascending dataset index, so
+    # predict's rows can be matched to the samples whatever order the sampler draws them in
+    dataset = spec.dataset if spec.sampler is None else torch.utils.data.Subset(spec.dataset, sorted(spec.sampler))
     padded = MaskedPadding(dataset, padded_length(len(dataset), batch_size, replicas))
     sampler = DistributedSampler(padded, num_replicas=replicas, rank=rank, shuffle=False)
     return _dataloader(padded, spec, sampler, batch_size, collate_fn=MaskCollate(spec.collate_fn))
@@ -311,6 +329,11 @@ def real_counts(loader: DataLoader) -> list[int]:
     """Real (unpadded) samples in each batch of an eval_loader, known on the host."""
     indices, size, n = list(loader.sampler), loader.batch_size, loader.dataset.n
     return [sum(i < n for i in indices[k : k + size]) for k in range(0, len(indices), size)]
+
+
+def label_checked(spec: LoaderSpec, classes: int) -> LoaderSpec:
+    """The spec with its collate_fn wrapped in a LabelCheck for ``classes`` classes."""
+    return dataclasses.replace(spec, collate_fn=LabelCheck(spec.collate_fn, classes))
 
 
 class LabelCheck:

@@ -261,12 +261,12 @@ def one_cycle_fit(
     opt_factory, opt_name = resolve_optimizer(optimizer)
     if loss_fn is not None and not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable, but given {loss_fn!r}")
-    stop = _stop_rule(monitor, mode, early_stopping, restore_best, time_limit, valid_data is not None)
+    metric_table = resolve_metrics(metrics, loss_fn is None)
+    stop = _stop_rule(monitor, mode, early_stopping, restore_best, time_limit, (valid_data is not None, metric_table))
     n_cores, run_mode = process_mode(cores, strategy)
     processes = n_cores if run_mode == "multiprocess" else 1
     train_spec, valid_spec = _loader_specs(train_data, valid_data, batch_size, num_workers, processes)
     loss = loss_fn if loss_fn is not None else nn.CrossEntropyLoss()
-    metric_table = resolve_metrics(metrics, loss_fn is None)
     figures = ["train_loss"] + (["valid_loss", *metric_table] if valid_data is not None else [])
     if stop.monitor not in figures:
         raise ValueError(f"monitor={stop.monitor!r} is not among this run's figures {figures}")
@@ -293,13 +293,16 @@ def one_cycle_fit(
 
 
 def _stop_rule(monitor: str | None, mode: str, patience: int | None, restore_best: bool, time_limit: Any,
-               has_valid: bool) -> StopRule:  # fmt: skip
+               figures: tuple[bool, dict[str, Any]]) -> StopRule:  # fmt: skip
+    has_valid, metric_table = figures
     watched = monitor if monitor is not None else ("valid_loss" if has_valid else "train_loss")
     if not isinstance(watched, str):
         raise TypeError(f"monitor must be a figure's name ('valid_loss', 'train_loss' or a metric's), but given {monitor!r}")
     if patience is not None:
         _positive("early_stopping", patience, int)
-    return StopRule(watched, resolve_mode(watched, mode), patience, parse_duration(time_limit), bool(restore_best))
+    higher_is_better = getattr(metric_table.get(watched), "higher_is_better", None)  # a torchmetrics Metric knows
+    mode = resolve_mode(watched, mode, higher_is_better)
+    return StopRule(watched, mode, patience, parse_duration(time_limit), bool(restore_best))
 
 
 def _loader_specs(train_data: Any, valid_data: Any, batch_size: int | None, num_workers: int | None,

@@ -40,6 +40,10 @@ def metric_name(metric: Any) -> str:
     return getattr(metric, "__name__", type(metric).__name__)
 
 
+# the columns History and the monitor already use
+RESERVED_NAMES = ("epoch", "train_loss", "valid_loss", "lr", "seconds", "samples_per_s", "compiles", "host_syncs", "transfers")
+
+
 def resolve_metrics(metrics: Any, default_loss: bool) -> dict[str, Any]:
     """Names, functions and torchmetrics objects as an ordered ``{name: metric}``.
 
@@ -61,7 +65,9 @@ def resolve_metrics(metrics: Any, default_loss: bool) -> dict[str, Any]:
         elif not callable(metric):
             raise TypeError(f"metrics must be names, functions or torchmetrics Metrics, but given {metric!r}")
         name = name or metric_name(metric)
-        if name in table or name == "valid_loss":
+        if name in RESERVED_NAMES:
+            raise ValueError(f"a metric may not be named {name!r}: that is one of the run's own figures {RESERVED_NAMES}")
+        if name in table:
             raise ValueError(
                 f"two metrics are named {name!r}; give them distinct names as a dict, "
                 f"for example metrics={{'top1': ..., 'top5': ...}}"

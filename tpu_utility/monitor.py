@@ -43,13 +43,30 @@ def parse_duration(value: float | int | str | None) -> float | None:
     return seconds
 
 
-def resolve_mode(monitor: str, mode: str) -> str:
-    """"min" or "max"; "auto" is "min" for a name with "loss" in it, else "max"."""
+_LOWER_IS_BETTER = ("loss", "error", "mse", "mae", "rmse", "mape", "perplexity", "distance", "wer", "cer")
+_HIGHER_IS_BETTER = ("accuracy", "f1", "fbeta", "auroc", "auc", "precision", "recall", "r2", "iou", "jaccard", "dice")
+
+
+def resolve_mode(monitor: str, mode: str, higher_is_better: bool | None = None) -> str:
+    """"min" or "max". "auto" asks the metric (torchmetrics' ``higher_is_better``), then its name.
+
+    Raises:
+        ValueError: ``mode`` is not allowed, or "auto" cannot tell from the name which way is better.
+    """
     if mode not in get_args(Mode):
         raise ValueError(f"mode must be one of {get_args(Mode)}, but given {mode!r}")
     if mode != "auto":
         return mode
-    return "min" if "loss" in monitor else "max"
+    if higher_is_better is not None:
+        return "max" if higher_is_better else "min"
+    name = monitor.lower()
+    if any(word in name for word in _LOWER_IS_BETTER):
+        return "min"
+    if any(word in name for word in _HIGHER_IS_BETTER):
+        return "max"
+    raise ValueError(
+        f"mode='auto' cannot tell whether monitor={monitor!r} should rise or fall; give mode='min' or mode='max'"
+    )
 
 
 @dataclass
@@ -98,14 +115,15 @@ class Watch:
         return asdict(self)
 
 
-def out_of_time(limit: float | None, elapsed: float, epochs_run: int) -> str | None:
+def out_of_time(limit: float | None, elapsed: float, epochs_run: int, last_epoch: float | None = None) -> str | None:
     """Why not to start another epoch, or None: it would not end within ``limit`` seconds.
 
-    The next epoch is estimated at the mean of the epochs run in this session.
+    The next epoch is estimated at the last one once two have run (the first also
+    compiles, so it overstates a steady epoch), else at the first.
     """
     if limit is None or epochs_run == 0:
         return None
-    per_epoch = elapsed / epochs_run
+    per_epoch = last_epoch if epochs_run >= 2 and last_epoch is not None else elapsed / epochs_run
     if elapsed + per_epoch <= limit:
         return None
     return (

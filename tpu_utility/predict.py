@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from . import xla
-from .data import unpack_loader
+from .data import label_checked, unpack_loader
 from .metrics import MetricSet, resolve_metrics
 from .runner import Precision, Runner, default_eval_step, default_predict_step, process_mode
 
@@ -111,6 +111,9 @@ def evaluate(
     runner = _runner(model, cores, precision)
     try:
         metric_set = MetricSet(table, loss_fn or nn.CrossEntropyLoss(), runner.device)
+        if loss_fn is None and eval_step is None:  # on XLA an out-of-range label would not raise: check on the host
+            classes = runner.output_classes(spec)
+            spec = label_checked(spec, classes) if classes is not None else spec
         loader = runner.eval_loader(spec)
         step = eval_step or default_eval_step
         runner.check_eval(loader, metric_set, step)

@@ -21,6 +21,7 @@ from typing import Any, Callable, Iterator, Literal, Sequence, get_args
 import torch
 from torch import nn
 from torch.utils import _pytree as pytree
+from torch.utils.data.dataloader import default_collate
 
 from . import xla
 from .data import LoaderSpec, eval_loader, real_counts, train_loader
@@ -153,9 +154,10 @@ def split_batch(batch: Batch, what: str) -> tuple[tuple, Any]:
     """``(*inputs, target)`` of a default batch: ``model(*inputs)`` is compared with ``target``."""
     if not isinstance(batch, (list, tuple)) or len(batch) < 2:
         size = f" of length {len(batch)}" if hasattr(batch, "__len__") else ""
+        fix = "give find_lr a Dataset of (inputs, target) samples" if what == "find_lr" else f"pass {what}=... to handle this batch structure"
         raise TypeError(
             f"the default {what} expects batches of (inputs, targets) or (*inputs, targets), but a "
-            f"batch is {type(batch).__name__}{size}; pass {what}=... to handle this batch structure"
+            f"batch is {type(batch).__name__}{size}; {fix}"
         )
     return tuple(batch[:-1]), batch[-1]
 
@@ -211,24 +213,34 @@ class PrecisionMode:
 
 @dataclass(frozen=True)
 class _Placement:
-    """Where and how a model was found: device, train/eval mode, floating dtype."""
+    """Where and how a model was found: device, train/eval mode, each tensor's dtype."""
 
     device: torch.device
     training: bool
-    dtype: torch.dtype | None
+    dtypes: dict[str, torch.dtype]
 
     @classmethod
     def of(cls, model: nn.Module) -> _Placement:
         params = [p for p in model.parameters()]
-        floats = [p.dtype for p in params if p.is_floating_point()]
         device = params[0].device if params else torch.device("cpu")
-        return cls(device, model.training, floats[0] if floats else None)
+        return cls(device, model.training, {name: t.dtype for name, t in _tensors(model)})
+
+    def restore_dtypes(self, model: nn.Module) -> None:
+        """Gives each parameter and buffer its own found dtype back (after a bf16 cast)."""
+        for name, tensor in _tensors(model):
+            found = self.dtypes.get(name)
+            if found is not None and tensor.dtype != found:
+                tensor.data = tensor.data.to(found)
 
     def restore(self, model: nn.Module) -> None:
         move_model(model, self.device)
-        if self.dtype is not None and any(p.is_floating_point() and p.dtype != self.dtype for p in model.parameters()):
-            model.to(self.dtype)
+        self.restore_dtypes(model)
         model.train(self.training)
+
+
+def _tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    yield from model.named_parameters(remove_duplicate=False)
+    yield from model.named_buffers(remove_duplicate=False)
 
 
 # ------------------------------------------------------------------ runner
@@ -265,6 +277,22 @@ class Runner:
         self.found.restore(self.model)
         if self.found_weights is not None:
             self.model.load_state_dict(self.found_weights)
+
+    def output_classes(self, spec: LoaderSpec) -> int | None:
+        """The model's class dimension (cross_entropy's: dim 1 of (N, C, ...)), found by tracing two samples.
+
+        None when the output is not such a tensor (nothing to check labels against).
+        """
+        sample = [spec.dataset[i] for i in range(min(2, len(spec.dataset)))]
+        batch = move_batch((spec.collate_fn or default_collate)(sample), self.device)
+        training = self.model.training
+        try:
+            self.model.eval()  # no dropout: the random streams stay as they were
+            with torch.no_grad():
+                output = self.run(lambda model, b: model(*split_batch(b, "train_step")[0]), batch)
+        finally:
+            self.model.train(training)
+        return output.shape[1] if isinstance(output, torch.Tensor) and output.dim() >= 2 else None
 
     # -- loaders
     def train_loader(self, spec: LoaderSpec, seed: int) -> Any:

@@ -9,7 +9,6 @@ are written by the master.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import os
 import random
@@ -19,18 +18,17 @@ from typing import Any, Callable
 
 import torch
 from torch import nn
-from torch.utils.data.dataloader import default_collate
 
 from . import xla
 from .checkpoint import CHECKPOINT_NAME, load_checkpoint, save_atomic, to_cpu
-from .data import LabelCheck, LoaderSpec
+from .data import LoaderSpec, label_checked
 from .files import folder_lock
 from .history import EpochRecord, History
 from .metrics import MetricSet
 from .monitor import StopRule, Watch, out_of_time
 from .optim import step_optimizer
 from .progress import progress_bar, write_line
-from .runner import Runner, default_eval_step, move_batch, split_batch
+from .runner import Runner, default_eval_step, split_batch
 from .schedule import one_cycle_curve
 
 BEST_NAME = "best.pt"
@@ -142,23 +140,11 @@ class OneCycleDriver:
 
 def _checked_labels(runner: Runner, train: LoaderSpec, valid: LoaderSpec | None, check_valid: bool
                     ) -> tuple[LoaderSpec, LoaderSpec | None]:  # fmt: skip
-    """Specs whose collate_fn checks labels against the model's output width (found by tracing)."""
-    sample = [train.dataset[i] for i in range(min(2, len(train.dataset)))]
-    batch = move_batch((train.collate_fn or default_collate)(sample), runner.device)
-    training = runner.model.training
-    try:
-        runner.model.eval()  # no dropout: the random streams stay as they were
-        with torch.no_grad():
-            output = runner.run(lambda model, b: model(*split_batch(b, "train_step")[0]), batch)
-    finally:
-        runner.model.train(training)
-    if not isinstance(output, torch.Tensor) or output.dim() < 2:
+    """Specs whose collate_fn checks labels against the model's output width."""
+    classes = runner.output_classes(train)
+    if classes is None:
         return train, valid
-    classes = output.shape[1]  # cross_entropy: (N, C) or (N, C, d1, ...)
-    train = dataclasses.replace(train, collate_fn=LabelCheck(train.collate_fn, classes))
-    if valid is not None and check_valid:
-        valid = dataclasses.replace(valid, collate_fn=LabelCheck(valid.collate_fn, classes))
-    return train, valid
+    return label_checked(train, classes), label_checked(valid, classes) if valid is not None and check_valid else valid
 
 
 def _device_values(device: torch.device, *values: Any) -> list[torch.Tensor]:
@@ -259,15 +245,16 @@ def _train(model: nn.Module, plan: FitPlan) -> tuple[nn.Module, History]:
         print(run.history.summary)
         if run.start_epoch:
             print(f"resumed from {run.paths['last']} after epoch {run.start_epoch}")
-    started = _clock()
+    started, previous = _clock(), 0.0
     for epoch in range(run.start_epoch, plan.epochs):
-        record, elapsed = _epoch(run, epoch, started)
+        record, elapsed = _epoch(run, epoch, started)  # elapsed: all-reduced, the same on every replica
         reason = _after_epoch(run, record)
         if not reason and epoch + 1 < plan.epochs:
-            reason = out_of_time(plan.stop.time_limit, elapsed, epoch + 1 - run.start_epoch)
+            reason = out_of_time(plan.stop.time_limit, elapsed, epoch + 1 - run.start_epoch, elapsed - previous)
         if reason:
             _stop(run, reason)
             break
+        previous = elapsed
     _finish(run)
     return model, run.history
 
@@ -407,6 +394,8 @@ def _finish(run: _Run) -> None:
     run.history.step_momenta = run.curve[1][: run.opt_step] if _uses_momentum(run.opt) else []
     if not run.history.stop_reason:
         run.history.stop_reason = f"completed {done} of {run.plan.epochs} epochs"
+    if run.runner.precision.mode == "cast":  # trained in bf16: the model goes back in the dtypes it came in
+        run.runner.found.restore_dtypes(run.runner.model)
     if run.plan.stop.restore_best:
         best = run.best_state
         if best is None and "best" in run.paths and os.path.exists(run.paths["best"]):
