@@ -46,7 +46,7 @@ def test_sgd_follows_the_schedule_too(digits):
 def test_bf16_trains_on_xla_cpu(digits):
     history = fit(small_mlp(), digits[0], valid_data=digits[1], precision="bf16", max_lr=1e-2)
     assert "bf16 (model and inputs cast)" in history.summary
-    assert next(history.model.parameters()).dtype == torch.bfloat16
+    assert next(history.model.parameters()).dtype == torch.float32  # trained by casting, given back as found
     assert history.records[-1].train_loss < 0.5 * history.records[0].train_loss
     assert history.records[-1].metrics["accuracy"] > 0.8
 
