@@ -1,6 +1,8 @@
 """BucketCollate: variable-length batches padded to a few bucket lengths, so XLA compiles
-at most once per bucket; the math (choose_buckets, padding_waste) with plain numbers."""
+at most once per bucket; BucketBatchSampler: batches of similar lengths, so they pad
+little; the math (choose_buckets, padding_waste, group_batches) with plain numbers."""
 
+import bisect
 import pickle
 
 import pytest
@@ -9,7 +11,10 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from conftest import run_python
-from tpu_utility import BucketCollate, choose_buckets, get_device, one_cycle_fit, padding_waste, step_optimizer, xla
+from tpu_utility import (
+    BucketBatchSampler, BucketCollate, choose_buckets, get_device, group_batches, masked_loader, one_cycle_fit,
+    padding_waste, step_optimizer, xla,
+)  # fmt: skip
 from tpu_utility.demo import MarkerClassifier, marker_sequences, masked_eval_step, masked_train_step, pad_to_longest
 
 BATCH = 32
@@ -102,13 +107,85 @@ def test_from_lengths_reports_waste_and_pickles():
     assert copy.buckets == collate.buckets
 
 
+# ------------------------------------------- grouping batches by length
+def _bucket_of(lengths, buckets):
+    return [min(bisect.bisect_left(buckets, n), len(buckets) - 1) for n in lengths]
+
+
+def test_group_batches_uses_every_sample_once_and_pads_far_less_than_shuffled_batches():
+    lengths = [len(s) for s, _ in marker_sequences(1000)]
+    buckets = choose_buckets(lengths, num_buckets=4)
+    g = torch.Generator().manual_seed(0)
+    batches = group_batches(lengths, buckets, 32, drop_last=False, generator=g)
+    assert sorted(i for b in batches for i in b) == list(range(1000))
+    assert [len(b) for b in batches].count(32) == 1000 // 32 and len(batches) == 1000 // 32 + 1
+    # only a bucket's remainder, moved up to the next bucket, mixes buckets
+    of = _bucket_of(lengths, buckets)
+    mixed = [b for b in batches if len({of[i] for i in b}) > 1]
+    assert len(mixed) <= len(buckets) - 1, mixed
+
+    def waste(batches):
+        padded = sum(len(b) * buckets[max(of[i] for i in b)] for b in batches)
+        return 1 - sum(lengths[i] for b in batches for i in b) / padded
+
+    shuffled = torch.randperm(1000, generator=g).tolist()
+    random_waste = waste([shuffled[k : k + 32] for k in range(0, 1000, 32)])
+    assert waste(batches) < padding_waste(lengths, buckets) + 0.02 < random_waste / 2, (waste(batches), random_waste)
+
+
+def test_group_batches_drops_only_the_short_batch_and_keeps_index_order_without_a_generator():
+    lengths = [3, 9, 4, 10, 2, 11, 5]
+    assert group_batches(lengths, [4, 16], 2) == [[0, 2], [4, 1], [3, 5]]  # 6 (length 5) left over
+    assert group_batches(lengths, [4, 16], 2, drop_last=False)[-1] == [6]
+    assert group_batches([40, 50], [16], 1) == [[0], [1]]  # longer than every bucket: the largest
+
+
+def test_bucket_batch_sampler_reshuffles_each_pass_and_set_epoch_replays_one():
+    lengths = [len(s) for s, _ in marker_sequences(300)]
+    sampler = BucketBatchSampler(lengths, [16, 32, 64, 120], batch_size=16, seed=3)
+    first, second = list(sampler), list(sampler)
+    assert len(first) == len(sampler) == 300 // 16 and all(len(b) == 16 for b in first)
+    assert first != second and sorted(map(sorted, first)) != sorted(map(sorted, second))
+    sampler.set_epoch(0)
+    assert list(sampler) == first
+    unshuffled = BucketBatchSampler(lengths, [16, 32, 64, 120], batch_size=16, shuffle=False)
+    assert list(unshuffled) == list(unshuffled)
+
+
+def test_bucket_batch_sampler_gives_each_replica_its_own_batches_in_equal_numbers():
+    lengths = [len(s) for s, _ in marker_sequences(300)]
+    whole = BucketBatchSampler(lengths, [16, 32, 64, 120], batch_size=8, num_replicas=1, rank=0)
+    shards = [list(whole.reshard(8, 4, rank)) for rank in range(4)]
+    assert [len(s) for s in shards] == [300 // 8 // 4] * 4
+    seen = [i for shard in shards for batch in shard for i in batch]
+    assert len(seen) == len(set(seen)) == 4 * (300 // 8 // 4) * 8  # disjoint, full batches
+    again = whole.reshard(8, 4, 2)
+    assert list(again) == shards[2]  # every replica draws the same batches: the same share again
+
+
+def test_bucket_batch_sampler_names_bad_arguments():
+    with pytest.raises(ValueError, match="batch_size must be an int >= 1, but given 0"):
+        BucketBatchSampler([3, 4], [8], batch_size=0)
+    with pytest.raises(ValueError, match=r"rank must be in \[0, 2\) for num_replicas=2, but given 2"):
+        BucketBatchSampler([3, 4], [8], batch_size=1, num_replicas=2, rank=2)
+    with pytest.raises(ValueError, match="3 samples make no full batch of 4 on each of 1 replica"):
+        BucketBatchSampler([3, 4, 5], [8], batch_size=4)
+    with pytest.raises(TypeError, match="shuffle must be True or False, but given 'yes'"):
+        BucketBatchSampler([3, 4], [8], batch_size=1, shuffle="yes")
+    with pytest.raises(ValueError, match="strictly increasing"):
+        BucketBatchSampler([3, 4], [8, 4], batch_size=1)
+
+
 # --------------------------------------------------- the ported text loop
-def _train_hand_loop(device, collate, train, epochs=3):
+def _train_hand_loop(device, collate, train, epochs=3, sampler=None):
     """A CUDA text classifier's loop; returns (model, compile count after each epoch)."""
     torch.manual_seed(0)
     model = MarkerClassifier().to(device)
     optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
-    loader = DataLoader(train, batch_size=BATCH, shuffle=True, collate_fn=collate, drop_last=True)
+    if sampler is None:
+        loader = DataLoader(train, batch_size=BATCH, shuffle=True, collate_fn=collate, drop_last=True)
+    else:
+        loader = DataLoader(train, batch_sampler=sampler, collate_fn=collate)
     compiles, before = [], xla.compile_count()
     for _ in range(epochs):
         for tokens, mask, y in loader:
@@ -156,13 +233,43 @@ def test_bucketed_hand_loop_compiles_once_per_bucket_and_matches_the_cpu_run(tex
     assert 0.0 < collate.waste < 1.0
 
 
-def _fit(model, task, collate, epochs, **kwargs):
+def test_grouped_batches_compile_once_per_bucket_pad_less_and_match_the_cpu_run(text_task):
+    train, valid, cpu_accuracy = text_task
+    # The port: 4 edited lines (the device line, the sampler, the DataLoader line, the step line).
+    lengths = [len(s) for s, _ in train]
+    collate = BucketCollate.from_lengths(lengths, num_buckets=4)
+    shuffled = BucketCollate(collate.buckets)
+    _train_hand_loop(get_device(), shuffled, train, epochs=1)
+    sampler = BucketBatchSampler(lengths, collate.buckets, batch_size=BATCH)
+    model, compiles = _train_hand_loop(get_device(), collate, train, sampler=sampler)
+    assert compiles[0] <= len(collate.buckets) + 1 and compiles[0] == compiles[2], (compiles, collate.summary())
+    assert collate.waste < shuffled.waste / 2, (collate.summary(), shuffled.summary())
+    assert _accuracy(model, get_device(), valid, collate) == pytest.approx(cpu_accuracy, abs=0.03)
+
+
+def test_masked_loader_over_a_bucket_batch_sampler_counts_every_sample_once(text_task):
+    valid = text_task[1]
+    lengths = [len(s) for s, _ in valid]
+    collate = BucketCollate.from_lengths(lengths)
+    loader = DataLoader(valid, batch_sampler=BucketBatchSampler(lengths, collate.buckets, 64), collate_fn=collate)
+    seen, labels = 0, 0
+    for (tokens, mask, y), real in masked_loader(loader):
+        assert tokens.shape[0] == 64
+        seen, labels = seen + int(real.sum()), labels + int(y[real].sum())
+    assert (seen, labels) == (len(valid), sum(y for _, y in valid))  # the sampler's dropped batch too
+
+
+def _fit(model, task, collate, epochs, sampler=None, valid_collate=None, **kwargs):
     """one_cycle_fit over bucketed loaders; the history and the compile count after each epoch."""
     train, valid, _ = task
     before = xla.compile_count()
+    if sampler is None:
+        train_loader = DataLoader(train, batch_size=BATCH, collate_fn=collate)
+    else:
+        train_loader = DataLoader(train, batch_sampler=sampler, collate_fn=collate)
     history = one_cycle_fit(
-        model, DataLoader(train, batch_size=BATCH, collate_fn=collate),
-        valid_data=DataLoader(valid, batch_size=64, collate_fn=collate), epochs=epochs, max_lr=1e-2,
+        model, train_loader,
+        valid_data=DataLoader(valid, batch_size=64, collate_fn=valid_collate or collate), epochs=epochs, max_lr=1e-2,
         progress=False, **kwargs,
     )  # fmt: skip
     return history, [r.compiles - before for r in history.records]
@@ -190,11 +297,36 @@ def test_one_cycle_fit_default_step_takes_tokens_mask_target(text_task):
     assert history.records[-1].metrics["accuracy"] == pytest.approx(text_task[2], abs=0.03)
 
 
+def test_one_cycle_fit_keeps_a_bucket_batch_sampler(text_task):
+    lengths = [len(s) for s, _ in text_task[0]]
+    collate = BucketCollate.from_lengths(lengths, num_buckets=4)
+    sampler = BucketBatchSampler(lengths, collate.buckets, batch_size=BATCH)
+    torch.manual_seed(0)
+    history, compiles = _fit(MarkerClassifier(), text_task, collate, 3, sampler=sampler,
+                             valid_collate=BucketCollate(collate.buckets))  # fmt: skip
+    assert compiles[0] == compiles[1] == compiles[2], compiles
+    assert history.records[-1].metrics["accuracy"] == pytest.approx(text_task[2], abs=0.03)
+    # the training batches came from the sampler: full, grouped by length, so padded little
+    assert sum(collate.bucket_batches.values()) >= 3 * len(sampler), collate.summary()
+    assert collate.waste < collate.data_waste + 0.05, collate.summary()
+
+
+def test_one_cycle_fit_names_lengths_that_do_not_match_the_dataset(text_task):
+    train = text_task[0]
+    sampler = BucketBatchSampler([len(s) for s, _ in train[:-5]], [120], batch_size=BATCH)
+    with pytest.raises(ValueError, match=r"train_data.batch_sampler has 1019 lengths but train_data.dataset has 1024"):
+        one_cycle_fit(MarkerClassifier(), DataLoader(train, batch_sampler=sampler, collate_fn=BucketCollate([120])),
+                      epochs=1, max_lr=1e-2, progress=False)  # fmt: skip
+    with pytest.raises(ValueError, match="batch_size=16 differs from train_data.batch_sampler.batch_size=32"):
+        one_cycle_fit(MarkerClassifier(), DataLoader(train, batch_sampler=sampler, collate_fn=BucketCollate([120])),
+                      epochs=1, max_lr=1e-2, batch_size=16, progress=False)  # fmt: skip
+
+
 SPMD_SCRIPT = """
 import warnings; warnings.simplefilter("ignore")
 import torch
 from torch.utils.data import DataLoader
-from tpu_utility import BucketCollate, one_cycle_fit
+from tpu_utility import BucketBatchSampler, BucketCollate, one_cycle_fit
 from tpu_utility.demo import MarkerClassifier, marker_sequences, masked_eval_step, masked_train_step
 
 train, valid = marker_sequences(1024, seed=0), marker_sequences(512, seed=1)
@@ -213,6 +345,19 @@ print(history.summary)
 print("buckets", len(collate.buckets))
 for r in history.records:
     print("epoch", r.epoch, "compiles", r.compiles - one_shape.records[0].compiles, "accuracy", r.metrics["accuracy"])
+
+# batches grouped by length: the sampler's batch_size is per core, as the DataLoader's is
+lengths = [len(s) for s, _ in train]
+grouped = BucketCollate.from_lengths(lengths, num_buckets=4)
+sampler = BucketBatchSampler(lengths, grouped.buckets, batch_size=8)
+torch.manual_seed(0)
+start = history.records[-1].compiles
+history = one_cycle_fit(MarkerClassifier(), DataLoader(train, batch_sampler=sampler, collate_fn=grouped),
+                        valid_data=DataLoader(valid, batch_size=16, collate_fn=BucketCollate(grouped.buckets)),
+                        epochs=3, max_lr=1e-2, cores="all", progress=False)
+print("grouped steps", history.steps_per_epoch, "waste", grouped.waste, grouped.data_waste, "buckets", len(grouped.buckets))
+for r in history.records:
+    print("grouped", r.epoch, "compiles", r.compiles - start, "accuracy", r.metrics["accuracy"])
 """
 
 
@@ -227,3 +372,9 @@ def test_spmd_on_four_devices_with_buckets(text_task):
     assert int(epochs[0][3]) <= one_shape + 2 * (buckets - 1), r.stdout
     assert len({e[3] for e in epochs}) == 1, f"compile count changed across epochs: {epochs}"
     assert float(epochs[-1][5]) == pytest.approx(cpu_accuracy, abs=0.03)
+    grouped = [line.split() for line in r.stdout.splitlines() if line.startswith("grouped ")]
+    assert grouped[0][2] == str(1024 // 32), r.stdout  # global batches of 4 x 8, grouped
+    assert float(grouped[0][4]) < float(grouped[0][5]) + 0.05, r.stdout  # padded about as little as it can
+    assert int(grouped[1][3]) <= one_shape + 2 * (int(grouped[0][7]) - 1), r.stdout
+    assert len({g[3] for g in grouped[1:]}) == 1, f"compile count changed across epochs: {grouped}"
+    assert float(grouped[-1][5]) == pytest.approx(cpu_accuracy, abs=0.03)

@@ -14,7 +14,7 @@ from importlib.metadata import PackageNotFoundError as _PackageNotFoundError
 from importlib.metadata import version as _version
 
 from .amp import autocast, grad_scaler
-from .buckets import BucketCollate, choose_buckets, padding_waste
+from .buckets import BucketBatchSampler, BucketCollate, choose_buckets, group_batches, padding_waste
 from .cache import CachedDataset, cache_dataset
 from .checkpoint import load_checkpoint, save_checkpoint
 from .data import make_sampler
@@ -37,6 +37,7 @@ except _PackageNotFoundError:  # a source tree that was never installed
 
 __all__ = [
     "autocast",
+    "BucketBatchSampler",
     "BucketCollate",
     "cache_dataset",
     "CachedDataset",
@@ -50,6 +51,7 @@ __all__ = [
     "find_lr",
     "get_device",
     "grad_scaler",
+    "group_batches",
     "History",
     "inference_mode",
     "launch",

@@ -11,7 +11,14 @@ compiles, by the number of buckets:
         ...
     print(collate.summary())                 # buckets used, padding waste
 
-``choose_buckets`` and ``padding_waste`` are the pure math behind it.
+A shuffled batch pads to the bucket of its longest sequence, so most of its tokens
+can be padding. ``BucketBatchSampler`` makes batches of similar lengths instead
+(shuffled within each bucket, and the batches shuffled), so each pads little:
+
+    sampler = BucketBatchSampler(lengths, collate.buckets, batch_size=32)
+    loader = DataLoader(train_ds, batch_sampler=sampler, collate_fn=collate)
+
+``choose_buckets``, ``padding_waste`` and ``group_batches`` are the pure math behind them.
 """
 
 from __future__ import annotations
@@ -20,10 +27,14 @@ import bisect
 import math
 import warnings
 from collections.abc import Mapping
-from typing import Any, Iterable, Literal, Sequence, get_args
+from typing import Any, Iterable, Iterator, Literal, Sequence, get_args
 
 import torch
+from torch import nn
+from torch.utils.data import Sampler
 from torch.utils.data.dataloader import default_collate
+
+from . import xla
 
 Overflow = Literal["error", "truncate"]
 
@@ -124,6 +135,147 @@ def padding_waste(lengths: Iterable[int], buckets: Sequence[int]) -> float:
         raise ValueError(f"a length of {max(values)} exceeds the largest bucket {buckets[-1]} (buckets {buckets})")
     total = sum(bucket_for(n, buckets) or 0 for n in values)
     return (total - sum(values)) / total if total else 0.0
+
+
+def group_batches(lengths: Sequence[int], buckets: Sequence[int], batch_size: int, *, drop_last: bool = True,
+                  generator: torch.Generator | None = None) -> list[list[int]]:  # fmt: skip
+    """Batches of sample indices, each made of samples of one bucket where it can be.
+
+    Every sample goes to the smallest bucket that holds it (one longer than all, to
+    the largest). Bucket by bucket, from the shortest, its samples (shuffled by
+    ``generator``, else in index order) are cut into batches of ``batch_size``; the
+    remainder moves up to the next bucket, whose length holds it too. So every
+    sample is used once, and only the last bucket can leave a short batch: dropped
+    with ``drop_last``, else last. With ``generator`` the batches are shuffled too.
+
+    Args:
+        lengths: The length of every sample; indices are positions in it.
+        buckets: Increasing bucket lengths.
+        batch_size: Samples per batch.
+        drop_last: Drop the one short batch (fewer than ``batch_size`` samples).
+        generator: Shuffles samples within buckets and the batch order; None keeps
+            index order within buckets and batches in bucket order.
+
+    Returns:
+        ``len(lengths) // batch_size`` full batches (plus the short one without ``drop_last``).
+
+    Example:
+        >>> group_batches([3, 9, 4, 10, 2, 11], [4, 16], batch_size=2)
+        [[0, 2], [4, 1], [3, 5]]
+    """
+    _check_int("batch_size", batch_size, 1)
+    groups: list[list[int]] = [[] for _ in buckets]
+    last = len(buckets) - 1
+    for i, n in enumerate(lengths):
+        groups[min(bisect.bisect_left(buckets, n), last)].append(i)
+    batches: list[list[int]] = []
+    carry: list[int] = []
+    for group in groups:
+        if generator is not None:
+            group = [group[i] for i in torch.randperm(len(group), generator=generator).tolist()]
+        pool = carry + group
+        full = len(pool) - len(pool) % batch_size
+        batches += [pool[k : k + batch_size] for k in range(0, full, batch_size)]
+        carry = pool[full:]
+    if carry and not drop_last:
+        batches.append(carry)
+    if generator is not None:
+        batches = [batches[i] for i in torch.randperm(len(batches), generator=generator).tolist()]
+    return batches
+
+
+# ------------------------------------------------------------ the sampler
+class BucketBatchSampler(Sampler[list[int]]):
+    """Batches of similar lengths, so a bucketed batch pads little.
+
+    A shuffled batch pads to the bucket of its longest sequence: with skewed lengths
+    most of its tokens are padding. This batch sampler draws each batch from one
+    bucket (``group_batches``): samples are shuffled within their bucket, and the
+    batches shuffled, every pass anew. Each pass uses every sample once, except
+    those of one short batch, dropped with ``drop_last`` (the default) so every
+    batch has the same size. Give it to the DataLoader as ``batch_sampler`` (the
+    loader then takes no ``batch_size``, ``shuffle`` or ``drop_last``).
+
+    Pass ``k`` draws its order from ``seed + k``; ``set_epoch(epoch)`` chooses the
+    pass (as with DistributedSampler, for a resumed run). With several replicas
+    (``launch``) every replica draws the same batches and takes every
+    ``num_replicas``-th, so each gets ``len(self)`` batches; under SPMD one process
+    feeds every core: give the global batch size. ``one_cycle_fit`` takes a loader
+    built on it as it is, for any number of cores (``batch_size`` is then per core);
+    its validation, ``evaluate`` and ``predict`` go through every sample in dataset
+    order.
+
+    Args:
+        lengths: The length of every sample of the dataset, in dataset order.
+        buckets: Increasing bucket lengths: the collate's (``collate.buckets``).
+        batch_size: Samples per batch.
+        shuffle: A new order every pass (False: index order within buckets, batches in
+            bucket order).
+        drop_last: Drop the short batch of each pass, so every batch is full.
+        seed: Seed of the shuffle; the same on every replica.
+        num_replicas: Replicas sharing the data (default: those running, as
+            ``make_sampler`` finds them).
+        rank: This replica's rank (default: this process's).
+
+    Raises:
+        ValueError, TypeError: a bad argument, named with its value.
+
+    Example:
+        >>> # was: DataLoader(train_ds, batch_size=32, shuffle=True, collate_fn=pad_to_longest)
+        >>> lengths = [len(tokens) for tokens, _ in train_ds]                 # doctest: +SKIP
+        >>> collate = BucketCollate.from_lengths(lengths, num_buckets=4)      # doctest: +SKIP
+        >>> sampler = BucketBatchSampler(lengths, collate.buckets, batch_size=32)  # doctest: +SKIP
+        >>> loader = DataLoader(train_ds, batch_sampler=sampler, collate_fn=collate)  # doctest: +SKIP
+    """
+
+    def __init__(self, lengths: Iterable[int], buckets: Sequence[int], batch_size: int, *, shuffle: bool = True,
+                 drop_last: bool = True, seed: int = 0, num_replicas: int | None = None,
+                 rank: int | None = None) -> None:  # fmt: skip
+        self.lengths, self.buckets = _check_lengths(lengths), _check_buckets(buckets)
+        self.batch_size = _check_int("batch_size", batch_size, 1)
+        for name, flag in (("shuffle", shuffle), ("drop_last", drop_last)):
+            if not isinstance(flag, bool):
+                raise TypeError(f"{name} must be True or False, but given {flag!r}")
+        self.shuffle, self.drop_last, self.seed = shuffle, drop_last, _check_int("seed", seed, 0)
+        self.num_replicas = _check_int("num_replicas", xla.world_size() if num_replicas is None else num_replicas, 1)
+        self.rank = _check_int("rank", xla.ordinal() if rank is None else rank, 0)
+        if self.rank >= self.num_replicas:
+            raise ValueError(f"rank must be in [0, {self.num_replicas}) for num_replicas={self.num_replicas}, "
+                             f"but given {self.rank}")  # fmt: skip
+        if len(self) == 0:
+            raise ValueError(
+                f"{len(self.lengths)} samples make no full batch of {self.batch_size} on each of "
+                f"{self.num_replicas} replica(s); lower batch_size"
+            )
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        """Draws the next pass's order from ``seed + epoch``."""
+        self.epoch = _check_int("epoch", epoch, 0)
+
+    def __len__(self) -> int:
+        full, short = divmod(len(self.lengths), self.batch_size)
+        return (full + (short > 0 and not self.drop_last)) // self.num_replicas
+
+    def __iter__(self) -> Iterator[list[int]]:
+        generator = torch.Generator().manual_seed(self.seed + self.epoch) if self.shuffle else None
+        self.epoch += 1
+        batches = group_batches(self.lengths, self.buckets, self.batch_size, drop_last=self.drop_last,
+                                generator=generator)  # fmt: skip
+        mine = batches[self.rank :: self.num_replicas][: len(self)]
+        return iter(mine)
+
+    def reshard(self, batch_size: int, num_replicas: int, rank: int) -> BucketBatchSampler:
+        """The same sampler (lengths, buckets, order, pass) for another batch size and share."""
+        copy = BucketBatchSampler(self.lengths, self.buckets, batch_size, shuffle=self.shuffle,
+                                  drop_last=self.drop_last, seed=self.seed, num_replicas=num_replicas, rank=rank)  # fmt: skip
+        copy.epoch = self.epoch
+        return copy
+
+    def __repr__(self) -> str:
+        return (f"BucketBatchSampler({len(self.lengths)} samples, buckets={self.buckets}, batch_size={self.batch_size}, "
+                f"shuffle={self.shuffle}, drop_last={self.drop_last}, seed={self.seed}, "
+                f"replica {self.rank} of {self.num_replicas})")  # fmt: skip
 
 
 # ------------------------------------------------------------ the collate
@@ -245,19 +397,21 @@ class BucketCollate:
             raise ValueError(
                 f"pad_value={self.pad_value!r} cannot fill {first.dtype} sequences without rounding; give an int"
             )
-        tokens = torch.full((len(seqs), bucket, *first.shape[1:]), self.pad_value, dtype=first.dtype)
-        mask = torch.zeros(len(seqs), bucket, dtype=torch.bool)
         for i, seq in enumerate(seqs):
             if seq.shape[1:] != first.shape[1:]:
                 raise ValueError(
                     f"sample {i}'s sequence has feature shape {tuple(seq.shape[1:])}, sample 0's "
                     f"{tuple(first.shape[1:])}; only the first dimension (the length) may vary"
                 )
-            n = min(len(seq), bucket)
-            tokens[i, :n] = seq[:n]
-            mask[i, :n] = True
-            self.truncated_tokens += len(seq) - n
-        real = int(mask.sum())
+        kept = [seq[:bucket].to(first.dtype) for seq in seqs]
+        lengths = torch.tensor([len(seq) for seq in kept])
+        tokens = torch.full((len(seqs), bucket, *first.shape[1:]), self.pad_value, dtype=first.dtype)
+        longest_kept = int(lengths.max())
+        if longest_kept:  # pad_sequence copies the sequences in C++, not one by one in Python
+            tokens[:, :longest_kept] = nn.utils.rnn.pad_sequence(kept, batch_first=True, padding_value=self.pad_value)
+        mask = torch.arange(bucket) < lengths[:, None]
+        real = int(lengths.sum())
+        self.truncated_tokens += sum(len(seq) for seq in seqs) - real
         self.real_tokens += real
         self.padded_tokens += mask.numel() - real
         self.bucket_batches[bucket] += 1

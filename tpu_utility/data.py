@@ -17,6 +17,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, RandomSamp
 from torch.utils.data.dataloader import default_collate
 
 from . import xla
+from .buckets import BucketBatchSampler
 
 
 def _check_sized(dataset: Any, name: str = "dataset") -> int:
@@ -142,6 +143,7 @@ class LoaderSpec:
     sampler: Sampler | None = None
     shuffle: bool = True
     settings: dict[str, Any] = field(default_factory=dict)
+    batch_sampler: BucketBatchSampler | None = None
 
     def __len__(self) -> int:
         return len(self.sampler) if self.sampler is not None else len(self.dataset)
@@ -184,9 +186,14 @@ def unpack_loader(data: Any, batch_size: int | None, name: str) -> LoaderSpec:
             f"{name} is a tuple of tensors (x, y); give a Dataset, for example "
             f"torch.utils.data.TensorDataset(x, y)"
         )
+    if isinstance(data, DataLoader) and isinstance(data.batch_sampler, BucketBatchSampler):
+        return _bucketed_spec(data, batch_size, name)
     if isinstance(data, DataLoader):
         if data.batch_size is None:
-            raise ValueError(f"{name} is a DataLoader with batch_size=None; give it a fixed batch_size")
+            raise ValueError(
+                f"{name} is a DataLoader with batch_size=None ({type(data.batch_sampler).__name__} as its "
+                f"batch_sampler); give it a fixed batch_size, or a BucketBatchSampler"
+            )
         if batch_size is not None and batch_size != data.batch_size:
             raise ValueError(
                 f"batch_size={batch_size} differs from {name}.batch_size={data.batch_size}; "
@@ -205,6 +212,31 @@ def unpack_loader(data: Any, batch_size: int | None, name: str) -> LoaderSpec:
     if isinstance(size, bool) or not isinstance(size, int) or size < 1:
         raise ValueError(f"batch_size must be a positive int, but given {size!r}")
     return LoaderSpec(data, size)
+
+
+def _bucketed_spec(loader: DataLoader, batch_size: int | None, name: str) -> LoaderSpec:
+    """A LoaderSpec of a DataLoader built on a BucketBatchSampler: its batch size is per core."""
+    sampler: BucketBatchSampler = loader.batch_sampler
+    if batch_size is not None and batch_size != sampler.batch_size:
+        raise ValueError(
+            f"batch_size={batch_size} differs from {name}.batch_sampler.batch_size={sampler.batch_size}; "
+            f"give one of them"
+        )
+    n = _check_sized(loader.dataset, f"{name}.dataset")
+    if len(sampler.lengths) != n:
+        raise ValueError(
+            f"{name}.batch_sampler has {len(sampler.lengths)} lengths but {name}.dataset has {n} samples; "
+            f"give the length of every sample, in dataset order"
+        )
+    return LoaderSpec(loader.dataset, sampler.batch_size, loader.collate_fn, loader.num_workers,
+                      shuffle=sampler.shuffle, settings=_loader_settings(loader), batch_sampler=sampler)  # fmt: skip
+
+
+def set_epoch(loader: DataLoader, epoch: int) -> None:
+    """Tells the loader's sampler or batch sampler (where they have ``set_epoch``) the epoch."""
+    for sampler in (loader.sampler, loader.batch_sampler):
+        if hasattr(sampler, "set_epoch"):
+            sampler.set_epoch(epoch)
 
 
 class ShardedSampler(Sampler[int]):
@@ -258,7 +290,7 @@ def user_stacklevel() -> int:
 _PIN_MEMORY_WARNED = False
 
 
-def _dataloader(dataset: Dataset, spec: LoaderSpec, sampler: Sampler, batch_size: int, **kwargs: Any) -> DataLoader:
+def _dataloader(dataset: Dataset, spec: LoaderSpec, **kwargs: Any) -> DataLoader:
     global _PIN_MEMORY_WARNED
     settings = dict(spec.settings)
     workers = spec.num_workers or 0
@@ -277,16 +309,23 @@ def _dataloader(dataset: Dataset, spec: LoaderSpec, sampler: Sampler, batch_size
     else:
         # workers keep their own copy of the dataset: one with set_epoch needs fresh ones each epoch
         settings.setdefault("persistent_workers", not hasattr(dataset, "set_epoch"))
-    return DataLoader(dataset, batch_size=batch_size, sampler=sampler, collate_fn=kwargs.pop("collate_fn", spec.collate_fn),
-                      num_workers=workers, **kwargs, **settings)  # fmt: skip
+    return DataLoader(dataset, collate_fn=kwargs.pop("collate_fn", spec.collate_fn), num_workers=workers,
+                      **kwargs, **settings)  # fmt: skip
 
 
 def train_loader(spec: LoaderSpec, batch_size: int, *, replicas: int, rank: int, seed: int) -> DataLoader:
     """Shuffled (seed + epoch, via set_epoch), drop_last so every batch has one shape.
 
     ``batch_size`` is what this loader yields per step (per core, or per host
-    under SPMD); the data is split over ``replicas`` loaders.
+    under SPMD); the data is split over ``replicas`` loaders. A BucketBatchSampler
+    is kept, resharded for this batch size and replica.
     """
+    if spec.batch_sampler is not None:
+        try:
+            batches = spec.batch_sampler.reshard(batch_size, replicas, rank)
+        except ValueError as e:
+            raise ValueError(f"the training set's BucketBatchSampler, {batch_size} per loader: {e}") from None
+        return _dataloader(spec.dataset, spec, batch_sampler=batches)
     if spec.sampler is None:
         sampler: Sampler = DistributedSampler(spec.dataset, num_replicas=replicas, rank=rank, shuffle=spec.shuffle, seed=seed)
     elif replicas > 1:
@@ -308,7 +347,7 @@ def train_loader(spec: LoaderSpec, batch_size: int, *, replicas: int, rank: int,
             f"order is reshuffled every epoch",
             stacklevel=user_stacklevel(),
         )
-    return _dataloader(spec.dataset, spec, sampler, batch_size, drop_last=True)
+    return _dataloader(spec.dataset, spec, sampler=sampler, batch_size=batch_size, drop_last=True)
 
 
 def eval_loader(spec: LoaderSpec, batch_size: int, *, replicas: int, rank: int) -> DataLoader:
@@ -322,7 +361,7 @@ def eval_loader(spec: LoaderSpec, batch_size: int, *, replicas: int, rank: int) 
     dataset = spec.dataset if spec.sampler is None else torch.utils.data.Subset(spec.dataset, sorted(spec.sampler))
     padded = MaskedPadding(dataset, padded_length(len(dataset), batch_size, replicas))
     sampler = DistributedSampler(padded, num_replicas=replicas, rank=rank, shuffle=False)
-    return _dataloader(padded, spec, sampler, batch_size, collate_fn=MaskCollate(spec.collate_fn))
+    return _dataloader(padded, spec, sampler=sampler, batch_size=batch_size, collate_fn=MaskCollate(spec.collate_fn))
 
 
 def real_counts(loader: DataLoader) -> list[int]:

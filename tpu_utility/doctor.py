@@ -559,7 +559,8 @@ def _shape_recompiles(run: _Run, mode: Mode) -> Finding | None:
         f"{min(lengths)}..{max(lengths)}); every new length compiles a new graph",
         f"pad each batch to one of a few lengths: DataLoader(..., collate_fn=tpu_utility.BucketCollate("
         f"buckets={buckets})) (from the lengths seen here), or BucketCollate.from_lengths(lengths, "
-        f"num_buckets=4) from all your samples' lengths{also}",
+        f"num_buckets=4) from all your samples' lengths; with batch_sampler=tpu_utility.BucketBatchSampler("
+        f"lengths, collate.buckets, batch_size) each batch holds similar lengths and pads little{also}",
         where=changed,
     )
 

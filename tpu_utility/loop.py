@@ -37,6 +37,7 @@ from torch.utils.data import (
 )
 
 from . import xla
+from .buckets import BucketBatchSampler
 from .data import eval_loader, unpack_loader
 from .device import get_device
 
@@ -194,7 +195,7 @@ def masked_loader(data: Any, batch_size: int | None = None) -> DataLoader:
     """
     if isinstance(data, DataLoader):
         _check_sampler(data)
-        if not isinstance(data.batch_sampler, BatchSampler):
+        if not isinstance(data.batch_sampler, (BatchSampler, BucketBatchSampler)):
             raise ValueError(
                 f"masked_loader needs a loader with a fixed batch_size, but given one with a "
                 f"{type(data.batch_sampler).__name__}"

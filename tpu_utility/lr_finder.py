@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from . import xla
-from .data import unpack_loader
+from .data import set_epoch, unpack_loader
 from .fit import check_number, check_seed, resolve_optimizer
 from .history import closed_figure
 from .runner import Runner, split_batch
@@ -134,8 +134,7 @@ def _sweep(runner: Runner, loader: Any, opt: torch.optim.Optimizer, loss_fn: Cal
     step, model = 0, runner.model
     model.train()
     while step < sweep.num_steps and not result.diverged:
-        if hasattr(loader.sampler, "set_epoch"):
-            loader.sampler.set_epoch(step)
+        set_epoch(loader, step)
         for batch in runner.batches(loader):
             lr = sweep.start_lr * ratio**step
             for group in opt.param_groups:

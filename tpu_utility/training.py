@@ -21,7 +21,7 @@ from torch import nn
 
 from . import xla
 from .checkpoint import CHECKPOINT_NAME, load_checkpoint, save_atomic, to_cpu
-from .data import LoaderSpec, label_checked
+from .data import LoaderSpec, label_checked, set_epoch
 from .files import folder_lock
 from .history import EpochRecord, History
 from .metrics import MetricSet
@@ -263,8 +263,7 @@ def _epoch(run: _Run, epoch: int, started: float) -> tuple[EpochRecord, float]:
     plan, runner = run.plan, run.runner
     syncs0, transfers0 = xla.host_sync_count(), xla.transfer_from_device_count()
     t0 = time.perf_counter()
-    if hasattr(run.train_loader.sampler, "set_epoch"):
-        run.train_loader.sampler.set_epoch(epoch)
+    set_epoch(run.train_loader, epoch)
     if hasattr(plan.train.dataset, "set_epoch"):
         plan.train.dataset.set_epoch(epoch)  # e.g. CachedDataset serving another augmented copy
     train_sums, lr = _train_epoch(run, epoch)
