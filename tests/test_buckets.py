@@ -163,6 +163,21 @@ def test_bucket_batch_sampler_gives_each_replica_its_own_batches_in_equal_number
     assert list(again) == shards[2]  # every replica draws the same batches: the same share again
 
 
+def test_bucket_batch_sampler_made_before_launch_shards_inside_it(monkeypatch):
+    lengths = [len(s) for s, _ in marker_sequences(300)]
+    sampler = BucketBatchSampler(lengths, [16, 32, 64, 120], batch_size=8, seed=1)  # in the notebook: 1 replica
+    assert len(sampler) == 300 // 8
+    shares = []
+    for rank in range(2):  # what each of 2 launched processes sees
+        monkeypatch.setattr(xla, "world_size", lambda: 2)
+        monkeypatch.setattr(xla, "ordinal", lambda rank=rank: rank)
+        sampler.set_epoch(0)
+        shares.append(list(sampler))
+        assert len(sampler) == 300 // 8 // 2
+    whole = list(BucketBatchSampler(lengths, [16, 32, 64, 120], batch_size=8, seed=1, num_replicas=1, rank=0))
+    assert shares == [whole[0:36:2], whole[1:36:2]]  # the same draw, every other batch, 18 each
+
+
 def test_bucket_batch_sampler_names_bad_arguments():
     with pytest.raises(ValueError, match="batch_size must be an int >= 1, but given 0"):
         BucketBatchSampler([3, 4], [8], batch_size=0)

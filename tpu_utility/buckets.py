@@ -213,9 +213,10 @@ class BucketBatchSampler(Sampler[list[int]]):
             bucket order).
         drop_last: Drop the short batch of each pass, so every batch is full.
         seed: Seed of the shuffle; the same on every replica.
-        num_replicas: Replicas sharing the data (default: those running, as
-            ``make_sampler`` finds them).
-        rank: This replica's rank (default: this process's).
+        num_replicas: Replicas sharing the data (default: those running when the
+            batches are drawn, as ``make_sampler`` finds them, so a sampler made
+            before ``launch`` shards inside it).
+        rank: This replica's rank (default: this process's, when drawn).
 
     Raises:
         ValueError, TypeError: a bad argument, named with its value.
@@ -237,17 +238,25 @@ class BucketBatchSampler(Sampler[list[int]]):
             if not isinstance(flag, bool):
                 raise TypeError(f"{name} must be True or False, but given {flag!r}")
         self.shuffle, self.drop_last, self.seed = shuffle, drop_last, _check_int("seed", seed, 0)
-        self.num_replicas = _check_int("num_replicas", xla.world_size() if num_replicas is None else num_replicas, 1)
-        self.rank = _check_int("rank", xla.ordinal() if rank is None else rank, 0)
-        if self.rank >= self.num_replicas:
-            raise ValueError(f"rank must be in [0, {self.num_replicas}) for num_replicas={self.num_replicas}, "
-                             f"but given {self.rank}")  # fmt: skip
-        if len(self) == 0:
+        self._replicas = None if num_replicas is None else _check_int("num_replicas", num_replicas, 1)
+        self._rank = None if rank is None else _check_int("rank", rank, 0)
+        self._share()
+        self.epoch = 0
+
+    def _share(self) -> tuple[int, int]:
+        """(num_replicas, rank): as given, else those running now, so a sampler made before
+        ``launch`` and used inside it still gives each process its own batches."""
+        replicas = xla.world_size() if self._replicas is None else self._replicas
+        rank = xla.ordinal() if self._rank is None else self._rank
+        if rank >= replicas:
+            raise ValueError(f"rank must be in [0, {replicas}) for num_replicas={replicas}, but given {rank}")
+        if (len(self.lengths) // self.batch_size + (len(self.lengths) % self.batch_size > 0 and not self.drop_last)
+                < replicas):  # fmt: skip
             raise ValueError(
                 f"{len(self.lengths)} samples make no full batch of {self.batch_size} on each of "
-                f"{self.num_replicas} replica(s); lower batch_size"
+                f"{replicas} replica(s); lower batch_size"
             )
-        self.epoch = 0
+        return replicas, rank
 
     def set_epoch(self, epoch: int) -> None:
         """Draws the next pass's order from ``seed + epoch``."""
@@ -255,15 +264,15 @@ class BucketBatchSampler(Sampler[list[int]]):
 
     def __len__(self) -> int:
         full, short = divmod(len(self.lengths), self.batch_size)
-        return (full + (short > 0 and not self.drop_last)) // self.num_replicas
+        return (full + (short > 0 and not self.drop_last)) // self._share()[0]
 
     def __iter__(self) -> Iterator[list[int]]:
+        replicas, rank = self._share()
         generator = torch.Generator().manual_seed(self.seed + self.epoch) if self.shuffle else None
         self.epoch += 1
         batches = group_batches(self.lengths, self.buckets, self.batch_size, drop_last=self.drop_last,
                                 generator=generator)  # fmt: skip
-        mine = batches[self.rank :: self.num_replicas][: len(self)]
-        return iter(mine)
+        return iter(batches[rank::replicas][: len(self)])
 
     def reshard(self, batch_size: int, num_replicas: int, rank: int) -> BucketBatchSampler:
         """The same sampler (lengths, buckets, order, pass) for another batch size and share."""
@@ -273,9 +282,10 @@ class BucketBatchSampler(Sampler[list[int]]):
         return copy
 
     def __repr__(self) -> str:
+        replicas, rank = self._share()
         return (f"BucketBatchSampler({len(self.lengths)} samples, buckets={self.buckets}, batch_size={self.batch_size}, "
                 f"shuffle={self.shuffle}, drop_last={self.drop_last}, seed={self.seed}, "
-                f"replica {self.rank} of {self.num_replicas})")  # fmt: skip
+                f"replica {rank} of {replicas})")  # fmt: skip
 
 
 # ------------------------------------------------------------ the collate
