@@ -97,6 +97,12 @@ def test_a_too_long_sequence_is_an_error_or_truncated_with_a_warning():
         BucketCollate([4])([torch.arange(3)])
 
 
+def test_collate_fills_exactly_what_it_is_given():
+    big = 2**53 + 1  # not a double: a fill through float would round it
+    tokens, mask, _ = BucketCollate([4], pad_value=big)([(torch.tensor([5, 6]), 0), (torch.tensor([], dtype=torch.long), 1)])
+    assert tokens.tolist() == [[5, 6, big, big], [big] * 4] and mask.sum(1).tolist() == [2, 0]
+
+
 def test_from_lengths_reports_waste_and_pickles():
     lengths = [len(s) for s, _ in marker_sequences(256)]
     collate = BucketCollate.from_lengths(lengths, num_buckets=4, multiple_of=8)
@@ -138,6 +144,21 @@ def test_group_batches_drops_only_the_short_batch_and_keeps_index_order_without_
     assert group_batches(lengths, [4, 16], 2) == [[0, 2], [4, 1], [3, 5]]  # 6 (length 5) left over
     assert group_batches(lengths, [4, 16], 2, drop_last=False)[-1] == [6]
     assert group_batches([40, 50], [16], 1) == [[0], [1]]  # longer than every bucket: the largest
+    # without carry every batch is of one bucket; the remainders sit out
+    assert group_batches(lengths, [4, 16], 2, carry=False) == [[0, 2], [1, 3], [5, 6]]  # 4 sits out
+
+
+def test_group_batches_names_bad_arguments():
+    with pytest.raises(ValueError, match="buckets is empty"):
+        group_batches([3], [], 1)
+    with pytest.raises(ValueError, match=r"strictly increasing, but given \[8, 4\]"):
+        group_batches([3], [8, 4], 1)
+    with pytest.raises(ValueError, match="lengths must be >= 0, but given -1"):
+        group_batches([3, -1], [8], 1)
+    with pytest.raises(TypeError, match="generator must be a torch.Generator or None, but given 0"):
+        group_batches([3], [8], 1, generator=0)
+    with pytest.raises(ValueError, match="drop_last=False needs carry=True"):
+        group_batches([3], [8], 1, carry=False, drop_last=False)
 
 
 def test_bucket_batch_sampler_reshuffles_each_pass_and_set_epoch_replays_one():
@@ -149,23 +170,40 @@ def test_bucket_batch_sampler_reshuffles_each_pass_and_set_epoch_replays_one():
     sampler.set_epoch(0)
     assert list(sampler) == first
     unshuffled = BucketBatchSampler(lengths, [16, 32, 64, 120], batch_size=16, shuffle=False)
-    assert list(unshuffled) == list(unshuffled)
+    assert list(unshuffled) == list(unshuffled) == group_batches(lengths, [16, 32, 64, 120], 16)
 
 
-def test_bucket_batch_sampler_gives_each_replica_its_own_batches_in_equal_numbers():
+def _check_shares(shares, lengths, buckets, size):
+    """Equal numbers of full batches, disjoint, and every replica padding to the same bucket at each step."""
+    of = _bucket_of(lengths, buckets)
+    assert len({len(s) for s in shares}) == 1 and all(len(b) == size for s in shares for b in s)
+    seen = [i for s in shares for b in s for i in b]
+    assert len(seen) == len(set(seen))
+    for step in zip(*shares):
+        assert len({max(of[i] for i in b) for b in step}) == 1, step
+
+
+def test_bucket_batch_sampler_gives_each_replica_its_own_batches_padded_alike():
     lengths = [len(s) for s, _ in marker_sequences(300)]
-    whole = BucketBatchSampler(lengths, [16, 32, 64, 120], batch_size=8, num_replicas=1, rank=0)
+    buckets = [16, 32, 64, 120]
+    whole = BucketBatchSampler(lengths, buckets, batch_size=8, num_replicas=1, rank=0)
     shards = [list(whole.reshard(8, 4, rank)) for rank in range(4)]
-    assert [len(s) for s in shards] == [300 // 8 // 4] * 4
-    seen = [i for shard in shards for batch in shard for i in batch]
-    assert len(seen) == len(set(seen)) == 4 * (300 // 8 // 4) * 8  # disjoint, full batches
-    again = whole.reshard(8, 4, 2)
-    assert list(again) == shards[2]  # every replica draws the same batches: the same share again
+    sizes = [len(g) for g in bisect_groups(lengths, buckets)]
+    assert len(shards[0]) == sum(n // 32 for n in sizes) > 0
+    _check_shares(shards, lengths, buckets, 8)
+    assert whole.reshard(8, 4, 0).left_out == 300 - 32 * len(shards[0])
+    assert list(whole.reshard(8, 4, 2)) == shards[2]  # every replica draws the same batches
+
+
+def bisect_groups(lengths, buckets):
+    of = _bucket_of(lengths, buckets)
+    return [[i for i, k in enumerate(of) if k == b] for b in range(len(buckets))]
 
 
 def test_bucket_batch_sampler_made_before_launch_shards_inside_it(monkeypatch):
     lengths = [len(s) for s, _ in marker_sequences(300)]
-    sampler = BucketBatchSampler(lengths, [16, 32, 64, 120], batch_size=8, seed=1)  # in the notebook: 1 replica
+    buckets = [16, 32, 64, 120]
+    sampler = BucketBatchSampler(lengths, buckets, batch_size=8, seed=1)  # in the notebook: 1 replica
     assert len(sampler) == 300 // 8
     shares = []
     for rank in range(2):  # what each of 2 launched processes sees
@@ -173,9 +211,11 @@ def test_bucket_batch_sampler_made_before_launch_shards_inside_it(monkeypatch):
         monkeypatch.setattr(xla, "ordinal", lambda rank=rank: rank)
         sampler.set_epoch(0)
         shares.append(list(sampler))
-        assert len(sampler) == 300 // 8 // 2
-    whole = list(BucketBatchSampler(lengths, [16, 32, 64, 120], batch_size=8, seed=1, num_replicas=1, rank=0))
-    assert shares == [whole[0:36:2], whole[1:36:2]]  # the same draw, every other batch, 18 each
+        assert list(sampler) == shares[-1]  # with several replicas only set_epoch moves the order on
+    _check_shares(shares, lengths, buckets, 8)
+    assert shares == [list(sampler.reshard(8, 2, rank)) for rank in range(2)]
+    with pytest.raises(ValueError, match="drop_last=False needs one replica, but 2 share the data"):
+        BucketBatchSampler(lengths, buckets, batch_size=8, drop_last=False)
 
 
 def test_bucket_batch_sampler_names_bad_arguments():
@@ -183,8 +223,10 @@ def test_bucket_batch_sampler_names_bad_arguments():
         BucketBatchSampler([3, 4], [8], batch_size=0)
     with pytest.raises(ValueError, match=r"rank must be in \[0, 2\) for num_replicas=2, but given 2"):
         BucketBatchSampler([3, 4], [8], batch_size=1, num_replicas=2, rank=2)
-    with pytest.raises(ValueError, match="3 samples make no full batch of 4 on each of 1 replica"):
+    with pytest.raises(ValueError, match="3 samples make no full batch of 4; lower batch_size"):
         BucketBatchSampler([3, 4, 5], [8], batch_size=4)
+    with pytest.raises(ValueError, match=r"of 2 x 2 replicas within one bucket \(samples per bucket \[3, 3\]\)"):
+        BucketBatchSampler([3, 4, 5, 9, 9, 9], [8, 16], batch_size=2, num_replicas=2, rank=0)
     with pytest.raises(TypeError, match="shuffle must be True or False, but given 'yes'"):
         BucketBatchSampler([3, 4], [8], batch_size=1, shuffle="yes")
     with pytest.raises(ValueError, match="strictly increasing"):
@@ -268,7 +310,9 @@ def test_masked_loader_over_a_bucket_batch_sampler_counts_every_sample_once(text
     collate = BucketCollate.from_lengths(lengths)
     loader = DataLoader(valid, batch_sampler=BucketBatchSampler(lengths, collate.buckets, 64), collate_fn=collate)
     seen, labels = 0, 0
-    for (tokens, mask, y), real in masked_loader(loader):
+    with pytest.warns(UserWarning, match=r"drop_last=True is not used \(BucketBatchSampler\)"):
+        masked = masked_loader(loader)
+    for (tokens, mask, y), real in masked:
         assert tokens.shape[0] == 64
         seen, labels = seen + int(real.sum()), labels + int(y[real].sum())
     assert (seen, labels) == (len(valid), sum(y for _, y in valid))  # the sampler's dropped batch too
@@ -326,15 +370,39 @@ def test_one_cycle_fit_keeps_a_bucket_batch_sampler(text_task):
     assert collate.waste < collate.data_waste + 0.05, collate.summary()
 
 
-def test_one_cycle_fit_names_lengths_that_do_not_match_the_dataset(text_task):
+def test_one_cycle_fit_names_a_sampler_that_does_not_fit_the_run(text_task):
     train = text_task[0]
-    sampler = BucketBatchSampler([len(s) for s, _ in train[:-5]], [120], batch_size=BATCH)
+    lengths = [len(s) for s, _ in train]
+
+    def fit(sampler, collate=BucketCollate([120]), **kwargs):
+        one_cycle_fit(MarkerClassifier(), DataLoader(train, batch_sampler=sampler, collate_fn=collate),
+                      epochs=1, max_lr=1e-2, progress=False, **kwargs)  # fmt: skip
+
     with pytest.raises(ValueError, match=r"train_data.batch_sampler has 1019 lengths but train_data.dataset has 1024"):
-        one_cycle_fit(MarkerClassifier(), DataLoader(train, batch_sampler=sampler, collate_fn=BucketCollate([120])),
-                      epochs=1, max_lr=1e-2, progress=False)  # fmt: skip
+        fit(BucketBatchSampler(lengths[:-5], [120], batch_size=BATCH))
     with pytest.raises(ValueError, match="batch_size=16 differs from train_data.batch_sampler.batch_size=32"):
-        one_cycle_fit(MarkerClassifier(), DataLoader(train, batch_sampler=sampler, collate_fn=BucketCollate([120])),
-                      epochs=1, max_lr=1e-2, batch_size=16, progress=False)  # fmt: skip
+        fit(BucketBatchSampler(lengths, [120], batch_size=BATCH), batch_size=16)
+    with pytest.raises(ValueError, match="seed=0 differs from train_data.batch_sampler.seed=7"):
+        fit(BucketBatchSampler(lengths, [120], batch_size=BATCH, seed=7))
+    with pytest.raises(ValueError, match="train_data.batch_sampler has num_replicas=2, but the data is shared out"):
+        fit(BucketBatchSampler(lengths, [120], batch_size=BATCH, num_replicas=2, rank=0))
+    longest = max(lengths)
+    with pytest.raises(ValueError, match=f"a sequence of length {longest} .*longer than its collate's largest bucket 64"):
+        fit(BucketBatchSampler(lengths, [64], batch_size=BATCH), BucketCollate([64]))
+
+
+def test_resume_refuses_a_sampler_that_draws_other_batches(text_task, tmp_path):
+    train = text_task[0]
+    lengths = [len(s) for s, _ in train]
+
+    def fit(buckets, epochs, **kwargs):
+        sampler = BucketBatchSampler(lengths, buckets, batch_size=BATCH)
+        return one_cycle_fit(MarkerClassifier(), DataLoader(train, batch_sampler=sampler, collate_fn=BucketCollate([120])),
+                             epochs=epochs, max_lr=1e-2, progress=False, checkpoint_dir=str(tmp_path), **kwargs)  # fmt: skip
+
+    fit([32, 120], 1)
+    with pytest.raises(ValueError, match=r"written by a different run(.|\n)*batch_sampler: checkpoint .*buckets \[32, 120\]"):
+        fit([64, 120], 1, resume=True)
 
 
 SPMD_SCRIPT = """
@@ -370,9 +438,9 @@ start = history.records[-1].compiles
 history = one_cycle_fit(MarkerClassifier(), DataLoader(train, batch_sampler=sampler, collate_fn=grouped),
                         valid_data=DataLoader(valid, batch_size=16, collate_fn=BucketCollate(grouped.buckets)),
                         epochs=3, max_lr=1e-2, cores="all", progress=False)
-print("grouped steps", history.steps_per_epoch, "waste", grouped.waste, grouped.data_waste, "buckets", len(grouped.buckets))
+print("grouped-run steps", history.steps_per_epoch, "waste", grouped.waste, grouped.data_waste, "buckets", len(grouped.buckets))
 for r in history.records:
-    print("grouped", r.epoch, "compiles", r.compiles - start, "accuracy", r.metrics["accuracy"])
+    print("grouped-epoch", r.epoch, "compiles", r.compiles - start, "accuracy", r.metrics["accuracy"])
 """
 
 
@@ -387,9 +455,10 @@ def test_spmd_on_four_devices_with_buckets(text_task):
     assert int(epochs[0][3]) <= one_shape + 2 * (buckets - 1), r.stdout
     assert len({e[3] for e in epochs}) == 1, f"compile count changed across epochs: {epochs}"
     assert float(epochs[-1][5]) == pytest.approx(cpu_accuracy, abs=0.03)
-    grouped = [line.split() for line in r.stdout.splitlines() if line.startswith("grouped ")]
-    assert grouped[0][2] == str(1024 // 32), r.stdout  # global batches of 4 x 8, grouped
-    assert float(grouped[0][4]) < float(grouped[0][5]) + 0.05, r.stdout  # padded about as little as it can
-    assert int(grouped[1][3]) <= one_shape + 2 * (int(grouped[0][7]) - 1), r.stdout
-    assert len({g[3] for g in grouped[1:]}) == 1, f"compile count changed across epochs: {grouped}"
+    run = r.stdout.split("grouped-run ")[1].split()
+    grouped = [line.split() for line in r.stdout.splitlines() if line.startswith("grouped-epoch ")]
+    assert run[1] == str(1024 // 32), r.stdout  # global batches of 4 x 8, grouped
+    assert float(run[3]) < float(run[4]) + 0.05, r.stdout  # padded about as little as it can
+    assert int(grouped[0][3]) <= one_shape + 2 * (int(run[6]) - 1), r.stdout
+    assert len({g[3] for g in grouped}) == 1, f"compile count changed across epochs: {grouped}"
     assert float(grouped[-1][5]) == pytest.approx(cpu_accuracy, abs=0.03)

@@ -26,11 +26,11 @@ from __future__ import annotations
 import bisect
 import math
 import warnings
+import zlib
 from collections.abc import Mapping
 from typing import Any, Iterable, Iterator, Literal, Sequence, get_args
 
 import torch
-from torch import nn
 from torch.utils.data import Sampler
 from torch.utils.data.dataloader import default_collate
 
@@ -137,48 +137,65 @@ def padding_waste(lengths: Iterable[int], buckets: Sequence[int]) -> float:
     return (total - sum(values)) / total if total else 0.0
 
 
+def bucket_groups(lengths: Sequence[int], buckets: Sequence[int]) -> list[list[int]]:
+    """Sample indices by bucket: each in the smallest that holds it (one longer than all, the largest)."""
+    groups: list[list[int]] = [[] for _ in buckets]
+    for i, n in enumerate(lengths):
+        groups[min(bisect.bisect_left(buckets, n), len(buckets) - 1)].append(i)
+    return groups
+
+
 def group_batches(lengths: Sequence[int], buckets: Sequence[int], batch_size: int, *, drop_last: bool = True,
-                  generator: torch.Generator | None = None) -> list[list[int]]:  # fmt: skip
+                  carry: bool = True, generator: torch.Generator | None = None) -> list[list[int]]:  # fmt: skip
     """Batches of sample indices, each made of samples of one bucket where it can be.
 
-    Every sample goes to the smallest bucket that holds it (one longer than all, to
-    the largest). Bucket by bucket, from the shortest, its samples (shuffled by
-    ``generator``, else in index order) are cut into batches of ``batch_size``; the
-    remainder moves up to the next bucket, whose length holds it too. So every
-    sample is used once, and only the last bucket can leave a short batch: dropped
-    with ``drop_last``, else last. With ``generator`` the batches are shuffled too.
+    Bucket by bucket (``bucket_groups``), from the shortest, its samples (shuffled
+    by ``generator``, else in index order) are cut into batches of ``batch_size``.
+    With ``carry`` a bucket's remainder moves up to the next bucket, whose length
+    holds it too: every sample is used once, and only the last bucket can leave a
+    short batch (dropped with ``drop_last``, else last). Without ``carry`` each
+    bucket's remainder sits out (``drop_last`` must be True), so every batch holds
+    one bucket only. With ``generator`` the batches are shuffled too.
 
     Args:
         lengths: The length of every sample; indices are positions in it.
         buckets: Increasing bucket lengths.
         batch_size: Samples per batch.
-        drop_last: Drop the one short batch (fewer than ``batch_size`` samples).
+        drop_last: Drop the short batch (fewer than ``batch_size`` samples).
+        carry: Move each bucket's remainder up to the next bucket.
         generator: Shuffles samples within buckets and the batch order; None keeps
             index order within buckets and batches in bucket order.
 
     Returns:
-        ``len(lengths) // batch_size`` full batches (plus the short one without ``drop_last``).
+        The batches; with ``carry``, ``len(lengths) // batch_size`` full ones (plus
+        the short one without ``drop_last``).
+
+    Raises:
+        ValueError, TypeError: a bad argument, named with its value.
 
     Example:
         >>> group_batches([3, 9, 4, 10, 2, 11], [4, 16], batch_size=2)
         [[0, 2], [4, 1], [3, 5]]
+        >>> group_batches([3, 9, 4, 10, 2, 11], [4, 16], batch_size=2, carry=False)
+        [[0, 2], [1, 3]]
     """
+    values, buckets = _check_lengths(lengths), _check_buckets(buckets)
     _check_int("batch_size", batch_size, 1)
-    groups: list[list[int]] = [[] for _ in buckets]
-    last = len(buckets) - 1
-    for i, n in enumerate(lengths):
-        groups[min(bisect.bisect_left(buckets, n), last)].append(i)
+    if not (carry or drop_last):
+        raise ValueError("drop_last=False needs carry=True: without carry every bucket leaves a remainder")
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(f"generator must be a torch.Generator or None, but given {generator!r}")
     batches: list[list[int]] = []
-    carry: list[int] = []
-    for group in groups:
+    left: list[int] = []
+    for group in bucket_groups(values, buckets):
         if generator is not None:
             group = [group[i] for i in torch.randperm(len(group), generator=generator).tolist()]
-        pool = carry + group
+        pool = left + group if carry else group
         full = len(pool) - len(pool) % batch_size
         batches += [pool[k : k + batch_size] for k in range(0, full, batch_size)]
-        carry = pool[full:]
-    if carry and not drop_last:
-        batches.append(carry)
+        left = pool[full:]
+    if carry and left and not drop_last:
+        batches.append(left)
     if generator is not None:
         batches = [batches[i] for i in torch.randperm(len(batches), generator=generator).tolist()]
     return batches
@@ -191,27 +208,31 @@ class BucketBatchSampler(Sampler[list[int]]):
     A shuffled batch pads to the bucket of its longest sequence: with skewed lengths
     most of its tokens are padding. This batch sampler draws each batch from one
     bucket (``group_batches``): samples are shuffled within their bucket, and the
-    batches shuffled, every pass anew. Each pass uses every sample once, except
-    those of one short batch, dropped with ``drop_last`` (the default) so every
-    batch has the same size. Give it to the DataLoader as ``batch_sampler`` (the
-    loader then takes no ``batch_size``, ``shuffle`` or ``drop_last``).
+    batches shuffled, every pass anew. On one replica each pass uses every sample
+    once, except those of one short batch, dropped with ``drop_last`` (the default)
+    so every batch has the same size. Give it to the DataLoader as ``batch_sampler``
+    (the loader then takes no ``batch_size``, ``shuffle`` or ``drop_last``).
 
     Pass ``k`` draws its order from ``seed + k``; ``set_epoch(epoch)`` chooses the
     pass (as with DistributedSampler, for a resumed run). With several replicas
-    (``launch``) every replica draws the same batches and takes every
-    ``num_replicas``-th, so each gets ``len(self)`` batches; under SPMD one process
-    feeds every core: give the global batch size. ``one_cycle_fit`` takes a loader
-    built on it as it is, for any number of cores (``batch_size`` is then per core);
-    its validation, ``evaluate`` and ``predict`` go through every sample in dataset
-    order.
+    (``launch``) every replica draws the same global batches of ``batch_size x
+    num_replicas`` samples, all of one bucket, and takes its slice of each: so all
+    pad to the same length at every step (one program), in equal numbers of steps.
+    Each bucket's remainder then sits out the pass (a different one each pass),
+    and the replicas keep in step only through ``set_epoch``: call it every epoch.
+    Under SPMD one process feeds every core: give the global batch size.
+    ``one_cycle_fit`` takes a loader built on it as it is, for any number of cores
+    (``batch_size`` is then per core, and its ``seed`` must be the sampler's); its
+    validation, ``evaluate`` and ``predict`` go through every sample in dataset order.
 
     Args:
         lengths: The length of every sample of the dataset, in dataset order.
         buckets: Increasing bucket lengths: the collate's (``collate.buckets``).
-        batch_size: Samples per batch.
+        batch_size: Samples per batch (per replica).
         shuffle: A new order every pass (False: index order within buckets, batches in
             bucket order).
-        drop_last: Drop the short batch of each pass, so every batch is full.
+        drop_last: Drop the short batch of each pass, so every batch is full (True
+            with several replicas).
         seed: Seed of the shuffle; the same on every replica.
         num_replicas: Replicas sharing the data (default: those running when the
             batches are drawn, as ``make_sampler`` finds them, so a sampler made
@@ -238,41 +259,59 @@ class BucketBatchSampler(Sampler[list[int]]):
             if not isinstance(flag, bool):
                 raise TypeError(f"{name} must be True or False, but given {flag!r}")
         self.shuffle, self.drop_last, self.seed = shuffle, drop_last, _check_int("seed", seed, 0)
-        self._replicas = None if num_replicas is None else _check_int("num_replicas", num_replicas, 1)
-        self._rank = None if rank is None else _check_int("rank", rank, 0)
+        self.num_replicas = None if num_replicas is None else _check_int("num_replicas", num_replicas, 1)
+        self.rank = None if rank is None else _check_int("rank", rank, 0)
+        self._bucket_sizes = [len(g) for g in bucket_groups(self.lengths, self.buckets)]
         self._share()
         self.epoch = 0
 
     def _share(self) -> tuple[int, int]:
-        """(num_replicas, rank): as given, else those running now, so a sampler made before
-        ``launch`` and used inside it still gives each process its own batches."""
-        replicas = xla.world_size() if self._replicas is None else self._replicas
-        rank = xla.ordinal() if self._rank is None else self._rank
+        """(replicas, rank): as given, else those running now; checked against the data."""
+        replicas = xla.world_size() if self.num_replicas is None else self.num_replicas
+        rank = xla.ordinal() if self.rank is None else self.rank
         if rank >= replicas:
             raise ValueError(f"rank must be in [0, {replicas}) for num_replicas={replicas}, but given {rank}")
-        if (len(self.lengths) // self.batch_size + (len(self.lengths) % self.batch_size > 0 and not self.drop_last)
-                < replicas):  # fmt: skip
+        if replicas > 1 and not self.drop_last:
             raise ValueError(
-                f"{len(self.lengths)} samples make no full batch of {self.batch_size} on each of "
-                f"{replicas} replica(s); lower batch_size"
+                f"drop_last=False needs one replica, but {replicas} share the data: a short batch on "
+                f"one of them would be a program of its own; leave drop_last=True"
+            )
+        if self._batches(replicas) == 0:
+            within = "" if replicas == 1 else f" x {replicas} replicas within one bucket (samples per bucket {self._bucket_sizes})"
+            raise ValueError(
+                f"{len(self.lengths)} samples make no full batch of {self.batch_size}{within}; lower batch_size"
             )
         return replicas, rank
+
+    def _batches(self, replicas: int) -> int:
+        if replicas == 1:
+            full, short = divmod(len(self.lengths), self.batch_size)
+            return full + (short > 0 and not self.drop_last)
+        return sum(n // (self.batch_size * replicas) for n in self._bucket_sizes)
+
+    @property
+    def left_out(self) -> int:
+        """Samples each pass leaves out (a short batch, or the buckets' remainders with several replicas)."""
+        replicas = self._share()[0]
+        return max(0, len(self.lengths) - self._batches(replicas) * self.batch_size * replicas)
 
     def set_epoch(self, epoch: int) -> None:
         """Draws the next pass's order from ``seed + epoch``."""
         self.epoch = _check_int("epoch", epoch, 0)
 
     def __len__(self) -> int:
-        full, short = divmod(len(self.lengths), self.batch_size)
-        return (full + (short > 0 and not self.drop_last)) // self._share()[0]
+        return self._batches(self._share()[0])
 
     def __iter__(self) -> Iterator[list[int]]:
         replicas, rank = self._share()
         generator = torch.Generator().manual_seed(self.seed + self.epoch) if self.shuffle else None
-        self.epoch += 1
-        batches = group_batches(self.lengths, self.buckets, self.batch_size, drop_last=self.drop_last,
-                                generator=generator)  # fmt: skip
-        return iter(batches[rank::replicas][: len(self)])
+        if replicas == 1:
+            self.epoch += 1  # the next pass draws anew; with several, set_epoch keeps them in step
+            return iter(group_batches(self.lengths, self.buckets, self.batch_size, drop_last=self.drop_last,
+                                      generator=generator))  # fmt: skip
+        size = self.batch_size
+        batches = group_batches(self.lengths, self.buckets, size * replicas, carry=False, generator=generator)
+        return iter([b[rank * size : (rank + 1) * size] for b in batches])
 
     def reshard(self, batch_size: int, num_replicas: int, rank: int) -> BucketBatchSampler:
         """The same sampler (lengths, buckets, order, pass) for another batch size and share."""
@@ -281,11 +320,16 @@ class BucketBatchSampler(Sampler[list[int]]):
         copy.epoch = self.epoch
         return copy
 
+    def fingerprint(self) -> str:
+        """What decides the batches (for a resumed run's check): buckets, order, and a CRC of the lengths."""
+        crc = zlib.crc32(",".join(map(str, self.lengths)).encode())
+        return (f"{len(self.lengths)} lengths (crc {crc:08x}), buckets {self.buckets}, shuffle={self.shuffle}, "
+                f"drop_last={self.drop_last}, seed={self.seed}")  # fmt: skip
+
     def __repr__(self) -> str:
-        replicas, rank = self._share()
+        share = "replicas found when drawn" if self.num_replicas is None else f"{self.num_replicas} replicas"
         return (f"BucketBatchSampler({len(self.lengths)} samples, buckets={self.buckets}, batch_size={self.batch_size}, "
-                f"shuffle={self.shuffle}, drop_last={self.drop_last}, seed={self.seed}, "
-                f"replica {rank} of {replicas})")  # fmt: skip
+                f"shuffle={self.shuffle}, drop_last={self.drop_last}, seed={self.seed}, {share})")  # fmt: skip
 
 
 # ------------------------------------------------------------ the collate
@@ -416,10 +460,8 @@ class BucketCollate:
         kept = [seq[:bucket].to(first.dtype) for seq in seqs]
         lengths = torch.tensor([len(seq) for seq in kept])
         tokens = torch.full((len(seqs), bucket, *first.shape[1:]), self.pad_value, dtype=first.dtype)
-        longest_kept = int(lengths.max())
-        if longest_kept:  # pad_sequence copies the sequences in C++, not one by one in Python
-            tokens[:, :longest_kept] = nn.utils.rnn.pad_sequence(kept, batch_first=True, padding_value=self.pad_value)
         mask = torch.arange(bucket) < lengths[:, None]
+        tokens[mask] = torch.cat(kept)  # row by row, in one copy rather than one per sequence
         real = int(lengths.sum())
         self.truncated_tokens += sum(len(seq) for seq in seqs) - real
         self.real_tokens += real

@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, RandomSamp
 from torch.utils.data.dataloader import default_collate
 
 from . import xla
-from .buckets import BucketBatchSampler
+from .buckets import BucketBatchSampler, BucketCollate
 
 
 def _check_sized(dataset: Any, name: str = "dataset") -> int:
@@ -228,6 +228,18 @@ def _bucketed_spec(loader: DataLoader, batch_size: int | None, name: str) -> Loa
             f"{name}.batch_sampler has {len(sampler.lengths)} lengths but {name}.dataset has {n} samples; "
             f"give the length of every sample, in dataset order"
         )
+    if sampler.num_replicas not in (None, 1):
+        raise ValueError(
+            f"{name}.batch_sampler has num_replicas={sampler.num_replicas}, but the data is shared out over "
+            f"the cores here; leave num_replicas and rank out"
+        )
+    collate = loader.collate_fn
+    if isinstance(collate, BucketCollate) and collate.overflow == "error" and max(sampler.lengths) > collate.buckets[-1]:
+        raise ValueError(
+            f"{name} holds a sequence of length {max(sampler.lengths)} (sample "
+            f"{sampler.lengths.index(max(sampler.lengths))}), longer than its collate's largest bucket "
+            f"{collate.buckets[-1]}; add a larger bucket or pass overflow='truncate' to BucketCollate"
+        )
     return LoaderSpec(loader.dataset, sampler.batch_size, loader.collate_fn, loader.num_workers,
                       shuffle=sampler.shuffle, settings=_loader_settings(loader), batch_sampler=sampler)  # fmt: skip
 
@@ -321,11 +333,7 @@ def train_loader(spec: LoaderSpec, batch_size: int, *, replicas: int, rank: int,
     is kept, resharded for this batch size and replica.
     """
     if spec.batch_sampler is not None:
-        try:
-            batches = spec.batch_sampler.reshard(batch_size, replicas, rank)
-        except ValueError as e:
-            raise ValueError(f"the training set's BucketBatchSampler, {batch_size} per loader: {e}") from None
-        return _dataloader(spec.dataset, spec, batch_sampler=batches)
+        return _dataloader(spec.dataset, spec, batch_sampler=_bucketed_batches(spec.batch_sampler, batch_size, replicas, rank, seed))
     if spec.sampler is None:
         sampler: Sampler = DistributedSampler(spec.dataset, num_replicas=replicas, rank=rank, shuffle=spec.shuffle, seed=seed)
     elif replicas > 1:
@@ -348,6 +356,28 @@ def train_loader(spec: LoaderSpec, batch_size: int, *, replicas: int, rank: int,
             stacklevel=user_stacklevel(),
         )
     return _dataloader(spec.dataset, spec, sampler=sampler, batch_size=batch_size, drop_last=True)
+
+
+def _bucketed_batches(sampler: BucketBatchSampler, batch_size: int, replicas: int, rank: int,
+                      seed: int) -> BucketBatchSampler:  # fmt: skip
+    """The user's BucketBatchSampler for this loader's batch size and share, its seed checked."""
+    if sampler.seed != seed:
+        raise ValueError(
+            f"seed={seed} differs from train_data.batch_sampler.seed={sampler.seed}, and both would order the "
+            f"data; give the same seed to both"
+        )
+    try:
+        batches = sampler.reshard(batch_size, replicas, rank)
+    except ValueError as e:
+        raise ValueError(f"the training set's BucketBatchSampler, {batch_size} per loader: {e}") from None
+    if batches.left_out and rank == 0:
+        which = "a short batch" if replicas == 1 else "each bucket's remainder, so every loader pads alike"
+        warnings.warn(
+            f"the BucketBatchSampler leaves {batches.left_out} sample(s) out of each epoch ({which}); "
+            f"a different draw each epoch when it shuffles",
+            stacklevel=user_stacklevel(),
+        )
+    return batches
 
 
 def eval_loader(spec: LoaderSpec, batch_size: int, *, replicas: int, rank: int) -> DataLoader:

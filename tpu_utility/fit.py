@@ -279,6 +279,8 @@ def one_cycle_fit(
         "seed": check_seed(seed), "train samples": len(train_spec), "batch_size": train_spec.batch_size,
         "cores": n_cores, "accumulate_steps": accumulate_steps,
     }  # fmt: skip
+    if train_spec.batch_sampler is not None:
+        fingerprint["batch_sampler"] = train_spec.batch_sampler.fingerprint()
     plan = FitPlan(
         epochs=epochs, train=train_spec, valid=valid_spec, schedule=schedule, steps=steps,
         optimizer=opt_factory, optimizer_name=opt_name, optimizer_args=_optimizer_args(optimizer, weight_decay),

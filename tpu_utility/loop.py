@@ -200,10 +200,10 @@ def masked_loader(data: Any, batch_size: int | None = None) -> DataLoader:
                 f"masked_loader needs a loader with a fixed batch_size, but given one with a "
                 f"{type(data.batch_sampler).__name__}"
             )
-        if data.drop_last:
+        if getattr(data.batch_sampler, "drop_last", data.drop_last):
             warnings.warn(
-                "masked_loader: the loader's drop_last=True is not used; the last batch is padded and "
-                "masked instead, so every sample counts once",
+                f"masked_loader: the loader's drop_last=True is not used ({type(data.batch_sampler).__name__}); "
+                f"the last batch is padded and masked instead, so every sample counts once",
                 stacklevel=2,
             )
     # the sampler only orders the whole dataset (checked above): the padded loader's own replaces it
