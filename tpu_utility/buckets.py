@@ -430,7 +430,8 @@ class BucketCollate:
             raise ValueError("BucketCollate got an empty batch")
         pairs = [self._split(s, i) for i, s in enumerate(samples)]
         seqs = [seq for seq, _ in pairs]
-        longest = max(len(s) for s in seqs)
+        sizes = [seq.shape[0] for seq in seqs]
+        longest = max(sizes)
         bucket = bucket_for(longest, self.buckets)
         if bucket is None:
             if self.overflow == "error":
@@ -457,13 +458,13 @@ class BucketCollate:
                     f"sample {i}'s sequence has feature shape {tuple(seq.shape[1:])}, sample 0's "
                     f"{tuple(first.shape[1:])}; only the first dimension (the length) may vary"
                 )
-        kept = [seq[:bucket].to(first.dtype) for seq in seqs]
-        lengths = torch.tensor([len(seq) for seq in kept])
+        kept = seqs if longest <= bucket else [seq[:bucket] for seq in seqs]
+        lengths = torch.tensor([min(n, bucket) for n in sizes])
         tokens = torch.full((len(seqs), bucket, *first.shape[1:]), self.pad_value, dtype=first.dtype)
         mask = torch.arange(bucket) < lengths[:, None]
-        tokens[mask] = torch.cat(kept)  # row by row, in one copy rather than one per sequence
+        tokens[mask] = torch.cat(kept).to(first.dtype)  # row by row, in one copy rather than one per sequence
         real = int(lengths.sum())
-        self.truncated_tokens += sum(len(seq) for seq in seqs) - real
+        self.truncated_tokens += sum(sizes) - real
         self.real_tokens += real
         self.padded_tokens += mask.numel() - real
         self.bucket_batches[bucket] += 1
