@@ -22,13 +22,12 @@ warnings.filterwarnings("ignore", message="dropping the last")
 import torch  # noqa: E402
 import torch_xla  # noqa: E402
 import torch_xla.core.xla_model as xm  # noqa: E402
-import torch_xla.debug.metrics as met  # noqa: E402
 import torch_xla.distributed.parallel_loader as pl  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.utils.data import DataLoader, Dataset  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from tpu_utility import get_device, one_cycle_fit, step_optimizer  # noqa: E402
+from tpu_utility import get_device, one_cycle_fit, step_optimizer, xla  # noqa: E402
 
 
 @dataclass
@@ -42,12 +41,6 @@ class Workload:
     @property
     def steps(self) -> int:
         return len(self.dataset) // self.batch
-
-
-def counters() -> tuple[int, int]:
-    """(graphs compiled, host syncs) so far in this process."""
-    compiles = met.metric_data("CompileTime")
-    return (int(compiles[0]) if compiles else 0), int(met.counter_value("aten::_local_scalar_dense") or 0)
 
 
 def hand_written_setup(w: Workload, device: torch.device, adamw: type = torch.optim.AdamW) -> tuple:
@@ -204,14 +197,12 @@ def run_interleaved(loops: dict[str, Callable[[Workload], list[float]]], w: Work
     t = Timings({name: [] for name in loops}, {name: float("inf") for name in loops}, {n: [] for n in loops}, {})
     for _ in range(rounds):
         for name, loop in loops.items():
-            met.clear_all()
-            c0, s0 = counters()
+            xla.clear_metrics()  # the counts below are this run's alone
             seconds = loop(w)
-            c1, s1 = counters()
             t.per_round[name].append(statistics.median(seconds[1:]))  # epoch 1 is compilation
             t.best[name] = min(t.best[name], *seconds[1:])
-            t.compiles[name].append(c1 - c0)
-            t.syncs[name] = (s1 - s0) / (w.epochs * w.steps)
+            t.compiles[name].append(xla.compile_count())
+            t.syncs[name] = xla.host_sync_count() / (w.epochs * w.steps)
     return t
 
 
