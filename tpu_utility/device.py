@@ -3,8 +3,11 @@ move that keeps tied weights tied."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
+from torch.utils import _pytree as pytree
 
 from . import xla
 
@@ -112,3 +115,8 @@ def move_model(model: nn.Module, device: torch.device) -> nn.Module:
         for name in names[1:]:
             _set_parameter(model, name, keep)
     return model
+
+
+def move_to_device(batch: Any, device: torch.device) -> Any:
+    """Every tensor in a (nested) batch, moved to ``device``; other values unchanged."""
+    return pytree.tree_map(lambda t: t.to(device, non_blocking=True) if isinstance(t, torch.Tensor) else t, batch)

@@ -40,7 +40,8 @@ from torch.utils.data import DataLoader
 
 from . import xla
 from .buckets import choose_buckets
-from .loop import INFERENCE_MODE_ERROR, move_to_device
+from .device import move_to_device
+from .loop import INFERENCE_MODE_ERROR
 from .optim import step_optimizer
 
 Kind = Literal[

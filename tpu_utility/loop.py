@@ -25,7 +25,6 @@ import warnings
 from typing import Any, Callable, Iterable, Iterator, Literal, get_args
 
 import torch
-from torch.utils import _pytree as pytree
 from torch.utils.data import (
     BatchSampler,
     DataLoader,
@@ -39,7 +38,7 @@ from torch.utils.data import (
 from . import xla
 from .buckets import BucketBatchSampler
 from .data import eval_loader, unpack_loader
-from .device import get_device
+from .device import get_device, move_to_device
 
 StartMethod = Literal["auto", "fork", "spawn"]
 
@@ -52,11 +51,6 @@ def graph_was_cut() -> None:
     """Called by step_optimizer after it cut the graph; the next device_loader batch skips its cut."""
     global _cut_since_batch
     _cut_since_batch = True
-
-
-def move_to_device(batch: Any, device: torch.device) -> Any:
-    """Every tensor in a (nested) batch, moved to ``device``; other values unchanged."""
-    return pytree.tree_map(lambda t: t.to(device, non_blocking=True) if isinstance(t, torch.Tensor) else t, batch)
 
 
 def _batch_size(loader: Any) -> int | None:

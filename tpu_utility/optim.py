@@ -9,9 +9,9 @@ import torch
 
 from . import loop, xla
 
-# Optimizers already checked, with the layout of their parameter groups when checked:
-# the device check costs one pass over the parameters, so it runs once per optimizer
-# (again only if its groups change), not every step.
+# Optimizers already checked, with the layout of their parameter groups when checked and
+# whether their parameters are on XLA: both cost a pass over the parameters, so they run
+# once per optimizer (again only if its groups change), not every step.
 _CHECKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
@@ -23,7 +23,23 @@ def _group_layout(optimizer: Any) -> tuple:
     return tuple((id(g["params"]), len(g["params"])) for g in optimizer.param_groups)
 
 
-def check_on_device(optimizer: Any, params: list[torch.Tensor]) -> None:
+def on_xla(optimizer: Any) -> bool:
+    """Whether the optimizer's parameters are on XLA; checks them the first time (``check_on_device``)."""
+    layout = _group_layout(optimizer)
+    known = _CHECKED.get(optimizer)
+    if known is not None and known[0] == layout:
+        return known[1]
+    params = _parameters(optimizer)
+    check_on_device(params)
+    answer = any(p.device.type == "xla" for p in params)
+    try:
+        _CHECKED[optimizer] = (layout, answer)
+    except TypeError:  # not weak-referenceable: checked every step
+        pass
+    return answer
+
+
+def check_on_device(params: list[torch.Tensor]) -> None:
     """Raises RuntimeError if XLA is in use but the optimizer holds CPU parameters.
 
     Moving a model to XLA replaces its parameters with new tensors, so an optimizer
@@ -31,9 +47,6 @@ def check_on_device(optimizer: Any, params: list[torch.Tensor]) -> None:
     None and ``step()`` changes nothing, silently. CPU parameters that do have
     gradients are a model really trained on the CPU, and pass.
     """
-    layout = _group_layout(optimizer)
-    if _CHECKED.get(optimizer) == layout:
-        return
     if xla.runtime_started():
         on_cpu = [p for p in params if p.device.type == "cpu"]
         if on_cpu and all(p.grad is None for p in on_cpu):
@@ -46,10 +59,6 @@ def check_on_device(optimizer: Any, params: list[torch.Tensor]) -> None:
                 f"    model = model.to(device)\n"
                 f"    optimizer = torch.optim.AdamW(model.parameters(), lr=...)"
             )
-    try:
-        _CHECKED[optimizer] = layout
-    except TypeError:  # not weak-referenceable: check every step
-        pass
 
 
 def _check_arguments(optimizer: Any, max_grad_norm: Any, scaler: Any) -> None:
@@ -115,22 +124,20 @@ def step_optimizer(
         >>> step_optimizer(optimizer)          # doctest: +SKIP
     """
     _check_arguments(optimizer, max_grad_norm, scaler)
-    params = _parameters(optimizer)
-    check_on_device(optimizer, params)
-    on_xla = any(p.device.type == "xla" for p in params)
+    xla_params = on_xla(optimizer)
     scaling = scaler is not None and scaler.is_enabled()
-    if on_xla:
+    if xla_params:
         xla.reduce_gradients(optimizer)
     if max_grad_norm is not None:
         if scaling:
             scaler.unscale_(optimizer)
-        torch.nn.utils.clip_grad_norm_([p for p in params if p.grad is not None], max_grad_norm)
+        torch.nn.utils.clip_grad_norm_(_parameters(optimizer), max_grad_norm)  # it skips those without grads
     if scaling:
         result = scaler.step(optimizer, **(optimizer_args or {}))
         scaler.update()
     else:
         result = optimizer.step(**(optimizer_args or {}))
-    if on_xla and barrier is not False:
+    if xla_params and barrier is not False:
         xla.sync()
         loop.graph_was_cut()
     return result

@@ -25,7 +25,7 @@ from torch.utils.data.dataloader import default_collate
 
 from . import xla
 from .data import LoaderSpec, eval_loader, real_counts, train_loader
-from .device import get_device, move_model
+from .device import get_device, move_model, move_to_device
 from .metrics import MetricSet
 from .progress import progress_bar
 
@@ -140,10 +140,6 @@ def current_topology(mode: str) -> Topology:
 
 
 # ----------------------------------------------------------------- batches
-def move_batch(batch: Batch, device: torch.device) -> Batch:
-    return pytree.tree_map(lambda t: t.to(device, non_blocking=True) if isinstance(t, torch.Tensor) else t, batch)
-
-
 def _cast_floats(batch: Batch, dtype: torch.dtype) -> Batch:
     return pytree.tree_map(
         lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, batch
@@ -284,7 +280,7 @@ class Runner:
         None when the output is not such a tensor (nothing to check labels against).
         """
         sample = [spec.dataset[i] for i in range(min(2, len(spec.dataset)))]
-        batch = move_batch((spec.collate_fn or default_collate)(sample), self.device)
+        batch = move_to_device((spec.collate_fn or default_collate)(sample), self.device)
         training = self.model.training
         try:
             self.model.eval()  # no dropout: the random streams stay as they were
@@ -309,11 +305,11 @@ class Runner:
             spmd = self.topology.mode == "spmd"
             devices = self.topology.devices if spmd else None
             return xla.device_loader(loader, self.device, devices, minibatch=spmd and self.topology.hosts > 1)
-        return (move_batch(b, self.device) for b in loader)
+        return (move_to_device(b, self.device) for b in loader)
 
     def first_batch(self, loader: Any) -> Batch:
         """The loader's first batch on the device, for checks before a run (traced, not run)."""
-        return move_batch(next(iter(loader)), self.device)
+        return move_to_device(next(iter(loader)), self.device)
 
     def run(self, step: Step, batch: Batch) -> Any:
         """``step(model, batch)`` under this precision."""
