@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import flat_digits, small_mlp
+from conftest import flat_digits, run_python, small_mlp
 from tpu_utility import evaluate, load_checkpoint, one_cycle_fit, training
 from tpu_utility.monitor import StopRule, Watch, out_of_time, parse_duration
 
@@ -55,6 +55,28 @@ def test_best_epoch_is_kept_training_stops_early_and_the_best_weights_return(tmp
         rows = list(csv.DictReader(f))
     assert [int(r["epoch"]) for r in rows] == [1, 2, 3, 4]
     assert float(rows[1]["score"]) == 0.0 and "accuracy" in rows[0]
+
+
+def test_restore_best_on_a_plain_cpu_restores_the_best_epochs_weights():
+    # On the CPU a host copy of the weights was the weights themselves: the "best" snapshot
+    # trained on with the model, and restore_best gave back the last epoch's weights.
+    r = run_python("""
+import warnings; warnings.simplefilter("ignore")
+import torch
+from tpu_utility import evaluate, one_cycle_fit
+from tpu_utility.demo import digits_datasets, small_cnn
+train, valid = digits_datasets()
+torch.manual_seed(0)
+h = one_cycle_fit(small_cnn(), train, valid_data=valid, epochs=3, max_lr=3e-3, restore_best=True,
+                  monitor="accuracy", mode="min", progress=False)   # the worst epoch is the "best": epoch 1
+print("device", next(h.model.parameters()).device.type, "best", h.best_epoch)
+print("accuracies", *[r.metrics["accuracy"] for r in h.records], "restored", evaluate(h.model, valid)["accuracy"])
+""", env={"PJRT_DEVICE": None})
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "device cpu best 1" in r.stdout
+    first, *_, last, restored = map(float, r.stdout.split("accuracies ")[1].replace("restored", "").split())
+    assert first < last - 0.1, r.stdout  # epoch 1 is clearly worse than the last
+    assert restored == pytest.approx(first, abs=1e-6), r.stdout
 
 
 def test_watch_and_time_decisions_are_pure():

@@ -35,12 +35,16 @@ _CONTAINERS = (dict, OrderedDict, Counter, list, tuple, set)
 
 
 def to_cpu(tree: Any) -> Any:
-    """The same structure with every tensor copied to the host (one transfer on XLA)."""
+    """The same structure with every tensor copied to the host (one transfer on XLA).
+
+    A copy also of what is already on the CPU: a snapshot of a CPU model's weights
+    must not change as the model trains on.
+    """
     leaves, spec = pytree.tree_flatten(tree)
     positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
     moved = xla.to_cpu([leaves[i] for i in positions])
     for i, tensor in zip(positions, moved):
-        leaves[i] = tensor
+        leaves[i] = tensor.clone() if leaves[i].device.type == "cpu" else tensor
     return pytree.tree_unflatten(leaves, spec)
 
 
@@ -150,8 +154,9 @@ def _check_file(path: str) -> None:
         raise _damaged(path, f"the bytes of record {bad!r} do not match their checksum")
 
 
-def _load_into(state: dict[str, Any], path: str, model: torch.nn.Module | None,
-               optimizer: torch.optim.Optimizer | None) -> None:  # fmt: skip
+def load_state_into(state: dict[str, Any], path: str, model: torch.nn.Module | None,
+                    optimizer: torch.optim.Optimizer | None) -> None:  # fmt: skip
+    """Loads a checkpoint's ``model`` / ``optimizer`` entries into them; ``path`` names it in errors."""
     for key, target in (("model", model), ("optimizer", optimizer)):
         if target is not None and key not in state:
             keys = ", ".join(map(repr, list(state)[:5]))
@@ -215,6 +220,6 @@ def load_checkpoint(path: str, model: torch.nn.Module | None = None,
     if model is not None or optimizer is not None:
         if not isinstance(state, dict):
             raise TypeError(f"{path} holds a {type(state).__name__}, not a dict with 'model' / 'optimizer' entries")
-        _load_into(state, path, model, optimizer)
+        load_state_into(state, path, model, optimizer)
     return state
 

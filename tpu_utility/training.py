@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from . import xla
-from .checkpoint import CHECKPOINT_NAME, load_checkpoint, save_atomic, to_cpu
+from .checkpoint import CHECKPOINT_NAME, load_checkpoint, load_state_into, save_atomic, to_cpu
 from .data import LoaderSpec, label_checked, set_epoch
 from .files import folder_lock
 from .history import EpochRecord, History
@@ -362,10 +362,10 @@ def _after_epoch(run: _Run, record: EpochRecord) -> str | None:
     history.records.append(record)
     improved = run.watch.update(plan.stop, record.epoch, _figures(record))
     history.best_epoch = run.watch.best_epoch or None
-    if improved and plan.stop.restore_best:
-        run.best_state = to_cpu(run.runner.model.state_dict())
-    if run.paths and run.master:
-        state = _state(run, record.epoch)
+    state = _state(run, record.epoch) if run.paths and run.master else None
+    if improved and plan.stop.restore_best:  # the checkpoint's copy of the weights, else one of its own
+        run.best_state = state["model"] if state is not None else to_cpu(run.runner.model.state_dict())
+    if state is not None:
         save_atomic(state, run.paths["last"])
         if improved:
             save_atomic(state, run.paths["best"])
@@ -466,11 +466,7 @@ def _restore(run: _Run) -> None:
     path = run.paths["last"]
     state = load_checkpoint(path)
     _check_fingerprint(path, state, run)
-    run.runner.model.load_state_dict(state["model"])
-    run.opt.load_state_dict(state["optimizer"])
-    if xla.is_fused_optimizer(run.opt):  # torch's loader leaves "step" on the CPU; the fused op needs it on the device
-        for param, param_state in run.opt.state.items():
-            param_state["step"] = param_state["step"].to(param.device)
+    load_state_into(state, path, run.runner.model, run.opt)
     torch.set_rng_state(state["rng"]["torch"])
     version, internal, gauss = state["rng"]["python"]
     random.setstate((version, tuple(internal), gauss))
