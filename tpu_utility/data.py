@@ -245,10 +245,11 @@ def _bucketed_spec(loader: DataLoader, batch_size: int | None, name: str) -> Loa
 
 
 def set_epoch(loader: DataLoader, epoch: int) -> None:
-    """Tells the loader's sampler or batch sampler (where they have ``set_epoch``) the epoch."""
-    for sampler in (loader.sampler, loader.batch_sampler):
-        if hasattr(sampler, "set_epoch"):
-            sampler.set_epoch(epoch)
+    """Tells the loader's sampler, batch sampler and dataset (those with ``set_epoch``) the
+    epoch: a new order, and for a CachedDataset another augmented copy."""
+    for part in (loader.sampler, loader.batch_sampler, loader.dataset):
+        if hasattr(part, "set_epoch"):
+            part.set_epoch(epoch)
 
 
 class ShardedSampler(Sampler[int]):

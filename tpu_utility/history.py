@@ -99,16 +99,16 @@ class History:
     def to_csv(self, path: str) -> None:
         """Writes the flat rows to ``path`` (atomically: a crash leaves the previous file)."""
         import csv
-        import os
+        import io
+
+        from .files import atomic_write
 
         rows = self.to_rows()
         columns = list(dict.fromkeys(k for row in rows for k in row)) or ["epoch"]
-        tmp = f"{path}.tmp"
-        with open(tmp, "w", newline="") as f:
+        with atomic_write(path, durable=False) as raw, io.TextIOWrapper(raw, newline="") as f:
             writer = csv.DictWriter(f, fieldnames=columns)
             writer.writeheader()
             writer.writerows(rows)
-        os.replace(tmp, path)
 
     def to_pandas(self) -> Any:
         """The flat rows as a pandas DataFrame (needs pandas)."""

@@ -263,9 +263,7 @@ def _epoch(run: _Run, epoch: int, started: float) -> tuple[EpochRecord, float]:
     plan, runner = run.plan, run.runner
     syncs0, transfers0 = xla.host_sync_count(), xla.transfer_from_device_count()
     t0 = time.perf_counter()
-    set_epoch(run.train_loader, epoch)
-    if hasattr(plan.train.dataset, "set_epoch"):
-        plan.train.dataset.set_epoch(epoch)  # e.g. CachedDataset serving another augmented copy
+    set_epoch(run.train_loader, epoch)  # its sampler's order, and a CachedDataset's augmented copy
     train_sums, lr = _train_epoch(run, epoch)
     sums, computed = run.runner.eval_sums(run.valid_loader, run.metrics, run.eval_step) if run.valid_loader else ([], [])
     values, synced, bad_step = _read_epoch(runner.device, train_sums, sums, [*computed, torch.tensor(_clock() - started)])
