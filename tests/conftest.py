@@ -17,20 +17,24 @@ from torch.utils.data import TensorDataset  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# Makes torch_xla unimportable, as on a machine without it.
-BLOCK_TORCH_XLA = """
+def blocking(*modules: str) -> str:
+    """Code that makes these modules (and their submodules) unimportable, as on a machine without them."""
+    return f"""
 import importlib.abc, sys
-class _NoTorchXla(importlib.abc.MetaPathFinder):
+class _Blocked(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path=None, target=None):
-        if name == "torch_xla" or name.startswith("torch_xla."):
-            raise ModuleNotFoundError(f"No module named {name!r} (blocked by the test)")
+        if any(name == m or name.startswith(m + ".") for m in {modules!r}):
+            raise ModuleNotFoundError(f"No module named {{name!r}} (blocked by the test)")
         return None
-sys.meta_path.insert(0, _NoTorchXla())
+sys.meta_path.insert(0, _Blocked())
 """
 
 
+BLOCK_TORCH_XLA = blocking("torch_xla")
+
+
 def run_python(code: str, env: dict | None = None, timeout: int = 300, cwd: str | None = None) -> subprocess.CompletedProcess:
-    """Runs code in a fresh interpreter (fresh XLA runtime); fails the test on a non-zero exit."""
+    """Runs code in a fresh interpreter (fresh XLA runtime); the caller checks the returncode."""
     full_env = {**os.environ, "PYTHONPATH": ROOT, **(env or {})}
     for key, value in list(full_env.items()):
         if value is None:
@@ -40,6 +44,18 @@ def run_python(code: str, env: dict | None = None, timeout: int = 300, cwd: str 
         env=full_env, capture_output=True, text=True, timeout=timeout, cwd=cwd or ROOT,
     )  # fmt: skip
     return result
+
+
+def run_script(tmp_path, name: str, code: str, env: dict | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
+    """Writes code to tmp_path/name and runs it as __main__ in a fresh interpreter; fails the test on a non-zero exit.
+
+    As a file, not ``-c``: a multiprocess launch's spawned workers re-import the main script.
+    """
+    script = tmp_path / name
+    script.write_text(code)
+    r = run_python(f"import runpy; runpy.run_path({str(script)!r}, run_name='__main__')", env=env, timeout=timeout)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return r
 
 
 @pytest.fixture(scope="session")

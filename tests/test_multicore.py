@@ -3,7 +3,7 @@ device (multi-process collectives on CPU hang inside torch_xla 2.9 itself)."""
 
 import pytest
 
-from conftest import run_python
+from conftest import run_python, run_script
 from tpu_utility.fit import choose_start_method, choose_strategy, resolve_cores
 
 SPMD_SCRIPT = """
@@ -89,11 +89,7 @@ if __name__ == "__main__":
 
 
 def test_multiprocess_launch_with_one_device(tmp_path):
-    script = tmp_path / "train_mp.py"
-    script.write_text(MP_SCRIPT)
-    r = run_python(f"import runpy; runpy.run_path({str(script)!r}, run_name='__main__')",
-                   env={"CPU_NUM_DEVICES": "1"}, timeout=600)  # fmt: skip
-    assert r.returncode == 0, r.stderr[-3000:]
+    r = run_script(tmp_path, "train_mp.py", MP_SCRIPT, env={"CPU_NUM_DEVICES": "1"})
     assert "one_cycle_fit: multiprocess on 1 CPU core(s)" in r.stdout
     assert "runtime started in the parent: False" in r.stdout  # the device was never touched
     assert "weights came back: True" in r.stdout

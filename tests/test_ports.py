@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
-from conftest import BLOCK_TORCH_XLA, flat_digits, run_python, small_mlp
+from conftest import BLOCK_TORCH_XLA, flat_digits, run_python, run_script, small_mlp
 from tpu_utility import device_loader, get_device, masked_loader, step_optimizer, xla
 
 
@@ -416,11 +416,7 @@ if __name__ == "__main__":
 
 
 def test_hand_loop_under_launch_with_one_device(tmp_path):
-    script = tmp_path / "hand_launch.py"
-    script.write_text(LAUNCH_SCRIPT)
-    r = run_python(f"import runpy; runpy.run_path({str(script)!r}, run_name='__main__')",
-                   env={"CPU_NUM_DEVICES": "1"}, timeout=600)  # fmt: skip
-    assert r.returncode == 0, r.stderr[-3000:]
+    r = run_script(tmp_path, "hand_launch.py", LAUNCH_SCRIPT, env={"CPU_NUM_DEVICES": "1"})
     assert "runtime started in the parent: False" in r.stdout
     epochs = _rows(r.stdout, "epoch")
     print(r.stdout)

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, SubsetRandomSampler, TensorDataset
 
-from conftest import BLOCK_TORCH_XLA, flat_digits, run_python, small_mlp
+from conftest import BLOCK_TORCH_XLA, flat_digits, run_python, run_script, small_mlp
 from tpu_utility import evaluate, predict, xla
 
 INDEXED = """
@@ -228,11 +228,7 @@ if __name__ == "__main__":
 
 
 def test_predict_inside_a_multiprocess_launch_with_one_device(tmp_path):
-    script = tmp_path / "predict_mp.py"
-    script.write_text(MP_SCRIPT)
-    r = run_python(f"import runpy; runpy.run_path({str(script)!r}, run_name='__main__')",
-                   env={"CPU_NUM_DEVICES": "1"}, timeout=600)  # fmt: skip
-    assert r.returncode == 0, r.stderr[-3000:]
+    r = run_script(tmp_path, "predict_mp.py", MP_SCRIPT, env={"CPU_NUM_DEVICES": "1"})
     assert "replica 1 launched True in order: True" in r.stdout
     assert "raised in the launch: cannot read sample 70" in r.stdout
 

@@ -5,18 +5,8 @@ import io
 import nbformat
 import pytest
 
-from conftest import ROOT, run_python
+from conftest import ROOT, blocking, run_python
 from tpu_utility.progress import bar_kind, progress_bar
-
-BLOCK_IPYWIDGETS = """
-import importlib.abc, sys
-class _NoWidgets(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path=None, target=None):
-        if name == "ipywidgets" or name.startswith("ipywidgets."):
-            raise ModuleNotFoundError(f"No module named {name!r} (blocked by the test)")
-        return None
-sys.meta_path.insert(0, _NoWidgets())
-"""
 
 EPOCHS = """
 from tpu_utility.progress import bar_kind, progress_bar, write_line
@@ -57,7 +47,7 @@ def test_in_a_notebook(widgets, tmp_path, monkeypatch):
         pytest.importorskip("ipywidgets")
     from nbclient import NotebookClient
 
-    cells = ([] if widgets else [BLOCK_IPYWIDGETS]) + [EPOCHS]
+    cells = ([] if widgets else [blocking("ipywidgets")]) + [EPOCHS]
     nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells])
     NotebookClient(nb, timeout=120, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
     outputs = nb.cells[-1].outputs
