@@ -89,6 +89,13 @@ def one_cycle(
         raise TypeError(f"step must be an int, but given {step!r} of type {type(step).__name__}")
     if not 0 <= step < total_steps:
         raise ValueError(f"step must be between 0 and {total_steps - 1}, but given {step}")
+    return _one_cycle(step, total_steps, max_lr, pct_start, div_factor, final_div_factor, base_momentum, max_momentum)
+
+
+def _one_cycle(step: int, total_steps: int, max_lr: float, pct_start: float = 0.25, div_factor: float = 25.0,
+               final_div_factor: float = 1e4, base_momentum: float = 0.85,
+               max_momentum: float = 0.95) -> tuple[float, float]:  # fmt: skip
+    """``one_cycle`` without its checks, for a whole curve checked once."""
     initial_lr = max_lr / div_factor
     min_lr = initial_lr / final_div_factor
     peak = float(pct_start * total_steps) - 1
@@ -108,8 +115,8 @@ def one_cycle_curve(total_steps: int, max_lr: float, **kwargs: float) -> tuple[l
         >>> len(lrs), round(max(lrs), 6)
         (100, 0.003)
     """
-    one_cycle(0, total_steps, max_lr, **kwargs)  # checks the arguments, even for total_steps=0
-    pairs = [one_cycle(s, total_steps, max_lr, **kwargs) for s in range(total_steps)]
+    one_cycle(0, total_steps, max_lr, **kwargs)  # checks the arguments once, even for total_steps=0
+    pairs = [_one_cycle(s, total_steps, max_lr, **kwargs) for s in range(total_steps)]
     return [lr for lr, _ in pairs], [m for _, m in pairs]
 
 
