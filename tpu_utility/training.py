@@ -29,7 +29,7 @@ from .monitor import StopRule, Watch, out_of_time
 from .optim import step_optimizer
 from .progress import progress_bar, write_line
 from .runner import Runner, default_eval_step, split_batch
-from .schedule import one_cycle_curve
+from .schedule import one_cycle_curve, total_optimizer_steps
 
 BEST_NAME = "best.pt"
 HISTORY_NAME = "history.csv"
@@ -197,7 +197,7 @@ class _Run:
             raise ValueError(
                 f"accumulate_steps={plan.steps.accumulate_steps} exceeds the {self.batches} batches per epoch on each core"
             )
-        self.total = per_epoch * plan.epochs
+        self.total = total_optimizer_steps(self.batches, plan.epochs, plan.steps.accumulate_steps)
         self.max_lr = s.max_lr * (self.runner.topology.cores if s.scale_lr_by_cores else 1)
         self.curve = one_cycle_curve(
             self.total, self.max_lr, pct_start=s.pct_start, div_factor=s.div_factor,
