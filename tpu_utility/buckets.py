@@ -185,9 +185,15 @@ def group_batches(lengths: Sequence[int], buckets: Sequence[int], batch_size: in
         raise ValueError("drop_last=False needs carry=True: without carry every bucket leaves a remainder")
     if generator is not None and not isinstance(generator, torch.Generator):
         raise TypeError(f"generator must be a torch.Generator or None, but given {generator!r}")
+    return _batches_of(bucket_groups(values, buckets), batch_size, drop_last, carry, generator)
+
+
+def _batches_of(groups: list[list[int]], batch_size: int, drop_last: bool, carry: bool,
+                generator: torch.Generator | None) -> list[list[int]]:  # fmt: skip
+    """``group_batches`` from groups already made and checked (a sampler's, every pass)."""
     batches: list[list[int]] = []
     left: list[int] = []
-    for group in bucket_groups(values, buckets):
+    for group in groups:
         if generator is not None:
             group = [group[i] for i in torch.randperm(len(group), generator=generator).tolist()]
         pool = left + group if carry else group
@@ -261,7 +267,8 @@ class BucketBatchSampler(Sampler[list[int]]):
         self.shuffle, self.drop_last, self.seed = shuffle, drop_last, _check_int("seed", seed, 0)
         self.num_replicas = None if num_replicas is None else _check_int("num_replicas", num_replicas, 1)
         self.rank = None if rank is None else _check_int("rank", rank, 0)
-        self._bucket_sizes = [len(g) for g in bucket_groups(self.lengths, self.buckets)]
+        self._groups = bucket_groups(self.lengths, self.buckets)  # the same every pass
+        self._bucket_sizes = [len(g) for g in self._groups]
         self._share()
         self.epoch = 0
 
@@ -307,10 +314,9 @@ class BucketBatchSampler(Sampler[list[int]]):
         generator = torch.Generator().manual_seed(self.seed + self.epoch) if self.shuffle else None
         if replicas == 1:
             self.epoch += 1  # the next pass draws anew; with several, set_epoch keeps them in step
-            return iter(group_batches(self.lengths, self.buckets, self.batch_size, drop_last=self.drop_last,
-                                      generator=generator))  # fmt: skip
+            return iter(_batches_of(self._groups, self.batch_size, self.drop_last, True, generator))
         size = self.batch_size
-        batches = group_batches(self.lengths, self.buckets, size * replicas, carry=False, generator=generator)
+        batches = _batches_of(self._groups, size * replicas, True, False, generator)
         return iter([b[rank * size : (rank + 1) * size] for b in batches])
 
     def reshard(self, batch_size: int, num_replicas: int, rank: int) -> BucketBatchSampler:
