@@ -14,7 +14,8 @@ from . import xla
 from .data import set_epoch, unpack_loader
 from .fit import check_number, check_seed, resolve_optimizer
 from .history import closed_figure
-from .runner import Runner, split_batch
+from .runner import Runner
+from .training import OneCycleDriver, LossStep
 
 
 @dataclass
@@ -128,6 +129,12 @@ class _Sweep:
 
 def _sweep(runner: Runner, loader: Any, opt: torch.optim.Optimizer, loss_fn: Callable, sweep: _Sweep) -> LRFinderResult:
     ratio = (sweep.end_lr / sweep.start_lr) ** (1 / (sweep.num_steps - 1))
+    lrs = [sweep.start_lr * ratio**k for k in range(sweep.num_steps)]
+    group = opt.param_groups[0]
+    momentum = group["betas"][0] if "betas" in group else group.get("momentum", 0.0)
+    # the learning rates go in as the schedule's do: Python floats set every step would change the graph
+    driver = OneCycleDriver(opt, (lrs, [momentum] * len(lrs)), runner.device, 0)
+    step_loss = LossStep(loss_fn)
     result = LRFinderResult()
     pending: list[tuple[float, torch.Tensor]] = []
     tracker = _Smoother(sweep.smooth, sweep.diverge_factor)
@@ -136,11 +143,8 @@ def _sweep(runner: Runner, loader: Any, opt: torch.optim.Optimizer, loss_fn: Cal
     while step < sweep.num_steps and not result.diverged:
         set_epoch(loader, step)
         for batch in runner.batches(loader):
-            lr = sweep.start_lr * ratio**step
-            for group in opt.param_groups:
-                group["lr"] = lr
-            inputs, y = split_batch(batch, "find_lr")
-            loss = loss_fn(model(*inputs).float(), y)
+            lr = driver.before_step(opt)
+            loss = runner.run(step_loss, batch)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()

@@ -87,7 +87,8 @@ class FitPlan:
 
 
 class OneCycleDriver:
-    """Feeds the one-cycle schedule to the optimizer before every step.
+    """Feeds the one-cycle schedule (or any curve of learning rates and momenta, as
+    find_lr's sweep) to the optimizer before every step.
 
     The named optimizers "adam" and "adamw" are torch_xla's fused sync-free ones
     on XLA and take Python floats. A user's own torch Adam-family optimizer gets
@@ -297,7 +298,7 @@ def _train_epoch(run: _Run, epoch: int) -> tuple[list[torch.Tensor], float]:
     loss_sum, n_batches, bad_step = _device_values(runner.device, 0.0, 0.0, _NO_BAD_STEP)
     lr = run.schedule.lrs[min(run.opt_step, run.schedule.total - 1)]
     bar = progress_bar(run.batches, f"epoch {epoch + 1}/{plan.epochs}", enabled=plan.progress and run.master)
-    step = steps.train_step or _LossStep(steps.loss_fn)
+    step = steps.train_step or LossStep(steps.loss_fn)
     for i, batch in enumerate(runner.batches(run.train_loader)):
         loss = runner.run(step, batch)
         if not isinstance(loss, torch.Tensor):
@@ -322,7 +323,7 @@ def _train_epoch(run: _Run, epoch: int) -> tuple[list[torch.Tensor], float]:
     return [loss_sum, bad_step, n_batches], lr
 
 
-class _LossStep:
+class LossStep:
     """The default train step: ``loss_fn(model(*inputs).float(), target)``."""
 
     def __init__(self, loss_fn: Callable) -> None:
