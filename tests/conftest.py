@@ -82,7 +82,3 @@ def flat_digits(n: int | None = None) -> TensorDataset:
     train, _ = digits_datasets()
     x, y = train.tensors
     return TensorDataset(x[:n], y[:n])
-
-
-def pytest_configure(config):
-    config.addinivalue_line("markers", "cuda: needs a CUDA GPU (skipped where there is none)")
