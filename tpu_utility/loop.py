@@ -42,16 +42,6 @@ from .device import get_device, move_to_device
 
 StartMethod = Literal["auto", "fork", "spawn"]
 
-# True from a step_optimizer graph cut until the next batch of a device_loader:
-# the loader's own cut would then cut an empty graph.
-_cut_since_batch = False
-
-
-def graph_was_cut() -> None:
-    """Called by step_optimizer after it cut the graph; the next device_loader batch skips its cut."""
-    global _cut_since_batch
-    _cut_since_batch = True
-
 
 def _batch_size(loader: Any) -> int | None:
     size = getattr(loader, "batch_size", None)
@@ -78,21 +68,7 @@ class DeviceLoader:
                 f"use a multiple of {cores}, such as {cores * max(1, size // cores)} (the loader's batch is "
                 f"the global batch)"
             )
-        return self._xla_batches(iter(xla.device_loader(self.loader, self.device, cores)))
-
-    @staticmethod
-    def _xla_batches(batches: Iterator[Any]) -> Iterator[Any]:
-        global _cut_since_batch
-        _cut_since_batch = False
-        while True:
-            if _cut_since_batch:  # step_optimizer already cut the graph of this step
-                xla.skip_next_loader_sync()
-                _cut_since_batch = False
-            try:
-                batch = next(batches)
-            except StopIteration:
-                return
-            yield batch
+        return iter(xla.device_loader(self.loader, self.device, cores))
 
 
 def device_loader(loader: Iterable, device: torch.device | None = None) -> DeviceLoader:

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from . import loop, xla
+from . import xla
 
 # Optimizers already checked, with the layout of their parameter groups when checked and
 # whether their parameters are on XLA: both cost a pass over the parameters, so they run
@@ -139,5 +139,5 @@ def step_optimizer(
         result = optimizer.step(**(optimizer_args or {}))
     if xla_params and barrier is not False:
         xla.sync()
-        loop.graph_was_cut()
+        xla.skip_next_loader_sync()  # a device_loader's next batch need not cut the graph again
     return result

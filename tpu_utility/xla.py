@@ -565,6 +565,9 @@ def device_loader(loader: Any, dev: torch.device, spmd_devices: int | None = Non
     batches = pl.MpDeviceLoader(relay, dev, input_sharding=sharding)
 
     def relayed() -> Any:
+        import torch_xla.debug.profiler as xp
+
+        xp.set_tracer_marked_step(False)  # a cut left marked by an earlier loop is not this loop's
         yield from batches
         if relay.error is not None:
             raise relay.error
@@ -588,7 +591,8 @@ def gather_all_tensors(tensor: torch.Tensor, group: Any = None) -> list[torch.Te
 
 
 def skip_next_loader_sync() -> None:
-    """Tells torch_xla's MpDeviceLoader that the graph was just cut, so its next batch skips its own cut."""
+    """Tells torch_xla's MpDeviceLoader that the graph was just cut, so its next batch skips its own cut
+    (torch_xla's own flag, which its StepTrace sets for the same reason)."""
     import torch_xla.debug.profiler as xp
 
     xp.set_tracer_marked_step(True)
