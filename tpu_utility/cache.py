@@ -36,7 +36,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from . import xla
-from .files import LOCK_NAME, TEMP_SUFFIX, atomic_write, folder_lock
+from .files import LOCK_NAME, TEMP_SUFFIX, atomic_write, folder_lock, write_json
 from .progress import progress_bar
 
 FORMAT = "tpu_utility.cache/1"
@@ -129,11 +129,6 @@ def _sha256(path: str) -> str:
         for block in iter(lambda: f.read(1 << 20), b""):
             digest.update(block)
     return digest.hexdigest()
-
-
-def _write_json_atomic(obj: Any, path: str) -> None:
-    with atomic_write(path) as f:
-        f.write(json.dumps(obj, indent=1, sort_keys=True).encode())
 
 
 def _is_temporary(name: str) -> bool:
@@ -348,7 +343,7 @@ def _build(dataset: Dataset, path: str, plan: dict[str, Any], num_workers: int, 
         for file in _problems(path, _read_manifest(manifest_path)):
             if os.path.exists(file):
                 os.unlink(file)
-    _write_json_atomic(plan, plan_path)
+    write_json(plan_path, plan, indent=1)
     if os.path.exists(manifest_path):
         os.unlink(manifest_path)
     for name in os.listdir(path):
@@ -371,7 +366,7 @@ def _build(dataset: Dataset, path: str, plan: dict[str, Any], num_workers: int, 
             })  # fmt: skip
             bar.update(stop - start)
     bar.close()
-    _write_json_atomic({**plan, "shards": shards}, manifest_path)
+    write_json(manifest_path, {**plan, "shards": shards}, indent=1)
     os.unlink(plan_path)
 
 

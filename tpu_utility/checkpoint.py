@@ -74,6 +74,11 @@ def save_atomic(obj: Any, path: str) -> None:
     Temporaries that an earlier, killed save left in that folder are removed first.
     """
     _check_loadable(obj, "the checkpoint")
+    _write(obj, path)
+
+
+def _write(obj: Any, path: str) -> None:
+    """``save_atomic`` for a state already checked."""
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
     remove_stale_temporaries(folder, old_suffixes=(".pt",))  # earlier releases wrote .tmp-XXXXXXXX.pt
@@ -127,7 +132,7 @@ def save_checkpoint(path: str, model: torch.nn.Module | None = None, optimizer: 
     state.update(extra)
     _check_loadable(state, "the checkpoint")  # on every process: the same error everywhere, before the rendezvous
     if xla.ordinal() == 0:
-        save_atomic(to_cpu(state), path)
+        _write(to_cpu(state), path)
     xla.rendezvous("tpu_utility.save_checkpoint")
 
 

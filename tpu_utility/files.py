@@ -12,13 +12,14 @@ next writer removes those whose process died. Files get the usual permissions
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import secrets
 import socket
 import time
 import warnings
-from typing import IO, Iterator
+from typing import IO, Any, Iterator
 
 TEMP_SUFFIX = ".tpu-partial"
 LOCK_NAME = ".tpu_utility.lock"
@@ -63,6 +64,12 @@ def _is_stale(name: str, old_suffixes: tuple[str, ...]) -> bool:
         return False
     _, host, pid, _ = parts
     return host == _host() and not _pid_alive(int(pid))  # another host's live write is left alone
+
+
+def write_json(path: str, obj: Any, indent: int | None = None) -> None:
+    """``obj`` as JSON (sorted keys), written atomically."""
+    with atomic_write(path) as f:
+        f.write(json.dumps(obj, indent=indent, sort_keys=True).encode())
 
 
 def remove_stale_temporaries(folder: str, old_suffixes: tuple[str, ...] = ()) -> list[str]:

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
 from .environment import usable_cpus
-from .files import atomic_write, remove_stale_temporaries
+from .files import atomic_write, remove_stale_temporaries, write_json
 from .progress import progress_bar
 
 ResizeMode = Literal["short_side", "crop"]
@@ -163,8 +163,7 @@ def _recorded_settings(dst_dir: str) -> dict[str, Any] | None:
 
 def _record_settings(dst_dir: str, settings: dict[str, Any]) -> None:
     os.makedirs(dst_dir, exist_ok=True)
-    with atomic_write(os.path.join(dst_dir, SETTINGS_NAME)) as f:
-        f.write(json.dumps(settings, sort_keys=True).encode())
+    write_json(os.path.join(dst_dir, SETTINGS_NAME), settings)
 
 
 def _holds_images(dst_dir: str) -> bool:
