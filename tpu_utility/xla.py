@@ -202,8 +202,7 @@ def require_xla() -> Any:
     if not XLA_INSTALLED:
         raise ModuleNotFoundError(f"torch_xla is not installed. Install it with: {INSTALL_HINT}")
     check_versions(torch.__version__, installed_version("torch_xla"))
-    if not runtime_started():
-        refuse_missing_tpu(pjrt_device())
+    refuse_missing_tpu(pjrt_device())
     module = importlib.import_module("torch_xla")
     _quiet_profiler_jax_probe()
     return module
@@ -485,7 +484,7 @@ def is_spmd() -> bool:
 
 def process_count() -> int:
     """Processes of the job (one per host on a pod slice under SPMD); 1 off XLA."""
-    if not (xla_loaded() and runtime_started()):
+    if not (runtime_started()):
         return 1
     import torch_xla.runtime as xr
 
@@ -493,7 +492,7 @@ def process_count() -> int:
 
 
 def process_index() -> int:
-    if not (xla_loaded() and runtime_started()):
+    if not (runtime_started()):
         return 0
     import torch_xla.runtime as xr
 
