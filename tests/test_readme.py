@@ -1,0 +1,111 @@
+"""The README's code blocks, run as a new user would: each in a fresh interpreter, with the
+names a notebook would already hold (a prelude), the "after" side of each diff, and on 4
+XLA:CPU devices where a block uses all cores. A block that stops working is a broken promise.
+
+The "Train with one call" block on 4 devices, with its outputs checked, is in test_user_input.py.
+"""
+
+import re
+
+import pytest
+
+from conftest import ROOT, run_python
+
+PRELUDE = """
+import warnings; warnings.simplefilter("ignore")
+import os, torch, numpy as np
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+from tpu_utility import *
+from tpu_utility.demo import digits_datasets, small_cnn, marker_sequences, pad_to_longest, MarkerClassifier
+os.chdir({tmp!r})
+train_ds, valid_ds = digits_datasets()
+test_ds = TensorDataset(valid_ds.tensors[0]); test_ids = torch.arange(len(test_ds))
+Net = small_cnn; model = small_cnn(); loss_fn = nn.CrossEntropyLoss(); epochs = 2; lr = 0.05
+"""
+
+
+def _blocks() -> list[str]:
+    """Every python block, and the lines a diff block keeps or adds, in README order."""
+    with open(f"{ROOT}/README.md") as f:
+        blocks = re.findall(r"```(python|diff)\n(.*?)```", f.read(), re.S)
+    return [code if kind == "python" else "\n".join(line[1:] for line in code.splitlines() if line[:1] in " +")
+            for kind, code in blocks]  # fmt: skip
+
+
+def block(marker: str) -> str:
+    (found,) = [code for code in _blocks() if marker in code]
+    return found
+
+
+ON_DEVICE = "device = get_device(); model = model.to(device)\n"
+TEXT = "train_ds = marker_sequences(512); device = get_device(); model = MarkerClassifier().to(device); optimizer = torch.optim.AdamW(model.parameters())\n"
+TEXT_STEP = """
+    tokens, mask, target = tokens.to(device), mask.to(device), target.to(device)
+    optimizer.zero_grad(); nn.functional.cross_entropy(model(tokens, mask), target).backward(); step_optimizer(optimizer)
+"""
+IMAGES = """
+from PIL import Image
+import torchvision.transforms as T
+from torchvision.transforms import v2
+from torchvision.datasets import ImageFolder
+g = np.random.default_rng(0)
+for c in ("cat", "dog"):
+    os.makedirs(f"photos/{c}", exist_ok=True)
+    for i in range(160):
+        Image.fromarray(g.integers(0, 255, (96, 90, 3), dtype=np.uint8)).save(f"photos/{c}/{i}.jpg")
+MEAN, STD = [0.5] * 3, [0.25] * 3
+net = nn.Sequential(nn.Conv2d(3, 4, 7, stride=8), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 2))
+"""
+DOCTOR = ON_DEVICE + """optimizer = torch.optim.AdamW(model.parameters())
+train_loader = DataLoader(train_ds, batch_size=64, drop_last=True); valid_loader = DataLoader(valid_ds, batch_size=64)
+def train_step(batch):
+    x, y = (t.to(device) for t in batch)
+    optimizer.zero_grad(); loss = loss_fn(model(x), y); loss.backward(); step_optimizer(optimizer); return loss
+def eval_step(batch):
+    x, y = (t.to(device) for t in batch)
+    return model(x)
+"""
+
+
+def _cases():
+    """(name, code, devices): the blocks with what each needs around it; '...' filled where it stands for a step."""
+    masked = (ON_DEVICE + "valid_loader = DataLoader(valid_ds, batch_size=64)\n"
+              "correct, seen = torch.zeros((), device=device), torch.zeros((), device=device)\n"
+              + block("masked_loader(valid_loader)") + "\nassert int(seen.item()) == len(valid_ds), seen\n")  # fmt: skip
+    spmd_masked = masked.replace("device = get_device()", "cores = use_all_cores(); device = get_device()").replace(
+        "batch_size=64", "batch_size=64 * cores")
+    spmd, _ = block("use_all_cores()").split("\n\nlaunch(train)")
+    presize = (IMAGES + block("presize_images(").replace("/kaggle/input/photos", "photos")
+               .replace("/kaggle/working/", "work/").replace("epochs=8", "epochs=1")
+               .replace("RandomResizedCrop(224)", "RandomResizedCrop(64)"))  # fmt: skip
+    return [
+        ("port", block("make_sampler(train_ds)"), 1),
+        ("port", block("make_sampler(train_ds)"), 4),
+        ("device_loader", ON_DEVICE + "loader = DataLoader(train_ds, batch_size=64, drop_last=True)\n"
+         + block("for data, targets in device_loader(loader)").replace("    ...", "    model.zero_grad(); loss_fn(model(data), targets).backward()"), 1),
+        ("autocast", ON_DEVICE + "optimizer = torch.optim.SGD(model.parameters(), lr=0.05)\n"
+         "loader = DataLoader(train_ds, batch_size=64, drop_last=True)\n" + block("grad_scaler(device)"), 1),
+        ("masked_loader", masked, 1),
+        ("masked_loader", spmd_masked, 4),
+        ("use_all_cores", spmd, 4),
+        ("launch", "def train(index):\n    print('core', index, get_device())\n"
+         "if __name__ == '__main__':\n    " + block("launch(train)").splitlines()[-1].split("#")[0].strip(), 1),
+        ("checkpoint", ON_DEVICE + "optimizer = torch.optim.AdamW(model.parameters()); epoch = 3\n"
+         + block("save_checkpoint(") + "\nassert state['epoch'] == 3\n", 1),
+        ("torch.accelerator", "import argparse; args = argparse.Namespace(no_accel=False)\n"
+         + block("use_accel = device.type") + "\nassert device.type == 'xla' and use_accel\n", 1),
+        ("BucketCollate", TEXT + block("num_buckets=4, batch_size=32)").rstrip() + TEXT_STEP, 1),
+        ("BucketBatchSampler", TEXT + block("BucketBatchSampler(lengths") + "\nfor tokens, mask, target in loader:" + TEXT_STEP, 1),
+        ("train with one call", block("find_lr(model, train_ds)"), 1),
+        ("presize, cache, train", presize, 1),
+        ("presize, cache, train", presize, 4),
+        ("doctor", DOCTOR + block("report = doctor("), 1),
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize("name, code, devices", _cases(), ids=[f"{n}-{d}dev" for n, _, d in _cases()])
+def test_readme_block_runs_as_written(name, code, devices, tmp_path):
+    r = run_python(PRELUDE.format(tmp=str(tmp_path)) + code + "\nprint('BLOCK OK')\n",
+                   env={"CPU_NUM_DEVICES": str(devices)}, timeout=600)  # fmt: skip
+    assert r.returncode == 0 and "BLOCK OK" in r.stdout, f"README block {name!r} failed:\n{r.stderr[-3000:]}"
