@@ -27,7 +27,7 @@ from torch import nn  # noqa: E402
 from torch.utils.data import DataLoader, Dataset  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from tpu_utility import get_device, one_cycle_fit, step_optimizer, xla  # noqa: E402
+from tpu_utility import get_device, one_cycle_fit, step_optimizer, backend  # noqa: E402
 
 
 @dataclass
@@ -197,12 +197,12 @@ def run_interleaved(loops: dict[str, Callable[[Workload], list[float]]], w: Work
     t = Timings({name: [] for name in loops}, {name: float("inf") for name in loops}, {n: [] for n in loops}, {})
     for _ in range(rounds):
         for name, loop in loops.items():
-            xla.clear_metrics()  # the counts below are this run's alone
+            backend.clear_counters()  # the counts below are this run's alone
             seconds = loop(w)
             t.per_round[name].append(statistics.median(seconds[1:]))  # epoch 1 is compilation
             t.best[name] = min(t.best[name], *seconds[1:])
-            t.compiles[name].append(xla.compile_count())
-            t.syncs[name] = xla.host_sync_count() / (w.epochs * w.steps)
+            t.compiles[name].append(backend.compile_count())
+            t.syncs[name] = backend.host_sync_count() / (w.epochs * w.steps)
     return t
 
 

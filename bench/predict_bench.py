@@ -32,7 +32,7 @@ import torch_xla.distributed.parallel_loader as pl  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from tpu_utility import predict, xla  # noqa: E402
+from tpu_utility import predict, backend  # noqa: E402
 from tpu_utility.demo import digits_datasets, small_cnn  # noqa: E402
 
 BATCH, ROUNDS, COPIES = 256, 15, 16
@@ -54,10 +54,10 @@ def with_predict(model: torch.nn.Module, ds: TensorDataset) -> torch.Tensor:
 
 
 def timed(fn, model, ds) -> tuple[float, int, torch.Tensor]:
-    before = xla.transfer_from_device_count()
+    before = backend.transfer_from_device_count()
     start = time.perf_counter()
     out = fn(model, ds)
-    return time.perf_counter() - start, xla.transfer_from_device_count() - before, out
+    return time.perf_counter() - start, backend.transfer_from_device_count() - before, out
 
 
 def main() -> None:

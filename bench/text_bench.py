@@ -58,7 +58,7 @@ def one_run(kind: str, width: int = 32) -> dict:
     import torch
     from torch import nn
 
-    from tpu_utility import get_device, one_cycle_fit, step_optimizer, xla
+    from tpu_utility import get_device, one_cycle_fit, step_optimizer, backend
     from tpu_utility.demo import MarkerClassifier, marker_sequences, masked_train_step
 
     loader, collate = _loader(kind, marker_sequences(SAMPLES, seed=0))
@@ -82,9 +82,9 @@ def one_run(kind: str, width: int = 32) -> dict:
             optimizer.zero_grad()
             nn.functional.cross_entropy(model(tokens, mask), y).backward()
             step_optimizer(optimizer)
-        xla.wait_device_ops()
+        backend.wait()
         seconds.append(time.perf_counter() - start)
-        compiles.append(xla.compile_count())
+        compiles.append(backend.compile_count())
     return {"seconds": seconds, "compiles": compiles, "waste": padded / total, "shapes": len(shapes)}
 
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from tpu_utility import autocast, get_device, grad_scaler, step_optimizer, xla
+from tpu_utility import autocast, get_device, grad_scaler, step_optimizer, backend
 from tpu_utility.amp import PassThroughScaler, plan_autocast
 
 
@@ -16,7 +16,7 @@ def test_plan_per_device():
     assert plan_autocast("cuda", None).dtype == torch.float16  # torch's CUDA default
     assert (plan_autocast("cuda", torch.bfloat16).kind, plan_autocast("cuda", torch.bfloat16).dtype) == ("torch", torch.bfloat16)
     tpu = plan_autocast("xla", torch.float16, "TPU")
-    assert (tpu.kind, tpu.dtype) == ("xla", torch.bfloat16) and "float16 was asked for and bfloat16 is used" in tpu.note
+    assert (tpu.kind, tpu.dtype) == ("backend", torch.bfloat16) and "float16 was asked for and bfloat16 is used" in tpu.note
     assert plan_autocast("xla", None, "TPU").note is None
     xla_cpu = plan_autocast("xla", torch.bfloat16, "CPU")
     assert xla_cpu.kind == "off" and "on XLA:CPU the loop runs in float32" in xla_cpu.note
@@ -75,7 +75,7 @@ def test_pass_through_scaler_step_is_step_optimizer_on_xla():
         scaler.step(optimizer)  # all-reduce (one replica: none) and the graph cut
         scaler.update()
         losses.append(loss.detach())
-        compiles.append(xla.compile_count())
+        compiles.append(backend.compile_count())
     assert losses[-1].item() < 0.1 * losses[0].item()
     assert compiles[10] == compiles[-1], "the step graph should compile once"
 

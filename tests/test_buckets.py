@@ -13,7 +13,7 @@ from torch.utils.data import DataLoader
 from conftest import run_python
 from tpu_utility import (
     BucketBatchSampler, BucketCollate, choose_buckets, get_device, group_batches, masked_loader, one_cycle_fit,
-    padding_waste, step_optimizer, xla,
+    padding_waste, step_optimizer, backend,
 )  # fmt: skip
 from tpu_utility.demo import MarkerClassifier, marker_sequences, masked_eval_step, masked_train_step, pad_to_longest
 
@@ -207,8 +207,8 @@ def test_bucket_batch_sampler_made_before_launch_shards_inside_it(monkeypatch):
     assert len(sampler) == 300 // 8
     shares = []
     for rank in range(2):  # what each of 2 launched processes sees
-        monkeypatch.setattr(xla, "world_size", lambda: 2)
-        monkeypatch.setattr(xla, "ordinal", lambda rank=rank: rank)
+        monkeypatch.setattr(backend, "world_size", lambda: 2)
+        monkeypatch.setattr(backend, "rank", lambda rank=rank: rank)
         sampler.set_epoch(0)
         shares.append(list(sampler))
         assert list(sampler) == shares[-1]  # with several replicas only set_epoch moves the order on
@@ -243,14 +243,14 @@ def _train_hand_loop(device, collate, train, epochs=3, sampler=None):
         loader = DataLoader(train, batch_size=BATCH, shuffle=True, collate_fn=collate, drop_last=True)
     else:
         loader = DataLoader(train, batch_sampler=sampler, collate_fn=collate)
-    compiles, before = [], xla.compile_count()
+    compiles, before = [], backend.compile_count()
     for _ in range(epochs):
         for tokens, mask, y in loader:
             tokens, mask, y = tokens.to(device), mask.to(device), y.to(device)
             optimizer.zero_grad()
             nn.functional.cross_entropy(model(tokens, mask), y).backward()
             step_optimizer(optimizer)  # was: optimizer.step()
-        compiles.append(xla.compile_count() - before)
+        compiles.append(backend.compile_count() - before)
     return model, compiles
 
 
@@ -321,7 +321,7 @@ def test_masked_loader_over_a_bucket_batch_sampler_counts_every_sample_once(text
 def _fit(model, task, collate, epochs, sampler=None, valid_collate=None, **kwargs):
     """one_cycle_fit over bucketed loaders; the history and the compile count after each epoch."""
     train, valid, _ = task
-    before = xla.compile_count()
+    before = backend.compile_count()
     if sampler is None:
         train_loader = DataLoader(train, batch_size=BATCH, collate_fn=collate)
     else:

@@ -255,17 +255,17 @@ def test_resume_from_a_damaged_checkpoint_names_the_file(tmp_path):
 
 
 def test_only_the_master_writes_and_every_process_meets_after(tmp_path, monkeypatch):
-    from tpu_utility import checkpoint, xla
+    from tpu_utility import checkpoint, backend
 
     met, copied = [], []
-    monkeypatch.setattr(xla, "rendezvous", met.append)
+    monkeypatch.setattr(backend, "barrier", met.append)
     real_to_cpu = checkpoint.to_cpu
     monkeypatch.setattr(checkpoint, "to_cpu", lambda tree: copied.append(1) or real_to_cpu(tree))
     save_checkpoint(str(tmp_path / "master.pt"), model=small_mlp(), epoch=1)  # one device: this is the master
     assert load_checkpoint(str(tmp_path / "master.pt"))["epoch"] == 1
     assert (met, copied) == (["tpu_utility.save_checkpoint"], [1])
 
-    monkeypatch.setattr(xla, "ordinal", lambda: 1)  # what a second process of a launch sees
+    monkeypatch.setattr(backend, "rank", lambda: 1)  # what a second process of a launch sees
     save_checkpoint(str(tmp_path / "replica.pt"), model=small_mlp(), epoch=1)
     assert not (tmp_path / "replica.pt").exists() and os.listdir(tmp_path) == ["master.pt"]
     assert (met, copied) == (["tpu_utility.save_checkpoint"] * 2, [1])  # no host copy, but it still meets

@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch.utils.data import DistributedSampler, TensorDataset
 
-from tpu_utility import make_sampler, xla
+from tpu_utility import make_sampler, backend
 from tpu_utility.data import eval_loader, padded_length, unpack_loader
 
 
@@ -13,8 +13,8 @@ def test_one_replica_needs_no_sampler():
 
 
 def test_several_replicas_get_their_shard(monkeypatch):
-    monkeypatch.setattr(xla, "world_size", lambda: 4)
-    monkeypatch.setattr(xla, "ordinal", lambda: 1)
+    monkeypatch.setattr(backend, "world_size", lambda: 4)
+    monkeypatch.setattr(backend, "rank", lambda: 1)
     sampler = make_sampler(list(range(10)), shuffle=False)
     assert isinstance(sampler, DistributedSampler)
     assert (sampler.num_replicas, sampler.rank) == (4, 1)

@@ -6,7 +6,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from conftest import BLOCK_TORCH_XLA, flat_digits, run_python, small_mlp
-from tpu_utility import DoctorError, doctor, get_device, step_optimizer, xla
+from tpu_utility import DoctorError, doctor, get_device, step_optimizer, backend
 from tpu_utility.device import move_model
 
 DEVICE = None
@@ -187,7 +187,7 @@ def test_a_manual_update_without_a_cut_grows_and_the_one_line_fix_is_clean():
         for p in model.parameters():
             p.data.add_(p.grad, alpha=-0.1)
         if cut:
-            xla.sync()  # the fix doctor names: torch_xla.sync() at the end of the step
+            backend.sync()  # the fix doctor names: torch_xla.sync() at the end of the step
 
     grown = doctor(manual_step, batches=batches(), model=model)
     assert grown.kinds() == {"graph_growth"}, str(grown)
@@ -222,7 +222,7 @@ def test_an_evaluation_step_is_accepted_and_its_last_batch_gets_the_masked_fix()
         x, y = batch[0].to(device()), batch[1].to(device())
         with torch.no_grad():
             correct.append((model(x).argmax(1) == y).sum())  # kept on the device
-        xla.sync()
+        backend.sync()
 
     report = doctor(eval_step, batches=digit_loader(32 * 4 + 5), steps="all", mode="eval")
     assert report.kinds() == {"recompile"}, str(report)
@@ -245,7 +245,7 @@ def test_a_step_that_raises_returns_the_earlier_findings_with_the_exception():
         x, y = batch[0].to(device()), batch[1].to(device())
         nn.functional.cross_entropy(model(x), y).backward()
         model.zero_grad()
-        xla.sync()
+        backend.sync()
 
     with pytest.raises(DoctorError) as raised:
         doctor(step, batches=batches(), model=model, optimizer=optimizer)

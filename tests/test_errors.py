@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from conftest import flat_digits, run_python, small_mlp
-from tpu_utility import get_device, make_sampler, one_cycle_fit, setup_tpu, step_optimizer, xla
-from tpu_utility.xla import check_versions
+from tpu_utility import get_device, make_sampler, one_cycle_fit, setup_tpu, step_optimizer, backend
+from tpu_utility.backend import check_versions
 
 
 def test_get_device_index_out_of_range():
@@ -48,7 +48,7 @@ def test_version_mismatch_gives_the_pip_command():
 
 
 def test_setup_tpu_reports_a_simulated_mismatch(monkeypatch):
-    monkeypatch.setattr(xla, "installed_version", lambda name: "2.7.1" if name == "torch_xla" else None)
+    monkeypatch.setattr(backend, "installed_version", lambda name: "2.7.1" if name == "torch_xla" else None)
     with pytest.raises(RuntimeError, match=r"does not match torch_xla 2.7.1"):
         setup_tpu(verbose=False)
 
@@ -69,7 +69,7 @@ def test_pjrt_device_tpu_without_a_tpu():
 
 def test_setup_tpu_after_the_runtime_started_on_another_device(monkeypatch):
     get_device()  # starts the runtime on CPU
-    assert xla.runtime_device_type() == "CPU"
+    assert backend.runtime_device_type() == "CPU"
     monkeypatch.delenv("PJRT_DEVICE")
     with pytest.raises(RuntimeError, match=r"already started on 'CPU'.*cannot switch to 'TPU'"):
         setup_tpu(device="TPU", verbose=False)

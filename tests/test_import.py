@@ -7,7 +7,7 @@ def test_import_does_not_import_torch_xla():
     r = run_python("""
         import sys, tpu_utility
         print("loaded:", "torch_xla" in sys.modules)
-        print("runtime:", tpu_utility.xla.runtime_started())
+        print("runtime:", tpu_utility.backend.runtime_started())
     """)
     assert r.returncode == 0, r.stderr
     assert "loaded: False" in r.stdout
@@ -19,7 +19,7 @@ def test_everything_falls_back_without_torch_xla():
 import torch
 import tpu_utility
 from tpu_utility import get_device, setup_tpu, step_optimizer, make_sampler
-assert not tpu_utility.xla.XLA_INSTALLED
+assert not tpu_utility.backend.XLA_INSTALLED
 print("device:", get_device())
 model = torch.nn.Linear(3, 1)
 opt = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -6,7 +6,7 @@ from torch import nn
 from torch.utils.data import DataLoader, SubsetRandomSampler, TensorDataset
 
 from conftest import BLOCK_TORCH_XLA, run_python
-from tpu_utility import device_loader, get_device, launch, masked_loader, step_optimizer, xla
+from tpu_utility import device_loader, get_device, launch, masked_loader, step_optimizer, backend
 from tpu_utility.optim import _CHECKED
 
 
@@ -24,7 +24,7 @@ def _manual_update_epochs(wrap, features: int, epochs: int = 2) -> list[int]:
     loader = DataLoader(_regression_data(features=features), batch_size=32, drop_last=True)
     per_epoch = []
     for _ in range(epochs):
-        before = xla.compile_count()
+        before = backend.compile_count()
         total = 0.0
         for x, y in wrap(loader):
             x, y = x.to(device), y.to(device)
@@ -34,8 +34,8 @@ def _manual_update_epochs(wrap, features: int, epochs: int = 2) -> list[int]:
             for p in model.parameters():
                 p.data.add_(p.grad, alpha=-0.05)
             total += loss.item()
-        xla.sync()
-        per_epoch.append(xla.compile_count() - before)
+        backend.sync()
+        per_epoch.append(backend.compile_count() - before)
     return per_epoch
 
 
@@ -55,7 +55,7 @@ def test_step_optimizer_and_device_loader_cut_the_graph_once_per_step():
     loader = DataLoader(_regression_data(), batch_size=32, drop_last=True)
     runs = []
     for _ in range(3):
-        before = xla.execute_count()
+        before = backend.execute_count()
         running = torch.zeros((), device=device)
         for x, y in device_loader(loader):
             optimizer.zero_grad()
@@ -64,7 +64,7 @@ def test_step_optimizer_and_device_loader_cut_the_graph_once_per_step():
             step_optimizer(optimizer)
             running += loss.detach()  # runs with the next step's graph, not as a graph of its own
         running.item()
-        runs.append(xla.execute_count() - before)
+        runs.append(backend.execute_count() - before)
     # 10 steps: one graph each, plus the epoch's tail (last sum, read); a second cut would add 10
     assert runs[-1] <= len(loader) + 2, f"graphs run per epoch: {runs}"
 
@@ -157,8 +157,8 @@ def test_device_loader_and_masked_loader_on_cuda():
 
 def test_each_launched_process_gets_its_own_part(monkeypatch):
     # what make_sampler and masked_loader see inside launch() with 4 processes, as process 2
-    monkeypatch.setattr(xla, "world_size", lambda: 4)
-    monkeypatch.setattr(xla, "ordinal", lambda: 2)
+    monkeypatch.setattr(backend, "world_size", lambda: 4)
+    monkeypatch.setattr(backend, "rank", lambda: 2)
     from tpu_utility import make_sampler
 
     ds = TensorDataset(torch.arange(10.0), torch.arange(10))

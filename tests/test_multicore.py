@@ -4,14 +4,15 @@ device (multi-process collectives on CPU hang inside torch_xla 2.9 itself)."""
 import pytest
 
 from conftest import run_python, run_script
-from tpu_utility.fit import choose_start_method, choose_strategy, resolve_cores
+from tpu_utility.environment import choose_start_method
+from tpu_utility.runner import choose_strategy, resolve_cores
 
 SPMD_SCRIPT = """
 import warnings; warnings.simplefilter("ignore")
 import torch
 from torch import nn
 from torch.utils.data import TensorDataset
-from tpu_utility import one_cycle_fit, xla
+from tpu_utility import one_cycle_fit, backend
 from tpu_utility.demo import digits_datasets, small_cnn
 
 train, valid = digits_datasets()
@@ -30,7 +31,7 @@ history = one_cycle_fit(small_cnn(), train, valid_data=valid, epochs=4, max_lr=3
 print(history.summary)
 model = history.model
 with torch.no_grad():
-    out = model(x.to(xla.device())).cpu()
+    out = model(x.to(backend.device())).cpu()
 exact_acc = (out.argmax(1) == y).float().mean().item()
 for r in history.records:
     print("epoch", r.epoch, "loss", r.train_loss, "compiles", r.compiles, "syncs", r.host_syncs)
@@ -64,7 +65,7 @@ MP_SCRIPT = """
 import warnings; warnings.simplefilter("ignore")
 import torch
 from torch import nn
-from tpu_utility import one_cycle_fit, xla
+from tpu_utility import one_cycle_fit, backend
 from tpu_utility.demo import digits_datasets
 
 def make_model():
@@ -78,7 +79,7 @@ if __name__ == "__main__":
                             cores="all", strategy="multiprocess", progress=False, early_stopping=2,
                             restore_best=True)
     print(history.summary)
-    print("runtime started in the parent:", xla.runtime_started())
+    print("runtime started in the parent:", backend.runtime_started())
     changed = any(not torch.equal(a, b) for a, b in zip(before.values(), history.model.state_dict().values()))
     print("weights came back:", changed)
     print("best epoch", history.best_epoch, "|", history.stop_reason)
@@ -90,7 +91,7 @@ if __name__ == "__main__":
 
 def test_multiprocess_launch_with_one_device(tmp_path):
     r = run_script(tmp_path, "train_mp.py", MP_SCRIPT, env={"CPU_NUM_DEVICES": "1"})
-    assert "one_cycle_fit: multiprocess on 1 CPU core(s)" in r.stdout
+    assert "one_cycle_fit: replica on 1 CPU core(s)" in r.stdout
     assert "runtime started in the parent: False" in r.stdout  # the device was never touched
     assert "weights came back: True" in r.stdout
     assert "| completed 3 of 3 epochs; restored the best weights (epoch 3)" in r.stdout  # decided in the launch

@@ -22,9 +22,9 @@ def test_notebook_is_stored_without_outputs():
 
 
 def test_notebook_uses_only_the_public_api():
-    private = re.compile(r"tpu_utility\.(xla|_\w+)\b|from tpu_utility import[^\n]*\bxla\b|\bxla\.\w+\(")
+    private = re.compile(r"tpu_utility\.(xla|backend|_\w+)\b|from tpu_utility import[^\n]*\b(xla|backend)\b|\b(xla|backend)\.\w+\(")
     bad = [c.source for c in _code_cells() if private.search(c.source)]
-    assert not bad, f"cells use the private module tpu_utility.xla: {bad}"
+    assert not bad, f"cells use the private package tpu_utility.backend: {bad}"
 
 
 def _outputs_text(nb) -> str:

@@ -81,7 +81,7 @@ def test_wheel_holds_the_package_and_imports(dist, tmp_path):
         names = set(z.namelist())
         z.extractall(tmp_path / "site")
     info = f"tpu_utility-{PROJECT['version']}.dist-info"
-    for needed in ("tpu_utility/__init__.py", "tpu_utility/xla.py", "tpu_utility/py.typed",
+    for needed in ("tpu_utility/__init__.py", "tpu_utility/backend/xla.py", "tpu_utility/py.typed",
                    f"{info}/METADATA", f"{info}/licenses/LICENSE"):  # fmt: skip
         assert needed in names, f"{needed} is missing from the wheel"
     assert not [n for n in names if n.startswith("tests/")], "the wheel must not install a top-level tests package"

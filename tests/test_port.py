@@ -5,7 +5,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from conftest import flat_digits, small_mlp
-from tpu_utility import get_device, step_optimizer, xla
+from tpu_utility import get_device, step_optimizer, backend
 
 
 def test_two_line_port_trains_without_recompiling():
@@ -28,7 +28,7 @@ def test_two_line_port_trains_without_recompiling():
             step_optimizer(optimizer)  # was: optimizer.step()
             running_loss += loss.item()  # a host sync per step: correct, if not the fastest
         epoch_losses.append(running_loss / len(loader))
-        compiles.append(xla.compile_count())
+        compiles.append(backend.compile_count())
     # --- end of the loop ---
     assert device.type == "xla"
     assert epoch_losses[-1] < 0.5 * epoch_losses[0], epoch_losses

@@ -11,7 +11,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from conftest import BLOCK_TORCH_XLA, flat_digits, run_python, run_script, small_mlp
-from tpu_utility import device_loader, get_device, masked_loader, step_optimizer, xla
+from tpu_utility import device_loader, get_device, masked_loader, step_optimizer, backend
 
 
 def _per_epoch(start: int, totals: list[int]) -> list[int]:
@@ -76,7 +76,7 @@ def test_manual_update_lstm_language_model_port():
     batch_size, bptt, lr, clip = 16, 20, 2.0, 0.25
     train_data = batchify(make_text(), batch_size)
     loader = DataLoader(BpttChunks(train_data, bptt), batch_size=None, shuffle=False)
-    start = xla.compile_count()
+    start = backend.compile_count()
     device = get_device()  # was: torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model = RNNModel(24).to(device)
     criterion = nn.CrossEntropyLoss()
@@ -97,7 +97,7 @@ def test_manual_update_lstm_language_model_port():
                 p.data.add_(p.grad, alpha=-lr)
             total_loss += loss.item()
         losses.append(total_loss / len(loader))
-        compiles.append(xla.compile_count())
+        compiles.append(backend.compile_count())
     assert device.type == "xla"
     assert losses[-1] < 0.6 * losses[0], losses
     assert compiles[0] == compiles[1] == compiles[2], f"compiles after each epoch: {compiles}"
@@ -110,7 +110,7 @@ def test_word_language_model_as_written_port():
     # Edited lines: 3 (device, batchify, the for line) and 1 deleted (data, targets = get_batch(...)).
     torch.manual_seed(0)
     batch_size, bptt, lr, clip = 16, 20, 2.0, 0.25
-    start = xla.compile_count()
+    start = backend.compile_count()
     device = get_device()  # was: torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
     def batchify(data, bsz):
@@ -144,7 +144,7 @@ def test_word_language_model_as_written_port():
             total_loss += loss.item()
             steps += 1
         losses.append(total_loss / steps)
-        compiles.append(xla.compile_count())
+        compiles.append(backend.compile_count())
     per_epoch = _per_epoch(start, compiles)
     assert losses[-1] < 0.6 * losses[0], losses
     assert per_epoch[1:] == [0, 0], f"compiles per epoch {per_epoch}"
@@ -161,7 +161,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 from conftest import flat_digits, small_mlp
-from tpu_utility import autocast, get_device, grad_scaler, xla
+from tpu_utility import autocast, get_device, grad_scaler, backend
 
 torch.manual_seed(0)
 # Edited lines: 3 (device, scaler, autocast); scaler.scale/unscale_/step/update stay.
@@ -186,13 +186,13 @@ for epoch in range(3):
         scaler.update()
         running += loss.item()
     losses.append(running / len(loader))
-    compiles.append(xla.compile_count())
+    compiles.append(backend.compile_count())
 """
 
 
 def test_autocast_gradscaler_port_on_xla():
     ns: dict = {}
-    start = xla.compile_count()
+    start = backend.compile_count()
     exec(AMP_LOOP, ns)
     losses, compiles = ns["losses"], ns["compiles"]
     assert ns["device"].type == "xla"
@@ -231,7 +231,7 @@ def test_masked_evaluation_counts_each_sample_once_without_recompiling():
     # Edited lines: 3 (the device line, the for line, and the mask in the two sums: one line).
     n = 1001  # 15 full batches of 64 and a last one of 41
     device = get_device()  # was: torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    start = xla.compile_count()
+    start = backend.compile_count()
     model = nn.Linear(4, 1).to(device)
     valid_loader = DataLoader(IndexTarget(n), batch_size=64, shuffle=False)  # drop_last=False
     compiles = []
@@ -243,7 +243,7 @@ def test_masked_evaluation_counts_each_sample_once_without_recompiling():
                 x, y = x.to(device), y.to(device)
                 out = model(x)
                 total, seen = total + (y * mask).sum(), seen + mask.sum()  # was: total + y.sum(), seen + len(y)
-        compiles.append(xla.compile_count())
+        compiles.append(backend.compile_count())
         assert total.item() == n * (n - 1) / 2  # each index exactly once
         assert seen.item() == n
     assert out.shape[0] == 64  # the last batch is full size too
@@ -317,7 +317,7 @@ SPMD_HAND_LOOP = """
 import torch
 from torch import nn
 from torch.utils.data import DataLoader
-from tpu_utility import device_loader, get_device, make_sampler, masked_loader, step_optimizer, use_all_cores, xla
+from tpu_utility import device_loader, get_device, make_sampler, masked_loader, step_optimizer, use_all_cores, backend
 from tpu_utility.demo import digits_datasets
 
 train_ds, valid_ds = digits_datasets()
@@ -333,7 +333,7 @@ for epoch in range(3):
     running = torch.zeros((), device=device)
     for i, (x, y) in enumerate(device_loader(loader)):
         if epoch == 0 and i == 0:
-            shards = xla.local_shards(x)
+            shards = backend.xla.local_shards(x)
             host = x.cpu()
             print("shards", len(shards), [tuple(t.shape) for _, t in shards])
             print("own", all(torch.equal(t, host[k * 16:(k + 1) * 16]) for k, (_, t) in enumerate(shards)))
@@ -342,7 +342,7 @@ for epoch in range(3):
         loss.backward()
         step_optimizer(optimizer)
         running += loss.detach()
-    print("epoch", epoch, "loss", running.item() / len(loader), "compiles", xla.compile_count())
+    print("epoch", epoch, "loss", running.item() / len(loader), "compiles", backend.compile_count())
 try:
     iter(device_loader(DataLoader(train_ds, batch_size=6)))
 except ValueError as e:
@@ -386,7 +386,7 @@ LAUNCH_SCRIPT = """
 import torch
 from torch import nn
 from torch.utils.data import DataLoader
-from tpu_utility import device_loader, get_device, launch, make_sampler, step_optimizer, xla
+from tpu_utility import device_loader, get_device, launch, make_sampler, step_optimizer, backend
 from tpu_utility.demo import digits_datasets
 
 def train(index):
@@ -407,11 +407,11 @@ def train(index):
             loss.backward()
             step_optimizer(optimizer)
             running += loss.detach()
-        print("epoch", index, device.type, xla.world_size(), running.item() / len(loader), xla.compile_count(), flush=True)
+        print("epoch", index, device.type, backend.world_size(), running.item() / len(loader), backend.compile_count(), flush=True)
 
 if __name__ == "__main__":
     launch(train)
-    print("runtime started in the parent:", xla.runtime_started())
+    print("runtime started in the parent:", backend.runtime_started())
 """
 
 

@@ -9,7 +9,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, SubsetRandomSampler, TensorDataset
 
 from conftest import BLOCK_TORCH_XLA, flat_digits, run_python, run_script, small_mlp
-from tpu_utility import evaluate, predict, xla
+from tpu_utility import evaluate, predict, backend
 
 INDEXED = """
 import torch
@@ -34,22 +34,22 @@ exec(INDEXED)
 
 
 def test_predict_returns_every_sample_in_order_with_few_transfers_and_one_compile():
-    model, data = echo().to(xla.device()), indexed()  # on the device already: no weights move back
-    compiles0, transfers0 = xla.compile_count(), xla.transfer_from_device_count()
+    model, data = echo().to(backend.device()), indexed()  # on the device already: no weights move back
+    compiles0, transfers0 = backend.compile_count(), backend.transfer_from_device_count()
     preds = predict(model, data, batch_size=64)
-    compiles, transfers = xla.compile_count() - compiles0, xla.transfer_from_device_count() - transfers0
+    compiles, transfers = backend.compile_count() - compiles0, backend.transfer_from_device_count() - transfers0
     assert torch.equal(preds.squeeze(1), torch.arange(1001, dtype=torch.float32))
     assert transfers == 1, transfers  # 16 batches (the last one padded): one transfer
     assert compiles == 1, compiles  # padded batches all have one shape
-    transfers0 = xla.transfer_from_device_count()
+    transfers0 = backend.transfer_from_device_count()
     preds = predict(model, data, batch_size=16)
     batches = math.ceil(1001 / 16)
-    transfers = xla.transfer_from_device_count() - transfers0
+    transfers = backend.transfer_from_device_count() - transfers0
     assert transfers <= math.ceil(batches / 16), (transfers, batches)  # never one per batch
     assert torch.equal(preds.squeeze(1), torch.arange(1001, dtype=torch.float32))
-    again0 = xla.compile_count()
+    again0 = backend.compile_count()
     predict(model, data, batch_size=16)
-    assert xla.compile_count() == again0  # the same graph serves a second call
+    assert backend.compile_count() == again0  # the same graph serves a second call
 
 
 def test_predict_leaves_the_model_as_found_and_keeps_output_structure():
@@ -130,13 +130,13 @@ def test_a_dataset_error_reaches_the_caller_in_training_validation_and_predictio
 SPMD_SCRIPT = INDEXED + """
 import warnings; warnings.simplefilter("ignore")
 from torch.utils.data import Dataset
-from tpu_utility import evaluate, predict, xla
+from tpu_utility import evaluate, predict, backend
 from tpu_utility.demo import digits_datasets
 
 model, data = echo(), indexed()
 preds = predict(model, data, batch_size=16, cores="all")
 print("in order:", torch.equal(preds.squeeze(1), torch.arange(1001, dtype=torch.float32)))
-print("devices:", xla.global_device_count(), "spmd:", xla.is_spmd())
+print("devices:", backend.global_device_count(), "spmd:", backend.is_spmd())
 print("model back on:", next(model.parameters()).device.type)
 
 _, valid = digits_datasets()
@@ -203,7 +203,7 @@ def test_predict_and_evaluate_on_four_spmd_devices():
 MP_SCRIPT = INDEXED + """
 import warnings; warnings.simplefilter("ignore")
 import torch_xla
-from tpu_utility import predict, xla
+from tpu_utility import predict, backend
 
 class Broken(torch.utils.data.Dataset):
     def __len__(self):
@@ -215,7 +215,7 @@ class Broken(torch.utils.data.Dataset):
 
 def worker(index):
     preds = predict(echo(), indexed(), batch_size=64)
-    print("replica", xla.world_size(), "launched", xla.in_launched_process(),
+    print("replica", backend.world_size(), "launched", backend.in_launched_process(),
           "in order:", torch.equal(preds.squeeze(1), torch.arange(1001, dtype=torch.float32)))
     try:
         predict(echo(), Broken(), batch_size=16)

@@ -6,7 +6,8 @@ import pytest
 
 from conftest import BLOCK_TORCH_XLA, ROOT, run_python
 from tpu_utility.environment import default_cache_dir, detect_platform, suggest_num_workers, usable_cpus
-from tpu_utility.xla import XLA_RELEASES, check_versions, detect_tpu, fix_command
+from tpu_utility.backend.versions import XLA_RELEASES, check_versions, fix_command
+from tpu_utility.backend.hardware import detect_tpu
 
 
 def test_detect_platform_from_the_environment():
@@ -91,11 +92,24 @@ def test_a_torchvision_of_another_release_is_caught_with_the_fix():
     check_versions(torch_pin + "+cu128", xla_pin, vision_pin + "+cpu")  # local-version suffixes match
 
 
-def _fake_torch_tpu(tmp_path):
+def _fake_torch_tpu(tmp_path, distribution: str = "torch-tpu"):
+    """A module named torch_tpu that cannot be imported, installed as ``distribution`` (Google's is torch-tpu)."""
     pkg = tmp_path / "torch_tpu"
     pkg.mkdir(parents=True)
     (pkg / "__init__.py").write_text("raise ImportError('torch_tpu needs a TPU and torch 2.11+')\n")
+    info = tmp_path / f"{distribution.replace('-', '_')}-0.2.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {distribution}\nVersion: 0.2.0\n")
+    (info / "top_level.txt").write_text("torch_tpu\n")
     return {"PYTHONPATH": f"{ROOT}{os.pathsep}{tmp_path}"}
+
+
+def test_a_torch_tpu_module_from_another_distribution_is_not_torchtpu(tmp_path):
+    r = run_python("""
+        from tpu_utility import backend
+        print("torchtpu:", backend.torch_tpu_installed())
+    """, env=_fake_torch_tpu(tmp_path, distribution="sophgo-torch-tpu"))
+    assert "torchtpu: False" in r.stdout, r.stderr
 
 
 def test_setup_tpu_says_plainly_that_it_runs_on_torch_xla_beside_torch_tpu(tmp_path):
@@ -120,7 +134,7 @@ try:
 except ModuleNotFoundError as e:
     print("error:", e)
 """, env={**_fake_torch_tpu(tmp_path / "again"), "PJRT_DEVICE": "CPU"})
-    assert "needs torch_xla (torch_tpu is installed, but tpu_utility runs on torch_xla)" in r.stdout, r.stderr
+    assert "needs torch_xla (torch_tpu is installed: unset PJRT_DEVICE to run on TorchTPU instead)" in r.stdout, r.stderr
     assert 'pip install "torch==' in r.stdout
 
 
@@ -138,10 +152,10 @@ def test_no_torch_tpu_no_word_about_it():
 def test_setup_tpu_twice_is_harmless_and_the_cache_fills(tmp_path):
     r = run_python(f"""
         import os, torch
-        from tpu_utility import setup_tpu, get_device, xla
+        from tpu_utility import setup_tpu, get_device, backend
         first = setup_tpu(cache_dir={str(tmp_path)!r}, compile_cache=True)
         second = setup_tpu(cache_dir={str(tmp_path)!r}, compile_cache=True)
-        print("same:", first == second, "runtime:", xla.runtime_started())
+        print("same:", first == second, "runtime:", backend.runtime_started())
         x = torch.arange(6.0, device=get_device()).reshape(2, 3)
         c = x.cpu()
         print("matches cpu:", (x @ x.T).sum().item() == (c @ c.T).sum().item())

@@ -204,10 +204,10 @@ def test_cores_all_after_the_device_was_touched_is_a_clear_error_not_a_crash():
     r = run_python("""
 import warnings; warnings.simplefilter("ignore")
 import torch
-from tpu_utility import find_lr, one_cycle_fit, setup_tpu, xla
+from tpu_utility import find_lr, one_cycle_fit, setup_tpu, backend
 from tpu_utility.demo import digits_datasets, small_cnn
 info = setup_tpu(spmd=False, verbose=False)  # as for strategy="multiprocess": SPMD stays off
-print("spmd:", info.spmd, xla.is_spmd(), "runtime:", xla.runtime_started())
+print("spmd:", info.spmd, backend.is_spmd(), "runtime:", backend.runtime_started())
 train, _ = digits_datasets()
 model = small_cnn()
 find_lr(model, train, num_steps=5)

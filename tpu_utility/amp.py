@@ -33,11 +33,11 @@ from typing import Any, Literal
 
 import torch
 
-from . import xla
+from . import backend
 from .device import get_device
 from .optim import step_optimizer
 
-Kind = Literal["torch", "xla", "off"]
+Kind = Literal["torch", "backend", "off"]
 _DTYPES = (torch.float16, torch.bfloat16)
 _SAID: set[str] = set()
 
@@ -62,10 +62,12 @@ class AutocastPlan:
     note: str | None = None
 
 
-def plan_autocast(device_type: str, dtype: torch.dtype | None, xla_hardware: str | None = None) -> AutocastPlan:
-    """The autocast for a device type (``xla_hardware`` is "TPU", "CPU"... on XLA).
+def plan_autocast(device_type: str, dtype: torch.dtype | None, hardware: str | None = None) -> AutocastPlan:
+    """The autocast for a device: torch's on CUDA, the backend's bfloat16 on TPUs, none elsewhere.
 
-    Pure when ``xla_hardware`` is given; None asks the running XLA runtime, if any.
+    Pure: ``hardware`` is what the backend reports under the device ("TPU" for a
+    TPU through torch_xla or TorchTPU, "CPU" for XLA on the host CPU, None for an
+    eager device that is its own hardware).
 
     Raises:
         ValueError: ``dtype`` is not None, torch.float16 or torch.bfloat16.
@@ -73,33 +75,20 @@ def plan_autocast(device_type: str, dtype: torch.dtype | None, xla_hardware: str
     _check_dtype(dtype)
     if device_type == "cuda":
         return AutocastPlan("torch", dtype or torch.float16)
-    if device_type == "xla" and xla.bf16_autocast_available(xla_hardware):
+    if hardware == "TPU":
         note = None
         if dtype == torch.float16:
             note = (
                 "autocast: TPUs compute in bfloat16, so float16 was asked for and bfloat16 is used "
                 "(no loss scaling needed)"
             )
-        return AutocastPlan("xla", torch.bfloat16, note)
-    if device_type == "xla":
+        return AutocastPlan("backend", torch.bfloat16, note)
+    if hardware is not None:
         return AutocastPlan(
             "off", None,
-            f"autocast: torch_xla's autocast supports TPUs only, so on XLA:{xla_hardware} the loop runs in float32",
+            f"autocast: torch_xla's autocast supports TPUs only, so on XLA:{hardware} the loop runs in float32",
         )  # fmt: skip
     return AutocastPlan("off", None, f"autocast: no mixed precision on {device_type}; the loop runs in float32")
-
-
-_HARDWARE: list[str] = []
-
-
-def _xla_hardware() -> str | None:
-    """"TPU", "CPU"...: fixed once the runtime runs, so asked once, not at every step."""
-    if not _HARDWARE:
-        started = xla.runtime_device_type()
-        if started is None:
-            return xla.pjrt_device() or ("TPU" if xla.detect_tpu().chips else None)
-        _HARDWARE.append(started)
-    return _HARDWARE[0]
 
 
 def autocast(
@@ -134,13 +123,13 @@ def autocast(
     if not isinstance(enabled, bool):
         raise TypeError(f"enabled must be a bool, but given {enabled!r} of type {type(enabled).__name__}")
     device = get_device() if device is None else torch.device(device)
-    plan = plan_autocast(device.type, dtype, _xla_hardware() if device.type == "xla" else None)
+    plan = plan_autocast(device.type, dtype, backend.hardware(device))
     if not enabled:
         return nullcontext()
     if plan.note:
         _say_once(plan.note)
-    if plan.kind == "xla":
-        return xla.autocast(device, plan.dtype)
+    if plan.kind == "backend":
+        return backend.autocast(device, plan.dtype)
     if plan.kind == "torch":
         return torch.autocast(device.type, dtype=plan.dtype)
     return nullcontext()

@@ -35,7 +35,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from . import xla
+from . import backend
 from .files import LOCK_NAME, TEMP_SUFFIX, atomic_write, folder_lock, write_json
 from .progress import progress_bar
 
@@ -317,7 +317,7 @@ def _plan(dataset: Dataset, copies: int, shard_mb: float, seed: int) -> dict[str
         "tuple": is_tuple,
         "fields": [f.as_dict() for f in fields],
         "source": _fingerprint(dataset, n, seed),
-        "versions": {"numpy": np.__version__, "torch": str(torch.__version__), "tpu_utility": xla.installed_version("tpu_utility") or ""},
+        "versions": {"numpy": np.__version__, "torch": str(torch.__version__), "tpu_utility": backend.installed_version("tpu_utility") or ""},
     }
 
 

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from . import xla
+from . import backend
 from .files import atomic_write, remove_stale_temporaries
 
 CHECKPOINT_NAME = "last.pt"
@@ -42,7 +42,7 @@ def to_cpu(tree: Any) -> Any:
     """
     leaves, spec = pytree.tree_flatten(tree)
     positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
-    moved = xla.to_cpu([leaves[i] for i in positions])
+    moved = backend.to_cpu([leaves[i] for i in positions])
     for i, tensor in zip(positions, moved):
         leaves[i] = tensor.clone() if leaves[i].device.type == "cpu" else tensor
     return pytree.tree_unflatten(leaves, spec)
@@ -131,9 +131,9 @@ def save_checkpoint(path: str, model: torch.nn.Module | None = None, optimizer: 
         state["optimizer"] = optimizer.state_dict()
     state.update(extra)
     _check_loadable(state, "the checkpoint")  # on every process: the same error everywhere, before the rendezvous
-    if xla.ordinal() == 0:
+    if backend.rank() == 0:
         _write(to_cpu(state), path)
-    xla.rendezvous("tpu_utility.save_checkpoint")
+    backend.barrier("tpu_utility.save_checkpoint")
 
 
 def _damaged(path: str, why: str) -> ValueError:
@@ -173,7 +173,7 @@ def load_state_into(state: dict[str, Any], path: str, model: torch.nn.Module | N
         model.load_state_dict(state["model"])  # copies into the parameters, on their device
     if optimizer is not None:
         optimizer.load_state_dict(state["optimizer"])  # torch moves state to each parameter's device
-        if xla.is_fused_optimizer(optimizer):  # except "step", which the fused XLA op needs there too
+        if backend.is_fused_optimizer(optimizer):  # except "step", which the fused XLA op needs there too
             for param, param_state in optimizer.state.items():
                 if isinstance(param_state.get("step"), torch.Tensor):
                     param_state["step"] = param_state["step"].to(param.device)

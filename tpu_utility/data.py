@@ -16,7 +16,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, RandomSampler, Sampler, SequentialSampler
 from torch.utils.data.dataloader import default_collate
 
-from . import xla
+from . import backend
 from .buckets import BucketBatchSampler, BucketCollate
 
 
@@ -79,11 +79,11 @@ def make_sampler(
         ...         sampler.set_epoch(epoch)
     """
     _check_sized(dataset)
-    replicas = xla.world_size()
+    replicas = backend.world_size()
     if replicas == 1:
         return None
     return DistributedSampler(
-        dataset, num_replicas=replicas, rank=xla.ordinal(), shuffle=shuffle, seed=seed, drop_last=drop_last
+        dataset, num_replicas=replicas, rank=backend.rank(), shuffle=shuffle, seed=seed, drop_last=drop_last
     )
 
 
@@ -307,7 +307,7 @@ def _dataloader(dataset: Dataset, spec: LoaderSpec, **kwargs: Any) -> DataLoader
     global _PIN_MEMORY_WARNED
     settings = dict(spec.settings)
     workers = spec.num_workers or 0
-    if settings.get("pin_memory") and xla.xla_requested():
+    if settings.get("pin_memory") and backend.xla_requested():
         settings.pop("pin_memory")
         if not _PIN_MEMORY_WARNED:
             _PIN_MEMORY_WARNED = True

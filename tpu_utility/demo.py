@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from . import xla
+from . import backend
 from .environment import setup_tpu
 from .fit import one_cycle_fit
 
@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> float:
     args = parser.parse_args(argv)
 
     # XLA on the host CPU when there is no TPU, so the demo exercises real XLA graphs.
-    setup_tpu(device="auto" if xla.detect_tpu().chips or xla.pjrt_device() else "CPU")
+    setup_tpu(device="auto" if backend.detect_tpu().chips or backend.pjrt_device() else "CPU")
     train_ds, valid_ds = digits_datasets()
     print(f"digits: {len(train_ds)} training and {len(valid_ds)} validation images (8x8, from scikit-learn)")
     history = one_cycle_fit(

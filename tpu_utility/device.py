@@ -7,9 +7,9 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils import _pytree as pytree
 
-from . import xla
+from . import backend
+from .backend.base import move_to_device  # noqa: F401 - the hand-loop kit's name for it
 
 
 def _check_index(index: int, count: int, what: str) -> None:
@@ -67,14 +67,14 @@ def get_device(index: int | None = None) -> torch.device:
         >>> device = get_device()
         >>> model = MyModel().to(device)    # doctest: +SKIP
     """
-    wanted = xla.pjrt_device()
-    if wanted is not None and not xla.XLA_INSTALLED:
-        raise ModuleNotFoundError(f"PJRT_DEVICE={wanted!r} needs torch_xla. Install it with: {xla.INSTALL_HINT}")
-    if xla.xla_requested():
+    wanted = backend.pjrt_device()
+    if wanted is not None and not backend.XLA_INSTALLED:
+        raise ModuleNotFoundError(f"PJRT_DEVICE={wanted!r} needs torch_xla. Install it with: {backend.INSTALL_HINT}")
+    if backend.xla_requested():
         if index is None:
-            return xla.device()
-        _check_index(index, xla.addressable_device_count(), "XLA devices in this process")
-        return xla.device(index)
+            return backend.device()
+        _check_index(index, backend.addressable_device_count(), "XLA devices in this process")
+        return backend.device(index)
     found = _accelerator()
     if found is not None:
         count, current = found
@@ -115,8 +115,3 @@ def move_model(model: nn.Module, device: torch.device) -> nn.Module:
         for name in names[1:]:
             _set_parameter(model, name, keep)
     return model
-
-
-def move_to_device(batch: Any, device: torch.device) -> Any:
-    """Every tensor in a (nested) batch, moved to ``device``; other values unchanged."""
-    return pytree.tree_map(lambda t: t.to(device, non_blocking=True) if isinstance(t, torch.Tensor) else t, batch)

@@ -38,7 +38,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 from torch.utils.data import DataLoader
 
-from . import xla
+from . import backend
 from .buckets import choose_buckets
 from .device import move_to_device
 from .loop import INFERENCE_MODE_ERROR
@@ -175,17 +175,17 @@ def check_error(error: BaseException) -> Finding | None:
 def check_xla(model: nn.Module | None) -> Finding | None:
     """XLA must be in use and the model on it, else doctor has nothing to measure."""
     fix = "device = get_device(); model.to(device) before building the optimizer; move each batch with .to(device)"
-    if not xla.xla_requested():
-        wanted = xla.pjrt_device()
-        if not xla.XLA_INSTALLED:
+    if not backend.xla_requested():
+        wanted = backend.pjrt_device()
+        if not backend.XLA_INSTALLED:
             why = "torch_xla is not installed" + (f" (but PJRT_DEVICE={wanted!r} is set)" if wanted else "")
-            fix = f"install it ({xla.INSTALL_HINT}), call setup_tpu() in the first cell, then {fix}"
+            fix = f"install it ({backend.INSTALL_HINT}), call setup_tpu() in the first cell, then {fix}"
         else:
             why = "PJRT_DEVICE is not set and no TPU is attached"
             fix = f"call setup_tpu() in the first cell (PJRT_DEVICE=CPU tries XLA on the host), then {fix}"
         return Finding("not_on_xla", f"{why}: nothing runs on XLA, so doctor measured nothing", fix)
     devices = sorted({p.device.type for p in model.parameters()}) if model is not None else []
-    if devices and "xla" not in devices:
+    if devices and not any(backend.is_lazy(d) for d in devices):
         return Finding(
             "not_on_xla",
             f"the model's parameters are on {', '.join(devices)}, not on the XLA device: the step runs on the "
@@ -319,7 +319,7 @@ def _read_tracer(calls: Counter, state: threading.local) -> Callable[[str], Call
     def make(name: str) -> Callable[[Callable], Callable]:
         def wrap(original: Callable) -> Callable:
             def traced(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-                if self.device.type == "xla" and not getattr(state, "inside", False):
+                if backend.is_lazy(self.device) and not getattr(state, "inside", False):
                     calls[(name, _user_frame())] += 1
                     state.inside = True
                     try:
@@ -369,7 +369,7 @@ def _slice_tracer(now: dict[str, list[tuple]]) -> dict[str, Callable[[Callable],
 
     def getitem(original: Callable) -> Callable:
         def traced(self: torch.Tensor, index: Any) -> Any:
-            if self.device.type == "xla":
+            if backend.is_lazy(self.device):
                 record(_python_ints(index))
             return original(self, index)
 
@@ -377,7 +377,7 @@ def _slice_tracer(now: dict[str, list[tuple]]) -> dict[str, Callable[[Callable],
 
     def narrow(original: Callable) -> Callable:
         def traced(self: torch.Tensor, dim: int, start: Any, length: int) -> Any:
-            if self.device.type == "xla" and isinstance(start, int) and isinstance(length, int):
+            if backend.is_lazy(self.device) and isinstance(start, int) and isinstance(length, int):
                 record((None,) * dim + ((start, start + length, None),))
             return original(self, dim, start, length)
 
@@ -418,7 +418,7 @@ def _default_step(model: nn.Module, optimizer: torch.optim.Optimizer | None, los
         with torch.no_grad():
             loss = loss_fn(model(x), y)
         total[:] = [total[0] + loss if total else loss]  # accumulated on the device
-        xla.sync()  # what device_loader does at each batch
+        backend.sync()  # what device_loader does at each batch
 
     return train_step if mode == "train" else eval_step
 
@@ -459,17 +459,17 @@ def _growing(pending: list[int]) -> bool:
 
 
 def _run_one(step: Callable, batch: Any, into: list[_Step]) -> None:
-    before = xla.compile_count()
+    before = backend.compile_count()
     step(batch)
-    into.append(_Step(_shapes(batch), xla.compile_count() - before, xla.pending_ir_nodes()))
+    into.append(_Step(_shapes(batch), backend.compile_count() - before, backend.pending_ir_nodes()))
 
 
 def _run(step: Callable, plan: Iterator[Any], warmup: int, run: _Run) -> None:
     """Runs the step as the user does: no graph cut of ours between their steps."""
     for batch in itertools.islice(plan, warmup):
         _run_one(step, batch, run.warmup)
-    xla.wait_device_ops()  # no cut of ours: the first measured step runs as every later one does
-    xla.clear_metrics()
+    backend.wait()  # no cut of ours: the first measured step runs as every later one does
+    backend.clear_counters()
     try:
         with _tracing(run):
             for batch in plan:
@@ -480,11 +480,11 @@ def _run(step: Callable, plan: Iterator[Any], warmup: int, run: _Run) -> None:
                 if len(run.measured) >= 2 and len(run.records) >= 3 and _growing([s.pending for s in run.records]):
                     break  # every further step is slower still; the finding is clear
     finally:  # also when the step raised: the findings so far need these
-        run.created = xla.xla_tensors_created()
-        run.host_syncs = xla.host_sync_count()
-        run.fallbacks = xla.fallback_ops()
-    xla.sync()  # runs whatever the last step left pending (not counted as the step's)
-    xla.wait_device_ops()
+        run.created = backend.tensors_created()
+        run.host_syncs = backend.host_sync_count()
+        run.fallbacks = backend.fallback_ops()
+    backend.sync()  # runs whatever the last step left pending (not counted as the step's)
+    backend.wait()
 
 
 # ---------------------------------------------------------------- analysis
@@ -782,7 +782,7 @@ def doctor(
         raise ValueError("batches is empty")
     plan = itertools.chain([first], plan)
     if cores is None:
-        cores = xla.global_device_count() if xla.is_spmd() else xla.world_size()
+        cores = backend.global_device_count() if backend.is_spmd() else backend.world_size()
     findings.append(check_batch_split(first, cores))
 
     run = _Run()

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 import warnings
 from dataclasses import asdict, dataclass
 from typing import Literal, get_args
 
 import torch
 
-from . import xla
+from . import backend
 
 Platform = Literal["kaggle", "colab", "tpu-vm", "local"]
 DeviceChoice = Literal["auto", "TPU", "CPU"]
@@ -42,14 +43,14 @@ class TpuInfo:
 
     def summary(self) -> str:
         if self.xla:
-            backend = "XLA"
+            stack = "XLA"
         elif self.torch_xla_version is None:
-            backend = "no XLA: torch_xla is not installed"
+            stack = "no XLA: torch_xla is not installed"
         else:
-            backend = "no XLA: no TPU found and PJRT_DEVICE not set"
+            stack = "no XLA: no TPU found and PJRT_DEVICE not set"
         kind = f" {self.device_kind}" if self.device_kind else ""
         lines = [
-            f"tpu_utility on {self.platform}: {self.device_type}{kind} x {self.num_devices} via {backend}",
+            f"tpu_utility on {self.platform}: {self.device_type}{kind} x {self.num_devices} via {stack}",
             f"  host: {self.host_cpus} CPUs, {self.host_ram_gb:.1f} GiB RAM;"
             f" suggested DataLoader num_workers={self.num_workers}",
             f"  torch {self.torch_version}, torch_xla {self.torch_xla_version or 'not installed'}",
@@ -70,7 +71,7 @@ def detect_platform(environ: dict[str, str] | None = None, tpu_chips: int | None
         return "kaggle"
     if "COLAB_RELEASE_TAG" in env or "COLAB_GPU" in env or "COLAB_TPU_ADDR" in env:
         return "colab"
-    chips = xla.detect_tpu().chips if tpu_chips is None else tpu_chips
+    chips = backend.detect_tpu().chips if tpu_chips is None else tpu_chips
     if chips or "TPU_ACCELERATOR_TYPE" in env or "TPU_NAME" in env:
         return "tpu-vm"
     return "local"
@@ -140,9 +141,9 @@ _last_info: TpuInfo | None = None
 def _choose_spmd(spmd: bool | None, several_devices: bool) -> bool:
     """Switches SPMD on now, before the runtime starts, when asked or when several devices are visible."""
     if spmd is None:
-        spmd = several_devices and not xla.in_launched_process() and (xla.is_spmd() or not xla.runtime_started())
+        spmd = several_devices and not backend.in_launched_process() and (backend.is_spmd() or not backend.runtime_started())
     if spmd:
-        xla.use_spmd()
+        backend.use_spmd()
     return bool(spmd)
 
 
@@ -195,18 +196,13 @@ def setup_tpu(
     if device not in get_args(DeviceChoice):
         raise ValueError(f"device must be one of {get_args(DeviceChoice)}, but given {device!r}")
 
-    tpu = xla.detect_tpu()
+    tpu = backend.detect_tpu()
     platform = detect_platform(tpu_chips=tpu.chips)
-    torch_xla_version = xla.installed_version("torch_xla") if xla.XLA_INSTALLED else None
-    xla.check_versions(torch.__version__, torch_xla_version, xla.installed_version("torchvision"))
-    if xla.torch_tpu_installed():
-        warnings.warn(
-            "torch_tpu (TorchTPU, device 'tpu') is installed, but tpu_utility runs on torch_xla "
-            "(device 'xla') and does not use it.",
-            stacklevel=2,
-        )
+    torch_xla_version = backend.installed_version("torch_xla") if backend.XLA_INSTALLED else None
+    backend.check_versions(torch.__version__, torch_xla_version, backend.installed_version("torchvision"))
+    torchtpu = backend.torch_tpu_installed()
 
-    user_choice = xla.pjrt_device()
+    user_choice = backend.pjrt_device()
     if device != "auto" and user_choice is not None and user_choice != device:
         raise RuntimeError(
             f"setup_tpu(device={device!r}) conflicts with PJRT_DEVICE={user_choice!r} set in "
@@ -214,23 +210,30 @@ def setup_tpu(
         )
     wanted = user_choice or (device if device != "auto" else ("TPU" if tpu.chips else None))
 
-    running = xla.runtime_device_type()
+    running = backend.runtime_device_type()
     if running is not None and wanted is not None and running != wanted:
         raise RuntimeError(
             f"The XLA runtime already started on {running!r} in this process, so it cannot "
             f"switch to {wanted!r}. Restart the kernel and call setup_tpu() first."
         )
-    xla.refuse_missing_tpu(wanted)
-    if wanted is not None and not xla.XLA_INSTALLED:
-        also = " (torch_tpu is installed, but tpu_utility runs on torch_xla)" if xla.torch_tpu_installed() else ""
+    backend.refuse_missing_tpu(wanted)
+    if wanted is not None and not backend.XLA_INSTALLED:
+        also = " (torch_tpu is installed: unset PJRT_DEVICE to run on TorchTPU instead)" if torchtpu else ""
         raise ModuleNotFoundError(
-            f"PJRT_DEVICE={wanted!r} needs torch_xla{also}. Install it with: {xla.INSTALL_HINT}"
+            f"PJRT_DEVICE={wanted!r} needs torch_xla{also}. Install it with: {backend.INSTALL_HINT}"
         )
     if wanted is not None:
         os.environ["PJRT_DEVICE"] = wanted
+        if torchtpu:
+            warnings.warn(
+                f"torch_tpu (TorchTPU, device 'tpu') is installed, but tpu_utility runs on torch_xla (device 'xla') "
+                f"in this process, because PJRT_DEVICE={wanted!r} asks for it. Start without PJRT_DEVICE (and "
+                f"without setup_tpu(device=...)) to use TorchTPU.",
+                stacklevel=2,
+            )
 
     use_xla = wanted is not None
-    rank = xla.local_process_rank()
+    rank = backend.local_process_rank()
     chosen_cache = None
     cache_note = "off"
     if compile_cache is None:
@@ -240,7 +243,7 @@ def setup_tpu(
     if use_xla and compile_cache:
         chosen_cache = default_cache_dir(platform, rank, base=cache_dir)
         os.makedirs(chosen_cache, exist_ok=True)
-        if not xla.initialize_cache(chosen_cache):
+        if not backend.initialize_cache(chosen_cache):
             warnings.warn(
                 "The compile cache could not be switched on: XLA already compiled a graph in "
                 "this process. Call setup_tpu() before any XLA work to keep compiled graphs "
@@ -249,8 +252,12 @@ def setup_tpu(
             )
             chosen_cache = None
 
+    if not use_xla and backend.current().name == "tpu":  # TorchTPU: caches are read when torch starts
+        chosen_cache, cache_note = _torchtpu_cache()
     if wanted == "TPU":
         device_type, kind, count = "TPU", tpu.kind, tpu.devices
+    elif not use_xla and backend.current().name == "tpu":
+        device_type, kind, count = "TPU", "TorchTPU", backend.device_count()
     elif wanted == "CPU":
         device_type, kind, count = "CPU", "XLA:CPU", int(os.environ.get("CPU_NUM_DEVICES", "1"))
     elif torch.cuda.is_available():
@@ -279,3 +286,24 @@ def setup_tpu(
         print(info.summary())
     _last_info = info
     return info
+
+
+def _torchtpu_cache() -> tuple[str | None, str]:
+    """TorchTPU's compile cache: its folder when set before torch started, else why it is off."""
+    variable = "TORCH_TPU_TIER3_COMPILATION_CACHE_ROOT"
+    if os.environ.get(variable):
+        return os.environ[variable], "on"
+    return None, (
+        f"off: TorchTPU reads {variable} when torch starts; set it before `import torch` "
+        f"(first cell: import os; os.environ[{variable!r}] = '/kaggle/working/tpu_cache')"
+    )
+
+
+def choose_start_method(interactive: bool) -> str:
+    """fork in a notebook (spawn cannot find functions defined there), spawn otherwise."""
+    return "fork" if interactive else "spawn"
+
+
+def is_interactive() -> bool:
+    main = sys.modules.get("__main__")
+    return hasattr(sys, "ps1") or bool(sys.flags.interactive) or not hasattr(main, "__file__")

@@ -22,9 +22,9 @@ What a run does for you, and how:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
-import sys
 import tempfile
 from functools import partial
 from typing import Any, Callable, Sequence, get_args
@@ -33,9 +33,10 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from . import xla
+from . import backend
 from .checkpoint import save_atomic, to_cpu
 from .data import LoaderSpec, unpack_loader
+from .environment import choose_start_method, is_interactive
 from .history import History
 from .metrics import METRICS, accuracy, per_sample_loss, resolve_metrics
 from .monitor import Mode, StopRule, parse_duration, resolve_mode
@@ -44,7 +45,7 @@ from .schedule import check_one_cycle
 from .training import FitPlan, OneCycle, Steps, train
 
 __all__ = ["one_cycle_fit", "resolve_optimizer", "resolve_cores", "choose_strategy", "available_cores",
-           "choose_start_method", "accuracy", "METRICS"]  # fmt: skip
+           "accuracy", "METRICS"]  # fmt: skip
 
 Batch = Any
 TrainStep = Callable[[nn.Module, Batch], torch.Tensor]
@@ -59,16 +60,6 @@ OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {
 
 
 # ----------------------------------------------------------- pure choices
-def choose_start_method(interactive: bool) -> str:
-    """fork in a notebook (spawn cannot find functions defined there), spawn otherwise."""
-    return "fork" if interactive else "spawn"
-
-
-def is_interactive() -> bool:
-    main = sys.modules.get("__main__")
-    return hasattr(sys, "ps1") or bool(sys.flags.interactive) or not hasattr(main, "__file__")
-
-
 def resolve_optimizer(optimizer: Any) -> tuple[Callable[..., torch.optim.Optimizer], str]:
     """An optimizer name or ``params -> Optimizer`` callable as (factory, name)."""
     if isinstance(optimizer, str):
@@ -331,7 +322,7 @@ def _loader_specs(train_data: Any, valid_data: Any, batch_size: int | None, num_
 
 def _fit_multiprocess(model: Any, factory: Any, plan: FitPlan) -> History:
     """Launches one process per chip; the master sends back weights and history."""
-    if xla.is_spmd():
+    if backend.is_spmd():
         raise RuntimeError(
             "strategy='multiprocess' cannot run in a process already switched to SPMD (setup_tpu does "
             "that when several XLA devices are visible). Call setup_tpu(spmd=False) first thing, or use "
@@ -340,7 +331,7 @@ def _fit_multiprocess(model: Any, factory: Any, plan: FitPlan) -> History:
     with tempfile.TemporaryDirectory(prefix="tpu_utility_") as tmp:
         result = os.path.join(tmp, "result.pt")
         start = choose_start_method(is_interactive())
-        xla.launch(_mp_worker, args=(model, plan, result), start_method=start)
+        backend.launch(_mp_worker, (model, plan, result), plan.cores, start)
         if not os.path.exists(result):
             raise RuntimeError("the launched training processes ended without a result; see their output above")
         state = torch.load(result, map_location="cpu", weights_only=True)
@@ -356,13 +347,15 @@ def _fit_multiprocess(model: Any, factory: Any, plan: FitPlan) -> History:
 def _mp_worker(index: int, model: Any, plan: FitPlan, result: str) -> None:
     from .environment import setup_tpu
 
-    setup_tpu(verbose=False)  # this process's own compile-cache folder
-    trained, history = train(model if isinstance(model, nn.Module) else model(), plan)
-    if xla.is_master():
+    if backend.current().lazy:
+        setup_tpu(verbose=False)  # this process's own compile-cache folder
+    replica_plan = dataclasses.replace(plan, mode="replica")  # this process is one replica of the launch
+    trained, history = train(model if isinstance(model, nn.Module) else model(), replica_plan)
+    if backend.is_master():
         save_atomic(
             {"model": to_cpu(trained.state_dict()), "history": history.to_dicts(), "summary": history.summary,
              "stop_reason": history.stop_reason, "best_epoch": history.best_epoch or 0,
              "schedule": [history.step_lrs, history.step_momenta, history.steps_per_epoch]},
             result,
         )  # fmt: skip
-    xla.rendezvous("tpu_utility.fit.done")
+    backend.barrier("tpu_utility.fit.done")

@@ -35,7 +35,7 @@ from torch.utils.data import (
     SequentialSampler,
 )
 
-from . import xla
+from . import backend
 from .buckets import BucketBatchSampler
 from .data import eval_loader, unpack_loader
 from .device import get_device, move_to_device
@@ -58,9 +58,9 @@ class DeviceLoader:
         return len(self.loader)  # type: ignore[arg-type]
 
     def __iter__(self) -> Iterator[Any]:
-        if self.device.type != "xla":
+        if not backend.is_lazy(self.device):
             return (move_to_device(batch, self.device) for batch in self.loader)
-        cores = xla.global_device_count() if xla.is_spmd() else None
+        cores = backend.global_device_count() if backend.is_spmd() else None
         size = _batch_size(self.loader)
         if cores and size is not None and size % cores:
             raise ValueError(
@@ -68,7 +68,7 @@ class DeviceLoader:
                 f"use a multiple of {cores}, such as {cores * max(1, size // cores)} (the loader's batch is "
                 f"the global batch)"
             )
-        return iter(xla.device_loader(self.loader, self.device, cores))
+        return iter(backend.device_loader(self.loader, self.device, cores))
 
 
 def device_loader(loader: Iterable, device: torch.device | None = None) -> DeviceLoader:
@@ -122,7 +122,7 @@ def _check_sampler(loader: DataLoader) -> None:
         if sampler.num_samples == len(sampler.data_source):
             return
     if isinstance(sampler, DistributedSampler):
-        if (sampler.num_replicas, sampler.rank) == (xla.world_size(), xla.ordinal()):
+        if (sampler.num_replicas, sampler.rank) == (backend.world_size(), backend.rank()):
             return  # replaced by a DistributedSampler over the padded set, same replicas
     raise ValueError(
         f"masked_loader needs the loader's samples to be its whole dataset, but its sampler is a "
@@ -178,7 +178,7 @@ def masked_loader(data: Any, batch_size: int | None = None) -> DataLoader:
             )
     # the sampler only orders the whole dataset (checked above): the padded loader's own replaces it
     spec = dataclasses.replace(unpack_loader(data, batch_size, "data"), sampler=None)
-    loader = eval_loader(spec, spec.batch_size, replicas=xla.world_size(), rank=xla.ordinal())
+    loader = eval_loader(spec, spec.batch_size, replicas=backend.world_size(), rank=backend.rank())
     loader.collate_fn = _IndexMask(loader.collate_fn)
     return loader
 
@@ -220,7 +220,7 @@ def inference_mode(device: torch.device | str | None = None) -> Any:
         >>> with inference_mode():
         ...     output = model(x)        # doctest: +SKIP
     """
-    on_xla = xla.is_xla_device(device) if device is not None else xla.xla_requested()
+    on_xla = backend.is_lazy(device) if device is not None else backend.xla_requested()
     return torch.no_grad() if on_xla else torch.inference_mode()
 
 
@@ -246,31 +246,36 @@ def use_all_cores() -> int:
         >>> loader = DataLoader(train_ds, batch_size=64 * cores, shuffle=True, drop_last=True)  # doctest: +SKIP
         >>> for x, y in device_loader(loader): ...        # doctest: +SKIP
     """
-    if not xla.xla_requested():
+    if not backend.xla_requested():
         return 1
-    if xla.in_launched_process():
+    if backend.in_launched_process():
         raise RuntimeError(
             "use_all_cores() was called inside a process started by launch(), which already runs one "
             "process per core; use one or the other"
         )
-    xla.use_spmd()
-    return xla.global_device_count()
+    backend.use_spmd()
+    return backend.global_device_count()
 
 
-def launch(fn: Callable[..., Any], args: tuple = (), start_method: StartMethod = "auto") -> None:
-    """Runs ``fn(index, *args)`` once per core, each in its own process.
+def launch(fn: Callable[..., Any], args: tuple = (), start_method: StartMethod = "auto", nprocs: int | None = None) -> None:
+    """Runs ``fn(index, *args)`` once per core (or GPU), each in its own process.
 
     Inside ``fn``, ``get_device()`` is that process's core, ``make_sampler``
     returns its DistributedSampler, ``step_optimizer`` averages gradients over
     all processes and ``device_loader`` / ``masked_loader`` serve its part. The
     alternative, one process for every core, is ``use_all_cores()``.
-    Off XLA, ``fn(0, *args)`` runs here, once.
+    On CUDA it starts one process per GPU under ``torch.distributed`` (nccl):
+    wrap the model in ``DistributedDataParallel`` there, as in any DDP loop
+    (``step_optimizer`` then reduces nothing itself). With one device (a plain
+    CPU, one GPU), ``fn(0, *args)`` runs here, once.
 
     Args:
         fn: The function to run; it gets the process index first.
         args: More arguments for ``fn``.
         start_method: "fork" (works with functions defined in a notebook), "spawn"
             (a script's functions), or "auto": fork in a notebook, else spawn.
+        nprocs: Processes off XLA (torch_xla starts one per chip itself): None is one
+            per device; on the CPU any number of gloo processes (for testing DDP code).
 
     Raises:
         ValueError: ``start_method`` is not one of "auto", "fork", "spawn".
@@ -288,11 +293,17 @@ def launch(fn: Callable[..., Any], args: tuple = (), start_method: StartMethod =
         raise ValueError(f"start_method must be one of {get_args(StartMethod)}, but given {start_method!r}")
     if not callable(fn):
         raise TypeError(f"fn must be callable, but given {fn!r} of type {type(fn).__name__}")
-    if not xla.xla_requested():
+    chosen = backend.current()
+    if nprocs is not None and (isinstance(nprocs, bool) or not isinstance(nprocs, int) or nprocs < 1):
+        raise ValueError(f"nprocs must be None or a positive int, but given {nprocs!r}")
+    if nprocs is not None and chosen.lazy:
+        raise ValueError(f"nprocs={nprocs} cannot be chosen on XLA: torch_xla starts one process per chip; leave it None")
+    processes = nprocs or chosen.device_count()
+    if not chosen.lazy and processes == 1:
         fn(0, *args)
         return
     if start_method == "auto":
-        from .fit import choose_start_method, is_interactive
+        from .environment import choose_start_method, is_interactive
 
         start_method = choose_start_method(is_interactive())
-    xla.launch(fn, args=args, start_method=start_method)
+    backend.launch(fn, args, processes, start_method)

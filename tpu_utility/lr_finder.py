@@ -10,7 +10,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from . import xla
+from . import backend
 from .data import set_epoch, unpack_loader
 from .fit import check_number, check_seed, resolve_optimizer
 from .history import closed_figure
@@ -102,7 +102,7 @@ def find_lr(
     make_opt, _ = resolve_optimizer(optimizer)
     with torch.random.fork_rng(devices=[]):
         runner = Runner(model)
-        xla_state = xla.get_rng_state() if runner.on_xla else None
+        xla_state = backend.rng_state() if runner.lazy else None
         saved = {k: v.detach().clone() for k, v in model.state_dict().items()}
         try:
             opt = make_opt([p for p in model.parameters() if p.requires_grad])
@@ -112,7 +112,7 @@ def find_lr(
             model.load_state_dict(saved)
             runner.restore_model()
             if xla_state is not None:
-                xla.set_rng_state(xla_state)
+                backend.set_rng_state(xla_state)
     result.suggested_lr = suggest_lr(result.lrs, result.losses)
     return result
 
@@ -151,7 +151,7 @@ def _sweep(runner: Runner, loader: Any, opt: torch.optim.Optimizer, loss_fn: Cal
             pending.append((lr, loss.detach()))
             step += 1
             if len(pending) == sweep.read_every or step == sweep.num_steps:
-                values = xla.to_cpu([torch.stack([t for _, t in pending])])[0].tolist()
+                values = backend.to_cpu([torch.stack([t for _, t in pending])])[0].tolist()
                 result.diverged = tracker.add(result, [lr_i for lr_i, _ in pending], values)
                 pending.clear()
             if step >= sweep.num_steps or result.diverged:

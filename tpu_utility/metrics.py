@@ -16,7 +16,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from . import xla
+from . import backend
 
 MetricFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -111,8 +111,9 @@ class MetricSet:
         self.device = device
         for metric in self.torchmetrics.values():
             metric.reset()
-            if xla.world_size() > 1:  # one process per core: sync their states over XLA collectives
-                metric.dist_sync_fn = xla.gather_all_tensors
+            sync_fn = backend.metric_sync_fn()
+            if sync_fn is not None:  # one process per core on XLA: sync their states over XLA collectives
+                metric.dist_sync_fn = sync_fn
                 metric.distributed_available_fn = lambda: True
         self.sums = self.count = None  # created by reset(), at the start of each evaluation
 

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from . import xla
+from . import backend
 
 # Optimizers already checked, with the layout of their parameter groups when checked and
 # whether their parameters are on XLA: both cost a pass over the parameters, so they run
@@ -31,7 +31,7 @@ def on_xla(optimizer: Any) -> bool:
         return known[1]
     params = _parameters(optimizer)
     check_on_device(params)
-    answer = any(p.device.type == "xla" for p in params)
+    answer = any(backend.is_lazy(p.device) for p in params)
     try:
         _CHECKED[optimizer] = (layout, answer)
     except TypeError:  # not weak-referenceable: checked every step
@@ -47,7 +47,7 @@ def check_on_device(params: list[torch.Tensor]) -> None:
     None and ``step()`` changes nothing, silently. CPU parameters that do have
     gradients are a model really trained on the CPU, and pass.
     """
-    if xla.runtime_started():
+    if backend.runtime_started():
         on_cpu = [p for p in params if p.device.type == "cpu"]
         if on_cpu and all(p.grad is None for p in on_cpu):
             raise RuntimeError(
@@ -127,7 +127,7 @@ def step_optimizer(
     xla_params = on_xla(optimizer)
     scaling = scaler is not None and scaler.is_enabled()
     if xla_params:
-        xla.reduce_gradients(optimizer)
+        backend.reduce_gradients(optimizer)
     if max_grad_norm is not None:
         if scaling:
             scaler.unscale_(optimizer)
@@ -138,6 +138,6 @@ def step_optimizer(
     else:
         result = optimizer.step(**(optimizer_args or {}))
     if xla_params and barrier is not False:
-        xla.sync()
-        xla.skip_next_loader_sync()  # a device_loader's next batch need not cut the graph again
+        backend.sync()
+        backend.skip_next_loader_sync()  # a device_loader's next batch need not cut the graph again
     return result

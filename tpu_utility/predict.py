@@ -11,7 +11,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
-from . import xla
+from . import backend
 from .data import label_checked, unpack_loader
 from .metrics import MetricSet, resolve_metrics
 from .runner import Precision, Runner, default_eval_step, default_predict_step, process_mode
@@ -118,8 +118,8 @@ def evaluate(
         step = eval_step or default_eval_step
         runner.check_eval(loader, metric_set, step)
         sums, computed = runner.eval_sums(loader, metric_set, step)
-        sums = xla.all_reduce([torch.stack(sums)], "sum")[0]
-        sum_values, computed_values = xla.to_cpu([sums, torch.stack(computed) if computed else sums[:0]])
+        sums = backend.all_reduce([torch.stack(sums)], "sum")[0]
+        sum_values, computed_values = backend.to_cpu([sums, torch.stack(computed) if computed else sums[:0]])
         loss, values = metric_set.values(sum_values.tolist(), computed_values.tolist())
     finally:
         runner.restore_model()

@@ -23,7 +23,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 from torch.utils.data.dataloader import default_collate
 
-from . import xla
+from . import backend
 from .data import LoaderSpec, eval_loader, real_counts, train_loader
 from .device import get_device, move_model, move_to_device
 from .metrics import MetricSet
@@ -38,13 +38,25 @@ PREDICT_CHUNK = 16  # batches of outputs kept on the device between host transfe
 
 
 # ----------------------------------------------------------- pure choices
-def resolve_cores(cores: int | str, available: int) -> int:
-    """The number of cores to run on: 1 or all of them (TPUs run 1 or all)."""
+CoreRule = Literal["one_or_all", "up_to_available", "any"]
+
+
+def resolve_cores(cores: int | str, available: int, rule: CoreRule = "one_or_all") -> int:
+    """The number of cores (or devices, or processes) to run on.
+
+    ``rule``: XLA runs 1 or all of its cores ("one_or_all"); a GPU host any number
+    up to its GPUs ("up_to_available"); the CPU any number of processes ("any"),
+    which is how DDP code is tested there.
+    """
     if cores == "all":
         return available
     if isinstance(cores, bool) or not isinstance(cores, int):
         raise TypeError(f"cores must be 1, 'all' or an int, but given {cores!r}")
-    if cores != 1 and cores != available:
+    if rule == "any" and cores < 1:
+        raise ValueError(f"cores must be 'all' or an int >= 1, but given {cores}")
+    if rule == "up_to_available" and not 1 <= cores <= available:
+        raise ValueError(f"cores must be between 1 and {available} (the devices here), or 'all', but given {cores}")
+    if rule == "one_or_all" and cores != 1 and cores != available:
         raise ValueError(f"cores must be 1 or {available} (all cores here), or 'all', but given {cores}")
     return cores
 
@@ -63,28 +75,32 @@ def choose_strategy(strategy: str, cores: int, in_launch: bool) -> str:
 
 
 def available_cores() -> int:
-    """XLA devices this job could use, counted without starting the runtime."""
-    if not xla.xla_requested():
-        return 1
-    if xla.pjrt_device() == "TPU" or (xla.pjrt_device() is None and xla.detect_tpu().chips):
-        return xla.detect_tpu().devices
-    return int(os.environ.get(f"{xla.pjrt_device()}_NUM_DEVICES", "1"))
+    """Devices this job could use, counted without starting a runtime."""
+    return backend.device_count()
 
 
 def process_mode(cores: int | str, strategy: str = "auto") -> tuple[int, str]:
     """(cores, mode) for this process; ``mode`` as ``choose_strategy`` names it.
 
+    On XLA several cores run SPMD (one process) or one process per chip; on the
+    native backends (CUDA, CPU) one process per device, under ``torch.distributed``.
+
     Raises:
-        ValueError: several cores asked for where there are no XLA devices.
+        ValueError: a strategy or core count that this backend cannot run.
     """
-    n_cores = resolve_cores(cores, available_cores())
-    mode = choose_strategy(strategy, n_cores, xla.in_launched_process() and xla.world_size() > 1)
-    if mode in ("spmd", "multiprocess") and not xla.xla_requested():
+    backend.join_job()  # inside torchrun: this process is one replica of its job
+    chosen = backend.current()
+    n_cores = resolve_cores(cores, available_cores(), chosen.core_rule)
+    in_launch = backend.in_launched_process() and backend.world_size() > 1
+    mode = choose_strategy(strategy, n_cores, in_launch)
+    if chosen.lazy or mode in ("single", "replica"):
+        return n_cores, mode
+    if strategy == "spmd":
         raise ValueError(
-            f"strategy={strategy!r} with cores={cores!r} needs XLA devices (a TPU, or PJRT_DEVICE set); "
-            f"none here, so use cores=1"
+            f"strategy='spmd' needs XLA devices (a TPU, or PJRT_DEVICE set); here the {chosen.name} backend runs "
+            f"one process per device: use strategy='auto' or 'multiprocess'"
         )
-    return n_cores, mode
+    return n_cores, "multiprocess" if n_cores > 1 else "single"
 
 
 @dataclass(frozen=True)
@@ -132,10 +148,10 @@ class Topology:
 def current_topology(mode: str) -> Topology:
     """This process's Topology; switches SPMD on for mode "spmd" (before the runtime starts)."""
     if mode == "spmd":
-        xla.use_spmd()
-        return Topology("spmd", hosts=xla.process_count(), host=xla.process_index(), devices=xla.global_device_count())
+        backend.use_spmd()
+        return Topology("spmd", hosts=backend.process_count(), host=backend.process_index(), devices=backend.global_device_count())
     if mode == "replica":
-        return Topology("replica", replicas=xla.world_size(), rank=xla.ordinal())
+        return Topology("replica", replicas=backend.world_size(), rank=backend.rank())
     return Topology("single")
 
 
@@ -188,15 +204,15 @@ class PrecisionMode:
             raise ValueError(f"precision must be one of {get_args(Precision)}, but given {precision!r}")
         if precision == "fp32":
             return cls("fp32", device)
-        if device.type == "xla":
-            return cls("autocast" if xla.bf16_autocast_available() else "cast", device)
+        if backend.is_lazy(device):  # XLA: its autocast on TPUs, else cast (XLA:CPU refuses autocast)
+            return cls("autocast" if backend.bf16_autocast_available() else "cast", device)
         return cls("autocast", device)
 
     def context(self) -> Any:
         if self.mode != "autocast":
             return nullcontext()
-        if self.device.type == "xla":
-            return xla.autocast(self.device, torch.bfloat16)
+        if backend.owns(self.device):
+            return backend.autocast(self.device, torch.bfloat16)
         return torch.autocast(self.device.type, dtype=torch.bfloat16)
 
     def inputs(self, batch: Batch) -> Batch:
@@ -256,6 +272,7 @@ class Runner:
         self.topology = current_topology(mode)
         self.device = get_device()
         self.model = model
+        self._train_model: nn.Module | None = None
         self.precision = PrecisionMode.choose(precision, self.device)
         self.found_weights = None
         if self.precision.mode == "cast":  # bf16 -> fp32 would not give the weights back exactly
@@ -265,8 +282,9 @@ class Runner:
             model.to(torch.bfloat16)
 
     @property
-    def on_xla(self) -> bool:
-        return self.device.type == "xla"
+    def lazy(self) -> bool:
+        """Whether the model's device builds graphs that a step boundary runs (XLA)."""
+        return backend.is_lazy(self.device)
 
     def restore_model(self) -> None:
         """Puts the model back on the device, dtype and mode it was found in."""
@@ -301,21 +319,29 @@ class Runner:
 
     def batches(self, loader: Any) -> Iterator[Batch]:
         """Device batches (sharded over the mesh under SPMD); Dataset errors reach the caller."""
-        if self.on_xla:
+        if self.lazy:
             spmd = self.topology.mode == "spmd"
             devices = self.topology.devices if spmd else None
-            return xla.device_loader(loader, self.device, devices, minibatch=spmd and self.topology.hosts > 1)
+            return backend.device_loader(loader, self.device, devices, minibatch=spmd and self.topology.hosts > 1)
         return (move_to_device(b, self.device) for b in loader)
 
     def first_batch(self, loader: Any) -> Batch:
         """The loader's first batch on the device, for checks before a run (traced, not run)."""
         return move_to_device(next(iter(loader)), self.device)
 
-    def run(self, step: Step, batch: Batch) -> Any:
-        """``step(model, batch)`` under this precision."""
+    @property
+    def train_model(self) -> nn.Module:
+        """The model a training step calls: the backend's replica wrapper (DDP on CUDA/CPU) when replicas train."""
+        if self._train_model is None:
+            replicas = self.topology.mode == "replica" and self.topology.replicas > 1
+            self._train_model = backend.current().wrap_replica(self.model, self.device) if replicas else self.model
+        return self._train_model
+
+    def run(self, step: Step, batch: Batch, training: bool = False) -> Any:
+        """``step(model, batch)`` under this precision (the replica wrapper when ``training``)."""
         batch = self.precision.inputs(batch)
         with self.precision.context():
-            return step(self.model, batch)
+            return step(self.train_model if training else self.model, batch)
 
     # -- the loops that do not train
     def eval_sums(self, loader: Any, metrics: MetricSet, eval_step: Step) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -367,8 +393,8 @@ class Runner:
                 if len(current) == PREDICT_CHUNK:
                     on_host += self._to_host(previous)  # computed already: the device goes on with `current`
                     previous, current = current, []
-            if self.on_xla:
-                xla.sync()  # the last batch's graph runs as every other batch's did (no new compile)
+            if self.lazy:
+                backend.sync()  # the last batch's graph runs as every other batch's did (no new compile)
             on_host += self._to_host(previous + current)
         bar.close()
         return pytree.tree_unflatten(_in_order(on_host, loader.dataset.n), spec)
@@ -384,7 +410,7 @@ class Runner:
         if not pending:
             return []
         flat = [t for leaves, index in pending for t in (*leaves, index)]
-        moved = iter(xla.to_cpu(xla.all_gather(flat)))
+        moved = iter(backend.to_cpu(backend.all_gather(flat)))
         width = len(pending[0][0])
         result = []
         for _ in pending:

@@ -19,7 +19,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from . import xla
+from . import backend
 from .checkpoint import CHECKPOINT_NAME, load_checkpoint, load_state_into, save_atomic, to_cpu
 from .data import LoaderSpec, label_checked, set_epoch
 from .files import folder_lock
@@ -105,8 +105,8 @@ class OneCycleDriver:
         self.lrs, self.moms = curve
         self.total, self.step_index = len(self.lrs), start_step
         self.on_device = (
-            device.type == "xla"
-            and not xla.is_fused_optimizer(opt)  # they take Python floats without syncing or recompiling
+            backend.is_lazy(device)
+            and not backend.is_fused_optimizer(opt)  # they take Python floats without syncing or recompiling
             and all("betas" in g and "capturable" in g for g in opt.param_groups)
         )
         if self.on_device:
@@ -156,8 +156,8 @@ def _device_values(device: torch.device, *values: Any) -> list[torch.Tensor]:
     own; run now, they are plain device data in every epoch.
     """
     tensors = [torch.tensor(v, dtype=torch.float32).to(device) for v in values]
-    if device.type == "xla":
-        xla.sync()
+    if backend.is_lazy(device):
+        backend.sync()
     return tensors
 
 
@@ -170,8 +170,8 @@ class _Run:
         torch.manual_seed(plan.seed)
         random.seed(plan.seed)
         self.runner = runner = Runner(model, plan.precision, plan.mode)
-        if runner.on_xla:
-            xla.set_rng_seed(plan.seed)
+        if runner.lazy:
+            backend.set_rng_state(plan.seed)
         self.master = runner.topology.master
         self._optimizer()
         train_spec, valid_spec = plan.train, plan.valid
@@ -210,8 +210,8 @@ class _Run:
     def _optimizer(self) -> None:
         plan, runner = self.plan, self.runner
         # torch_xla's fused Adam fails to compile for bf16 parameters: cast mode keeps torch's.
-        use_fused = runner.on_xla and plan.optimizer_name in ("adam", "adamw") and runner.precision.mode != "cast"
-        fused = xla.fused_optimizer(plan.optimizer_name) if use_fused else None
+        use_fused = runner.lazy and plan.optimizer_name in ("adam", "adamw") and runner.precision.mode != "cast"
+        fused = backend.fused_optimizer(plan.optimizer_name) if use_fused else None
         self.fused = fused is not None
         params = [p for p in runner.model.parameters() if p.requires_grad]
         if not params:
@@ -227,7 +227,7 @@ def train(model: nn.Module, plan: FitPlan) -> tuple[nn.Module, History]:
     The master holds ``checkpoint_dir``'s lock for the whole run, so a second fit
     writing the same folder is refused at once instead of overwriting this one's files.
     """
-    if plan.checkpoint_dir is None or not xla.is_master():
+    if plan.checkpoint_dir is None or not backend.is_master():
         return _train(model, plan)
     with folder_lock(plan.checkpoint_dir, "one_cycle_fit"):
         return _train(model, plan)
@@ -237,8 +237,8 @@ def _train(model: nn.Module, plan: FitPlan) -> tuple[nn.Module, History]:
     run = _Run(model, plan)
     if run.valid_loader is not None:
         run.runner.check_eval(run.valid_loader, run.metrics, run.eval_step)
-    if run.runner.on_xla:
-        xla.sync()  # set-up tensors become device data, not part of epoch 1's first graph
+    if run.runner.lazy:
+        backend.sync()  # set-up tensors become device data, not part of epoch 1's first graph
     if plan.resume and "last" in run.paths and os.path.exists(run.paths["last"]):
         _restore(run)
     run.schedule = OneCycleDriver(run.opt, run.curve, run.runner.device, run.opt_step)
@@ -262,7 +262,7 @@ def _train(model: nn.Module, plan: FitPlan) -> tuple[nn.Module, History]:
 
 def _epoch(run: _Run, epoch: int, started: float) -> tuple[EpochRecord, float]:
     plan, runner = run.plan, run.runner
-    syncs0, transfers0 = xla.host_sync_count(), xla.transfer_from_device_count()
+    syncs0, transfers0 = backend.host_sync_count(), backend.transfer_from_device_count()
     t0 = time.perf_counter()
     set_epoch(run.train_loader, epoch)  # its sampler's order, and a CachedDataset's augmented copy
     train_sums, lr = _train_epoch(run, epoch)
@@ -284,9 +284,9 @@ def _epoch(run: _Run, epoch: int, started: float) -> tuple[EpochRecord, float]:
     )  # fmt: skip
     if run.metrics is not None:
         record.valid_loss, record.metrics = run.metrics.values(values[2:], synced[:-1])
-    record.compiles = xla.compile_count()
-    record.host_syncs = xla.host_sync_count() - syncs0
-    record.transfers = xla.transfer_from_device_count() - transfers0
+    record.compiles = backend.compile_count()
+    record.host_syncs = backend.host_sync_count() - syncs0
+    record.transfers = backend.transfer_from_device_count() - transfers0
     return record, synced[-1]
 
 
@@ -300,7 +300,7 @@ def _train_epoch(run: _Run, epoch: int) -> tuple[list[torch.Tensor], float]:
     bar = progress_bar(run.batches, f"epoch {epoch + 1}/{plan.epochs}", enabled=plan.progress and run.master)
     step = steps.train_step or LossStep(steps.loss_fn)
     for i, batch in enumerate(runner.batches(run.train_loader)):
-        loss = runner.run(step, batch)
+        loss = runner.run(step, batch, training=True)
         if not isinstance(loss, torch.Tensor):
             raise TypeError(
                 f"train_step must return the loss as a tensor (so it can be backpropagated), but returned "
@@ -341,9 +341,9 @@ def _read_epoch(device: torch.device, train_sums: list[torch.Tensor], eval_sums:
     loss_sum, bad_step, n_batches = train_sums
     summed = torch.stack([t.float().reshape(()).to(device) for t in [loss_sum, n_batches, *eval_sums]])
     synced = torch.stack([t.float().reshape(()).to(device) for t in same])
-    summed, synced = xla.all_reduce([summed], "sum")[0], xla.all_reduce([synced], "max")[0]
-    bad_step = xla.all_reduce([bad_step.reshape(1)], "min")[0]
-    values, synced_values, (first_bad,) = (t.tolist() for t in xla.to_cpu([summed, synced, bad_step]))
+    summed, synced = backend.all_reduce([summed], "sum")[0], backend.all_reduce([synced], "max")[0]
+    bad_step = backend.all_reduce([bad_step.reshape(1)], "min")[0]
+    values, synced_values, (first_bad,) = (t.tolist() for t in backend.to_cpu([summed, synced, bad_step]))
     return values, synced_values, first_bad
 
 
@@ -418,7 +418,7 @@ def _uses_momentum(opt: torch.optim.Optimizer) -> bool:
 def _summary(run: _Run) -> str:
     plan, runner = run.plan, run.runner
     device, cores = runner.device, runner.topology.cores
-    kind = xla.runtime_device_type() if device.type == "xla" else device.type
+    kind = backend.hardware(device) or device.type
     scaled = f"scaled x{cores} by cores" if plan.schedule.scale_lr_by_cores else "not scaled by cores"
     workers = plan.train.num_workers or 0
     return (
@@ -433,8 +433,8 @@ def _summary(run: _Run) -> str:
 def _versions() -> dict[str, str]:
     return {
         "torch": str(torch.__version__),
-        "torch_xla": xla.installed_version("torch_xla") or "",
-        "tpu_utility": xla.installed_version("tpu_utility") or "",
+        "torch_xla": backend.installed_version("torch_xla") or "",
+        "tpu_utility": backend.installed_version("tpu_utility") or "",
     }
 
 
@@ -449,7 +449,7 @@ def _state(run: _Run, epoch: int) -> dict[str, Any]:
         "optimizer": run.opt.state_dict(),
         "rng": {
             "torch": torch.get_rng_state(),
-            "xla": xla.get_rng_state() if run.runner.on_xla else 0,
+            "xla": backend.rng_state() if run.runner.lazy else 0,
             "python": random.getstate(),
         },
         "history": run.history.to_dicts(),
@@ -469,8 +469,8 @@ def _restore(run: _Run) -> None:
     torch.set_rng_state(state["rng"]["torch"])
     version, internal, gauss = state["rng"]["python"]
     random.setstate((version, tuple(internal), gauss))
-    if run.runner.on_xla:
-        xla.set_rng_state(int(state["rng"]["xla"]))
+    if run.runner.lazy:
+        backend.set_rng_state(int(state["rng"]["xla"]))
     run.start_epoch, run.opt_step = int(state["epoch"]), int(state["step"])
     run.history.records = History.from_dicts(state["history"]).records
     run.watch = Watch(**state.get("monitor", {}))

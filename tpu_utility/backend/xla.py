@@ -1,6 +1,6 @@
-"""The one place that talks to torch_xla.
+"""The torch_xla backend: the one module that talks to torch_xla.
 
-Every other module asks this one. It answers "is an XLA device here, and which
+It answers "is an XLA device here, and which
 kind?" without importing torch_xla or starting its runtime, and maps torch_xla's
 API across versions 2.5 to 2.9+: ``torch_xla.device``/``sync``/``launch`` and
 ``torch_xla.runtime`` stand in for xla_model's deprecated device and step calls
@@ -14,135 +14,19 @@ runtime before a multi-process launch breaks the launch.
 from __future__ import annotations
 
 import functools
-import glob
 import importlib
-import importlib.metadata
-import importlib.util
 import inspect
 import os
 import sys
-from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
 
+from .base import Backend, Counters, ReduceOp
+from .hardware import detect_tpu, pjrt_device
+from .versions import INSTALL_HINT, module_installed, check_versions, installed_version
 
-
-def _installed(name: str) -> bool:
-    try:
-        return importlib.util.find_spec(name) is not None
-    except (ImportError, ValueError):  # an import hook that refuses it counts as absent
-        return False
-
-
-XLA_INSTALLED: bool = _installed("torch_xla")
-
-# torch, torch_xla and torchvision of each torch_xla release, by "major.minor". torch_xla
-# is built for one torch release and torchvision for one torch release; 2.9 is torch_xla's
-# last release (torch 2.10+ has none: TorchTPU, the `torch_tpu` package, follows it).
-XLA_RELEASES: dict[str, tuple[str, str, str]] = {
-    "2.5": ("2.5.1", "2.5.1", "0.20.1"),
-    "2.6": ("2.6.0", "2.6.0", "0.21.0"),
-    "2.7": ("2.7.0", "2.7.0", "0.22.0"),
-    "2.8": ("2.8.0", "2.8.0", "0.23.0"),
-    "2.9": ("2.9.0", "2.9.0", "0.24.0"),
-}
-_LAST_XLA_RELEASE = "2.9"
-
-
-def _release(version: str | None) -> str | None:
-    """ "2.8.0+cu128" -> "2.8"; None stays None."""
-    return ".".join(version.split("+")[0].split(".")[:2]) if version else None
-
-
-def _newer_than_last_release(version: str) -> bool:
-    try:
-        return [int(p) for p in _release(version).split(".")] > [int(p) for p in _LAST_XLA_RELEASE.split(".")]
-    except ValueError:
-        return False
-
-
-def fix_command(torch_version: str, xla_version: str | None = None) -> str:
-    """The pip command that installs a working torch/torch_xla/torchvision trio.
-
-    It keeps the installed torch_xla's release where one exists, else the installed
-    torch's, else (torch 2.10+, which has no torch_xla) the last release, 2.9.
-    """
-    release = next(
-        (r for r in (_release(xla_version), _release(torch_version)) if r in XLA_RELEASES), _LAST_XLA_RELEASE
-    )
-    torch_pin, xla_pin, vision_pin = XLA_RELEASES[release]
-    command = f'pip install "torch=={torch_pin}" "torch_xla[tpu]=={xla_pin}" "torchvision=={vision_pin}"'
-    if _newer_than_last_release(torch_version):
-        last_torch, last_xla, _ = XLA_RELEASES[_LAST_XLA_RELEASE]
-        command += f"  # torch {torch_version} has no torch_xla: the last, {last_xla}, is for torch {last_torch}"
-    return command
-
-
-def torch_tpu_installed() -> bool:
-    """True when TorchTPU (the `torch_tpu` package) is installed; found without importing it."""
-    return _installed("torch_tpu")
-
-
-INSTALL_HINT = fix_command(torch.__version__)
-
-_GOOGLE_PCI_VENDOR = "0x1ae0"
-# PCI device ids of TPU chips (as torch_xla._internal.tpu lists them) and the
-# number of XLA devices (cores) each chip exposes under PJRT.
-_TPU_PCI_KINDS = {
-    "0x0027": ("v2/v3", 2),
-    "0x005e": ("v4", 1),
-    "0x0063": ("v5e", 1),
-    "0x0062": ("v5p", 1),
-    "0x006f": ("v6e", 1),
-    "0x0076": ("7x", 1),
-}
-
-
-@dataclass(frozen=True)
-class TpuHardware:
-    """TPU chips attached to this host, found without starting any runtime."""
-
-    chips: int
-    kind: str | None
-    cores_per_chip: int
-
-    @property
-    def devices(self) -> int:
-        return self.chips * self.cores_per_chip
-
-
-@functools.lru_cache(maxsize=None)
-def _scan_pci(pci_root: str) -> tuple[int, str | None, int]:
-    chips, kind, cores = 0, None, 1
-    for vendor_path in sorted(glob.glob(os.path.join(pci_root, "*", "vendor"))):
-        try:
-            with open(vendor_path) as f:
-                if f.read().strip() != _GOOGLE_PCI_VENDOR:
-                    continue
-            with open(os.path.join(os.path.dirname(vendor_path), "device")) as f:
-                device_id = f.read().strip()
-        except OSError:
-            continue
-        if device_id in _TPU_PCI_KINDS:
-            chips += 1
-            kind, cores = _TPU_PCI_KINDS[device_id]
-    return chips, kind, cores
-
-
-def detect_tpu(pci_root: str = "/sys/bus/pci/devices") -> TpuHardware:
-    """Counts TPU chips on the PCI bus: reading sysfs (once per process), so nothing is started."""
-    chips, kind, cores = _scan_pci(pci_root)
-    accelerator = os.environ.get("TPU_ACCELERATOR_TYPE")  # e.g. "v3-8" on TPU VMs
-    if chips and accelerator:
-        kind = accelerator.split("-")[0]
-    return TpuHardware(chips, kind, cores)
-
-
-def pjrt_device() -> str | None:
-    """The PJRT device the user (or setup_tpu) chose, upper-cased, or None."""
-    value = os.environ.get("PJRT_DEVICE")
-    return value.split("_")[0].upper() if value else None
+XLA_INSTALLED: bool = module_installed("torch_xla")
 
 
 def xla_requested() -> bool:
@@ -153,42 +37,6 @@ def xla_requested() -> bool:
 def xla_loaded() -> bool:
     """True when torch_xla has already been imported in this process."""
     return "torch_xla" in sys.modules
-
-
-def installed_version(package: str) -> str | None:
-    """A package's installed version, read from its metadata without importing it."""
-    try:
-        return importlib.metadata.version(package)
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
-def check_versions(torch_version: str, xla_version: str | None, torchvision_version: str | None = None) -> None:
-    """Raises RuntimeError with the pip command to fix it if the releases differ.
-
-    torch_xla and torchvision are each built against one torch release; a mismatch
-    fails at import with an undefined-symbol or missing-operator error, so we check
-    the metadata first. Nothing is checked without torch_xla.
-    """
-    if xla_version is None:
-        return
-    torch_release = _release(torch_version)
-    problem = None
-    if _release(xla_version) != torch_release:
-        problem = f"torch {torch_version} does not match torch_xla {xla_version}: torch_xla only works with"
-    elif torchvision_version and torch_release in XLA_RELEASES:
-        wanted = _release(XLA_RELEASES[torch_release][2])
-        if _release(torchvision_version) != wanted:
-            problem = (
-                f"torchvision {torchvision_version} does not match torch {torch_version} (it needs "
-                f"torchvision {wanted}.x): torchvision only works with"
-            )
-    if problem:
-        raise RuntimeError(
-            f"{problem} the torch release it was built for. Fix it with:\n"
-            f"    {fix_command(torch_version, xla_version)}\n"
-            f"then restart the kernel."
-        )
 
 
 def require_xla() -> Any:
@@ -217,7 +65,7 @@ def _quiet_profiler_jax_probe() -> None:
     logger each time; 2.9 probes quietly. Only the profiler's probe is silenced: a real
     jax/pallas feature still warns.
     """
-    if _installed("jax"):
+    if module_installed("jax"):
         return
     profiler = importlib.import_module("torch_xla.debug.profiler")
     probe = getattr(profiler, "maybe_get_jax", None)
@@ -287,10 +135,6 @@ def global_device_count() -> int:
     return xr.global_runtime_device_count()
 
 
-def is_xla_device(dev: torch.device | str) -> bool:
-    return torch.device(dev).type == "xla"
-
-
 def sync(wait: bool = False) -> None:
     """Cuts the lazy graph here and runs it (torch_xla.sync)."""
     torch_xla = require_xla()
@@ -304,33 +148,21 @@ def wait_device_ops() -> None:
 
 
 def world_size() -> int:
-    """Replicas (processes x threads) in the job, without starting a runtime needlessly.
-
-    Outside a launch, and before the runtime starts, the answer is 1 (or
-    torch.distributed's world size when that is initialised, for CUDA DDP).
-    """
+    """Replicas (processes x threads) of a torch_xla launch, without starting a runtime needlessly (1 outside one)."""
     if xla_loaded() and (runtime_started() or in_launched_process()):
         import torch_xla.runtime as xr
 
         return xr.world_size()
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        return torch.distributed.get_world_size()
     return 1
 
 
 def ordinal() -> int:
-    """This replica's global rank (xr.global_ordinal)."""
+    """This replica's global rank (xr.global_ordinal); 0 outside a launch."""
     if xla_loaded() and (runtime_started() or in_launched_process()):
         import torch_xla.runtime as xr
 
         return xr.global_ordinal()
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        return torch.distributed.get_rank()
     return 0
-
-
-def is_master() -> bool:
-    return ordinal() == 0
 
 
 def launch(fn: Callable[..., Any], args: tuple = (), start_method: str = "spawn") -> None:
@@ -385,21 +217,12 @@ def all_reduce(tensors: list[torch.Tensor], op: str = "sum") -> list[torch.Tenso
 
 
 def rendezvous(tag: str) -> None:
-    """Waits until every replica gets here (xm.rendezvous; torch.distributed.barrier under CUDA DDP)."""
+    """Waits until every replica gets here (xm.rendezvous)."""
     if world_size() == 1:
         return
-    if xla_loaded() and (runtime_started() or in_launched_process()):
-        import torch_xla.core.xla_model as xm
-
-        xm.rendezvous(tag)
-    else:
-        torch.distributed.barrier()
-
-
-def set_rng_seed(seed: int) -> None:
     import torch_xla.core.xla_model as xm
 
-    xm.set_rng_state(seed)
+    xm.rendezvous(tag)
 
 
 def get_rng_state() -> int:
@@ -700,3 +523,140 @@ def xla_tensors_created() -> int:
     import torch_xla.debug.metrics as met
 
     return int(met.counter_value("CreateXlaTensor") or 0)
+
+
+def available_devices() -> int:
+    """XLA devices this job could use, counted without starting the runtime."""
+    if not xla_requested():
+        return 1
+    if pjrt_device() == "TPU" or (pjrt_device() is None and detect_tpu().chips):
+        return detect_tpu().devices
+    return int(os.environ.get(f"{pjrt_device()}_NUM_DEVICES", "1"))
+
+
+class XlaBackend(Backend):
+    """torch_xla: lazy graphs cut at each step, SPMD or one process per chip, real counters."""
+
+    name = "xla"
+    device_type = "xla"
+    lazy = True
+    core_rule = "one_or_all"
+
+    def __init__(self) -> None:
+        self._hardware: str | None = None
+
+    def __repr__(self) -> str:
+        return "XlaBackend()"
+
+    def started(self) -> bool:
+        return runtime_started()
+
+    def device(self, index: int | None = None) -> torch.device:
+        return device(index)
+
+    def device_count(self) -> int:
+        return available_devices()
+
+    def world_size(self) -> int:
+        return world_size()
+
+    def rank(self) -> int:
+        return ordinal()
+
+    def in_launched_process(self) -> bool:
+        return in_launched_process()
+
+    def launch(self, fn: Callable[..., Any], args: tuple, nprocs: int, start_method: str) -> None:
+        launch(fn, args=args, start_method=start_method)  # torch_xla starts one process per chip itself
+
+    def all_reduce(self, tensors: list[torch.Tensor], op: ReduceOp = "sum") -> list[torch.Tensor]:
+        return all_reduce(tensors, op)
+
+    def all_gather(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        return all_gather(tensors)
+
+    def barrier(self, tag: str) -> None:
+        rendezvous(tag)
+
+    def reduce_gradients(self, optimizer: torch.optim.Optimizer) -> None:
+        reduce_gradients(optimizer)
+
+    def metric_sync_fn(self) -> Callable[..., list[torch.Tensor]] | None:
+        return gather_all_tensors if world_size() > 1 else None
+
+    def sync(self, wait: bool = False) -> None:
+        sync(wait)
+
+    def wait(self) -> None:
+        wait_device_ops()
+
+    def skip_next_loader_sync(self) -> None:
+        skip_next_loader_sync()
+
+    def device_loader(self, loader: Any, device: torch.device, spmd_devices: int | None = None,
+                      minibatch: bool = False) -> Any:  # fmt: skip
+        return device_loader(loader, device, spmd_devices, minibatch)
+
+    def to_cpu(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        return to_cpu(tensors)
+
+    def bf16_autocast_available(self) -> bool:
+        return bf16_autocast_available()
+
+    def autocast(self, device: torch.device, dtype: torch.dtype) -> Any:
+        return autocast(device, dtype)
+
+    def hardware(self, device: torch.device) -> str | None:
+        if not self.owns(device):
+            return None
+        if self._hardware is None:  # fixed once the runtime runs, so asked once, not at every step
+            started = runtime_device_type()
+            if started is None:
+                return pjrt_device() or ("TPU" if detect_tpu().chips else None)
+            self._hardware = started
+        return self._hardware
+
+    def fused_optimizer(self, name: str) -> type | None:
+        return fused_optimizer(name)
+
+    def is_fused_optimizer(self, optimizer: Any) -> bool:
+        return is_fused_optimizer(optimizer)
+
+    def rng_state(self) -> int:
+        return get_rng_state()
+
+    def set_rng_state(self, state: int) -> None:
+        set_rng_state(state)
+
+    def counters(self) -> Counters:
+        return Counters(compile_count(), execute_count(), host_sync_count(), transfer_from_device_count(), True)
+
+    def fallback_ops(self) -> list[str]:
+        return fallback_ops()
+
+    def clear_counters(self) -> None:
+        clear_metrics()
+
+    def is_spmd(self) -> bool:
+        return is_spmd()
+
+    def use_spmd(self) -> None:
+        use_spmd()
+
+    def process_count(self) -> int:
+        return process_count()
+
+    def process_index(self) -> int:
+        return process_index()
+
+    def global_device_count(self) -> int:
+        return global_device_count()
+
+    def addressable_device_count(self) -> int:
+        return addressable_device_count()
+
+    def pending_ir_nodes(self) -> int:
+        return pending_ir_nodes()
+
+    def tensors_created(self) -> int:
+        return xla_tensors_created()

@@ -1,0 +1,260 @@
+"""The functions the rest of the package calls; each asks the backend chosen for this process.
+
+``current()`` picks the backend once per process, in this order: torch_xla when its
+runtime runs or is asked for (a TPU attached, or ``PJRT_DEVICE`` set), TorchTPU when
+``torch.accelerator`` reports a ``tpu`` device and Google's ``torch-tpu`` is installed,
+then the native backend on ``torch.accelerator``'s device (``cuda`` + ``nccl``), else
+the CPU (``gloo``). Until a runtime starts the choice is made again at each call, so
+``setup_tpu()`` may still set ``PJRT_DEVICE``; once one runs it is fixed.
+
+Example:
+    >>> from tpu_utility import backend
+    >>> backend.world_size()       # was: torch.distributed.get_world_size() / xr.world_size()
+    1
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import torch
+
+from . import xla
+from .base import Backend, Counters, ReduceOp
+from .hardware import TpuHardware, detect_tpu, pjrt_device
+from .native import NativeBackend
+from .tpu import TorchTpuBackend
+from .versions import INSTALL_HINT, check_versions, fix_command, installed_version, torch_tpu_installed
+from .xla import (
+    XLA_INSTALLED,
+    initialize_cache,
+    local_process_rank,
+    refuse_missing_tpu,
+    runtime_device_type,
+    runtime_started,
+    xla_requested,
+)
+
+_XLA = xla.XlaBackend()
+_native: dict[str, Backend] = {}
+_fixed: Backend | None = None
+
+_DIST_BACKENDS = {"cuda": "nccl", "xpu": "xccl"}
+
+
+def accelerator_type() -> str | None:
+    """The device type ``torch.accelerator`` reports ("cuda", "tpu", ...), or None; never raises."""
+    accelerator = getattr(torch, "accelerator", None)
+    try:
+        if accelerator is None:
+            return "cuda" if torch.cuda.is_available() else None
+        return accelerator.current_accelerator().type if accelerator.is_available() else None
+    except RuntimeError:  # a backend extension that cannot start here
+        return None
+
+
+def _choose() -> Backend:
+    if runtime_started() or xla_requested():
+        return _XLA
+    kind = accelerator_type() or "cpu"
+    if kind not in _native:
+        if kind == "tpu" and torch_tpu_installed():
+            _native[kind] = TorchTpuBackend()
+        else:
+            _native[kind] = NativeBackend(kind, _DIST_BACKENDS.get(kind, "gloo"))
+    return _native[kind]
+
+
+def current() -> Backend:
+    """The backend of this process (fixed once its runtime started)."""
+    global _fixed
+    if _fixed is not None:
+        return _fixed
+    chosen = _choose()
+    if chosen.started():
+        _fixed = chosen
+    return chosen
+
+
+# ------------------------------------------------------------------ devices
+def device(index: int | None = None) -> torch.device:
+    return current().device(index)
+
+
+def device_count() -> int:
+    return current().device_count()
+
+
+def owns(dev: torch.device | str) -> bool:
+    return current().owns(dev)
+
+
+def is_lazy(dev: torch.device | str) -> bool:
+    """Whether tensors on ``dev`` build graphs that a step boundary runs (XLA)."""
+    return current().is_lazy(dev)
+
+
+def is_accelerated(dev: torch.device | str) -> bool:
+    """Whether ``dev`` is the accelerator of this process's backend (not the host CPU)."""
+    chosen = current()
+    return chosen.device_type != "cpu" and chosen.owns(dev)
+
+
+# ----------------------------------------------------------------- replicas
+def world_size() -> int:
+    return current().world_size()
+
+
+def rank() -> int:
+    return current().rank()
+
+
+def is_master() -> bool:
+    return current().rank() == 0
+
+
+def in_launched_process() -> bool:
+    return current().in_launched_process()
+
+
+def join_job() -> None:
+    """Joins the job of an outside launcher (a ``torchrun`` process group) once; nothing elsewhere."""
+    current().join_job()
+
+
+def launch(fn: Callable[..., Any], args: tuple, nprocs: int, start_method: str) -> None:
+    current().launch(fn, args, nprocs, start_method)
+
+
+def all_reduce(tensors: list[torch.Tensor], op: ReduceOp = "sum") -> list[torch.Tensor]:
+    return current().all_reduce(tensors, op)
+
+
+def all_gather(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    return current().all_gather(tensors)
+
+
+def barrier(tag: str) -> None:
+    current().barrier(tag)
+
+
+def reduce_gradients(optimizer: torch.optim.Optimizer) -> None:
+    current().reduce_gradients(optimizer)
+
+
+def metric_sync_fn() -> Callable[..., list[torch.Tensor]] | None:
+    return current().metric_sync_fn()
+
+
+# -------------------------------------------------------------------- steps
+def sync(wait: bool = False) -> None:
+    current().sync(wait)
+
+
+def wait() -> None:
+    current().wait()
+
+
+def skip_next_loader_sync() -> None:
+    current().skip_next_loader_sync()
+
+
+def device_loader(loader: Any, dev: torch.device, spmd_devices: int | None = None, minibatch: bool = False) -> Any:
+    return current().device_loader(loader, dev, spmd_devices, minibatch)
+
+
+def to_cpu(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    return current().to_cpu(tensors)
+
+
+# ---------------------------------------------------- precision, optimizers
+def bf16_autocast_available() -> bool:
+    return current().bf16_autocast_available()
+
+
+def autocast(dev: torch.device, dtype: torch.dtype) -> Any:
+    return current().autocast(dev, dtype)
+
+
+def hardware(dev: torch.device) -> str | None:
+    return current().hardware(dev)
+
+
+def fused_optimizer(name: str) -> type | None:
+    return current().fused_optimizer(name)
+
+
+def is_fused_optimizer(optimizer: Any) -> bool:
+    return current().is_fused_optimizer(optimizer)
+
+
+def rng_state() -> int:
+    return current().rng_state()
+
+
+def set_rng_state(state: int) -> None:
+    current().set_rng_state(state)
+
+
+# ----------------------------------------------------------------- counters
+def counters() -> Counters:
+    return current().counters()
+
+
+def compile_count() -> int:
+    """Graphs compiled so far in this process (0 where nothing compiles)."""
+    return current().counters().compiles
+
+
+def execute_count() -> int:
+    return current().counters().executions
+
+
+def host_sync_count() -> int:
+    """Device-to-host reads forced by Python (``.item()``, printing), where counted."""
+    return current().counters().host_syncs
+
+
+def transfer_from_device_count() -> int:
+    return current().counters().transfers
+
+
+def fallback_ops() -> list[str]:
+    return current().fallback_ops()
+
+
+def clear_counters() -> None:
+    current().clear_counters()
+
+
+def pending_ir_nodes() -> int:
+    return current().pending_ir_nodes()
+
+
+def tensors_created() -> int:
+    return current().tensors_created()
+
+
+# --------------------------------------------------------------------- SPMD
+def is_spmd() -> bool:
+    return current().is_spmd()
+
+
+def use_spmd() -> None:
+    current().use_spmd()
+
+
+def process_count() -> int:
+    return current().process_count()
+
+
+def process_index() -> int:
+    return current().process_index()
+
+
+def global_device_count() -> int:
+    return current().global_device_count()
+
+
+def addressable_device_count() -> int:
+    return current().addressable_device_count()

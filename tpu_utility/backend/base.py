@@ -1,0 +1,207 @@
+"""The questions every backend answers, and the answers of one eager process.
+
+A ``Backend`` is chosen once per process (``backend.current()``) and every
+"which accelerator?" question in the package goes to it: which device, how many
+replicas, how to reduce across them, where a step ends, how to count compiles
+and host reads. The defaults here are those of a single eager process with no
+collectives (plain CPU); ``native.NativeBackend`` adds ``torch.distributed``,
+``xla.XlaBackend`` torch_xla's lazy graphs, SPMD and counters, and
+``tpu.TorchTpuBackend`` TorchTPU's ``tpu`` device.
+
+Example:
+    >>> from tpu_utility import backend
+    >>> backend.current().name            # doctest: +SKIP
+    'cpu'
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Literal, Sequence
+
+import torch
+from torch.utils import _pytree as pytree
+
+ReduceOp = Literal["sum", "min", "max"]
+
+
+@dataclass(frozen=True)
+class Counters:
+    """What a backend has counted so far in this process.
+
+    ``measured`` is False where the backend cannot see these events (an eager
+    backend has no graphs to compile; its host reads are not counted): the
+    figures are then 0 and mean "not measured", never "none happened".
+    """
+
+    compiles: int = 0
+    executions: int = 0
+    host_syncs: int = 0
+    transfers: int = 0
+    measured: bool = False
+
+
+def move_to_device(batch: Any, device: torch.device) -> Any:
+    """Every tensor in a (nested) batch, moved to ``device``; other values unchanged."""
+    return pytree.tree_map(lambda t: t.to(device, non_blocking=True) if isinstance(t, torch.Tensor) else t, batch)
+
+
+class Backend:
+    """One accelerator stack, as the rest of the package sees it.
+
+    Subclasses override what differs; everything here is the answer of one eager
+    process that runs alone (no replicas, no graphs, no step boundary).
+    """
+
+    name: str = "cpu"
+    device_type: str = "cpu"
+    lazy: bool = False  # tensors build graphs that run at a step boundary (sync)
+    # which core counts run: "one_or_all" (XLA), "up_to_available" (GPUs), "any" (CPU processes)
+    core_rule: str = "any"
+
+    # ------------------------------------------------------------- devices
+    def started(self) -> bool:
+        """True once this backend's runtime runs here, so the choice can no longer change."""
+        return False
+
+    def device(self, index: int | None = None) -> torch.device:
+        return torch.device(self.device_type)
+
+    def device_count(self) -> int:
+        """Devices this job could use, counted without starting a runtime."""
+        return 1
+
+    def owns(self, device: torch.device | str) -> bool:
+        """Whether tensors on ``device`` belong to this backend's accelerator."""
+        return torch.device(device).type == self.device_type
+
+    def is_lazy(self, device: torch.device | str) -> bool:
+        """Whether tensors on ``device`` build graphs that a step boundary runs."""
+        return self.lazy and self.owns(device)
+
+    # ------------------------------------------------------------ replicas
+    def world_size(self) -> int:
+        return 1
+
+    def rank(self) -> int:
+        return 0
+
+    def in_launched_process(self) -> bool:
+        """True inside a process started by a multi-process launch (ours, torchrun, torch_xla's)."""
+        return False
+
+    def join_job(self) -> None:
+        """Joins the multi-process job this process was started in by another launcher (torchrun)."""
+
+    def launch(self, fn: Callable[..., Any], args: tuple, nprocs: int, start_method: str) -> None:
+        raise RuntimeError(f"the {self.name} backend cannot launch several processes")
+
+    def all_reduce(self, tensors: list[torch.Tensor], op: ReduceOp = "sum") -> list[torch.Tensor]:
+        return tensors
+
+    def all_gather(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Concatenates each tensor over replicas along dim 0 (same shape on every replica)."""
+        return tensors
+
+    def barrier(self, tag: str) -> None:
+        """Waits until every replica gets here."""
+
+    def reduce_gradients(self, optimizer: torch.optim.Optimizer) -> None:
+        """Averages gradients over replicas where the backend does it in the step (XLA)."""
+
+    def wrap_replica(self, model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+        """The model a replica trains through, so that its gradients are averaged (XLA: the model itself)."""
+        return model
+
+    def metric_sync_fn(self) -> Callable[..., list[torch.Tensor]] | None:
+        """torchmetrics' ``dist_sync_fn`` for this backend; None keeps torchmetrics' own."""
+        return None
+
+    # --------------------------------------------------------------- steps
+    def sync(self, wait: bool = False) -> None:
+        """Ends the step here (runs a lazy graph); nothing on an eager backend."""
+
+    def wait(self) -> None:
+        """Waits until the device finished every queued operation."""
+
+    def skip_next_loader_sync(self) -> None:
+        """Tells the device loader that the step was just cut (lazy backends)."""
+
+    def device_loader(self, loader: Any, device: torch.device, spmd_devices: int | None = None,
+                      minibatch: bool = False) -> Iterator[Any]:  # fmt: skip
+        """Batches of ``loader`` moved to ``device``."""
+        return (move_to_device(batch, device) for batch in loader)
+
+    def to_cpu(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Copies tensors to the host, in one transfer where the backend can."""
+        return [t.detach().cpu() for t in tensors]
+
+    # ----------------------------------------------------------- precision
+    def bf16_autocast_available(self) -> bool:
+        return False
+
+    def hardware(self, device: torch.device) -> str | None:
+        """The hardware under ``device`` where it is not the device itself ("TPU" or "CPU" under XLA, "TPU" under TorchTPU), else None."""
+        return None
+
+    def autocast(self, device: torch.device, dtype: torch.dtype) -> Any:
+        return contextlib.nullcontext()
+
+    # ---------------------------------------------------------- optimizers
+    def fused_optimizer(self, name: str) -> type | None:
+        """A backend's own optimizer class for ``name`` ("adam", "adamw"), or None."""
+        return None
+
+    def is_fused_optimizer(self, optimizer: Any) -> bool:
+        return False
+
+    # ----------------------------------------------------------------- rng
+    def rng_state(self) -> int:
+        """The device generator's state where it is separate from torch's CPU one (XLA), else 0."""
+        return 0
+
+    def set_rng_state(self, state: int) -> None:
+        """Restores (or seeds) the device generator; nothing where torch's own covers it."""
+
+    # ------------------------------------------------------------ counters
+    def counters(self) -> Counters:
+        return Counters()
+
+    def fallback_ops(self) -> list[str]:
+        return []
+
+    def clear_counters(self) -> None:
+        """Starts the counters afresh."""
+
+    # ---------------------------------------------------------------- SPMD
+    def is_spmd(self) -> bool:
+        return False
+
+    def use_spmd(self) -> None:
+        raise ValueError(
+            f"SPMD (one process over a mesh of devices) is a torch_xla feature; the {self.name} backend "
+            f"runs one process per device: use strategy='auto' or 'multiprocess'"
+        )
+
+    def process_count(self) -> int:
+        """Processes of one SPMD program (hosts of a pod slice); 1 elsewhere."""
+        return 1
+
+    def process_index(self) -> int:
+        return 0
+
+    def global_device_count(self) -> int:
+        return self.world_size()
+
+    def addressable_device_count(self) -> int:
+        return 1
+
+    # ------------------------------------------------------ doctor's probes
+    def pending_ir_nodes(self) -> int:
+        """IR nodes live tensors still wait to run (lazy backends); 0 where nothing waits."""
+        return 0
+
+    def tensors_created(self) -> int:
+        """Device tensors created so far, where the backend counts them; else 0."""
+        return 0

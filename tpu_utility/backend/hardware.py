@@ -1,0 +1,72 @@
+"""Hardware probe: TPU chips on the PCI bus and the PJRT device asked for.
+
+Nothing here imports torch_xla or starts a runtime: it reads sysfs and the
+environment, so a notebook cell can look before it launches on all cores.
+"""
+
+from __future__ import annotations
+
+import functools
+import glob
+import os
+from dataclasses import dataclass
+
+_GOOGLE_PCI_VENDOR = "0x1ae0"
+# PCI device ids of TPU chips (as torch_xla._internal.tpu lists them) and the
+# number of XLA devices (cores) each chip exposes under PJRT.
+_TPU_PCI_KINDS = {
+    "0x0027": ("v2/v3", 2),
+    "0x005e": ("v4", 1),
+    "0x0063": ("v5e", 1),
+    "0x0062": ("v5p", 1),
+    "0x006f": ("v6e", 1),
+    "0x0076": ("7x", 1),
+}
+
+
+@dataclass(frozen=True)
+class TpuHardware:
+    """TPU chips attached to this host, found without starting any runtime."""
+
+    chips: int
+    kind: str | None
+    cores_per_chip: int
+
+    @property
+    def devices(self) -> int:
+        return self.chips * self.cores_per_chip
+
+
+@functools.lru_cache(maxsize=None)
+def _scan_pci(pci_root: str) -> tuple[int, str | None, int]:
+    chips, kind, cores = 0, None, 1
+    for vendor_path in sorted(glob.glob(os.path.join(pci_root, "*", "vendor"))):
+        try:
+            with open(vendor_path) as f:
+                if f.read().strip() != _GOOGLE_PCI_VENDOR:
+                    continue
+            with open(os.path.join(os.path.dirname(vendor_path), "device")) as f:
+                device_id = f.read().strip()
+        except OSError:
+            continue
+        if device_id in _TPU_PCI_KINDS:
+            chips += 1
+            kind, cores = _TPU_PCI_KINDS[device_id]
+    return chips, kind, cores
+
+
+def detect_tpu(pci_root: str = "/sys/bus/pci/devices") -> TpuHardware:
+    """Counts TPU chips on the PCI bus: reading sysfs (once per process), so nothing is started."""
+    chips, kind, cores = _scan_pci(pci_root)
+    accelerator = os.environ.get("TPU_ACCELERATOR_TYPE")  # e.g. "v3-8" on TPU VMs
+    if chips and accelerator:
+        kind = accelerator.split("-")[0]
+    return TpuHardware(chips, kind, cores)
+
+
+def pjrt_device() -> str | None:
+    """The PJRT device the user (or setup_tpu) chose, upper-cased, or None."""
+    value = os.environ.get("PJRT_DEVICE")
+    return value.split("_")[0].upper() if value else None
+
+
