@@ -84,8 +84,11 @@ def _write(obj: Any, path: str) -> None:
     remove_stale_temporaries(folder, old_suffixes=(".pt",))  # earlier releases wrote .tmp-XXXXXXXX.pt
     was = torch.serialization.get_crc32_options()
     torch.serialization.set_crc32_options(True)  # the checksums load_checkpoint checks
+    tensors = [leaf for leaf in pytree.tree_leaves(obj) if isinstance(leaf, torch.Tensor)]
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+    size = sum(storages.values())  # what the file holds (each storage once), for a disk-full error
     try:
-        with atomic_write(path) as f:
+        with atomic_write(path, size=size) as f:
             torch.save(obj, f)
     finally:
         torch.serialization.set_crc32_options(was)
