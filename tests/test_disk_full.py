@@ -12,8 +12,12 @@ import pytest
 import torch
 from torch.utils.data import TensorDataset
 
-from tpu_utility import cache_dataset, load_checkpoint, save_checkpoint
+from conftest import flat_digits, small_mlp
+from tpu_utility import cache_dataset, load_checkpoint, one_cycle_fit, save_checkpoint
 from tpu_utility.files import TEMP_SUFFIX, WriteError
+
+pytestmark = pytest.mark.filterwarnings("ignore:dropping the last")
+
 
 class _FullDisk:
     """A file whose writes fail with ENOSPC once ``budget`` bytes went in, as on a full disk."""
@@ -61,6 +65,19 @@ def test_a_full_disk_while_saving_names_the_file_the_space_and_keeps_the_previou
                      r"replaced: the previous last\.pt is intact\. Free some space", str(e.value))  # fmt: skip
     monkeypatch.undo()
     assert load_checkpoint(path)["epoch"] == 1 and os.listdir(tmp_path) == ["last.pt"]  # no temporary left
+
+
+def test_a_full_disk_during_training_stops_with_the_resume_call_and_the_folder_resumes(tmp_path, monkeypatch):
+    args = {"epochs": 3, "max_lr": 1e-2, "batch_size": 32, "progress": False, "checkpoint_dir": str(tmp_path)}
+    full_after(monkeypatch, opened=3)  # epoch 1's last.pt, best.pt, history.csv; then epoch 2's last.pt fails
+    with pytest.raises(WriteError, match=r"cannot write .*last.pt: the disk is full \(.*needed\)\. Nothing was "
+                                         r"replaced: the previous last.pt is intact\..*resume=True"):  # fmt: skip
+        one_cycle_fit(small_mlp(), flat_digits(128), **args)
+    monkeypatch.undo()  # space freed
+    assert load_checkpoint(str(tmp_path))["epoch"] == 1
+    assert not [n for n in os.listdir(tmp_path) if n.endswith(TEMP_SUFFIX)]
+    history = one_cycle_fit(small_mlp(), flat_digits(128), resume=True, **args)
+    assert [r.epoch for r in history.records] == [1, 2, 3]
 
 
 def test_the_cache_and_presize_writers_give_the_same_error(tmp_path, monkeypatch):

@@ -139,11 +139,22 @@ def save_checkpoint(path: str, model: torch.nn.Module | None = None, optimizer: 
     xla.rendezvous("tpu_utility.save_checkpoint")
 
 
-def _damaged(path: str, why: str) -> ValueError:
-    return ValueError(
-        f"checkpoint {path} is damaged ({why}); it cannot be loaded. Delete it to start again, or "
-        f"restore a copy (a save interrupted by a crash never damages the previous file)"
-    )
+class DamagedCheckpointError(ValueError):
+    """A checkpoint file that cannot be read back; ``why`` says what is wrong with it."""
+
+    def __init__(self, path: str, why: str) -> None:
+        super().__init__(
+            f"checkpoint {path} is damaged ({why}); it cannot be loaded. Delete it to start again, or "
+            f"restore a copy (a save interrupted by a crash never damages the previous file)"
+        )
+        self.path, self.why = path, why
+
+    def __reduce__(self) -> tuple[type, tuple[str, str]]:  # picklable, for a launch's worker errors
+        return type(self), (self.path, self.why)
+
+
+def _damaged(path: str, why: str) -> DamagedCheckpointError:
+    return DamagedCheckpointError(path, why)
 
 
 def _check_file(path: str) -> None:

@@ -267,11 +267,9 @@ def one_cycle_fit(
     processes = n_cores if run_mode == "multiprocess" else 1
     train_spec, valid_spec = _loader_specs(train_data, valid_data, batch_size, num_workers, processes)
     loss = loss_fn if loss_fn is not None else nn.CrossEntropyLoss()
-    figures = ["train_loss"] + (["valid_loss", *metric_table] if valid_data is not None else [])
-    if stop.monitor not in figures:
-        raise ValueError(f"monitor={stop.monitor!r} is not among this run's figures {figures}")
     if valid_spec is not None:
         per_sample_loss(loss)  # fail now, not after the first epoch
+        _check_buckets(valid_spec, "valid_data")  # a long sequence would fail only after an epoch of training
     _check_checkpoint_dir(checkpoint_dir)
     steps = Steps(loss, train_step, eval_step, accumulate_steps, max_grad_norm, default_loss=loss_fn is None)
     fingerprint = {
@@ -300,11 +298,26 @@ def _stop_rule(monitor: str | None, mode: str, patience: int | None, restore_bes
     watched = monitor if monitor is not None else ("valid_loss" if has_valid else "train_loss")
     if not isinstance(watched, str):
         raise TypeError(f"monitor must be a figure's name ('valid_loss', 'train_loss' or a metric's), but given {monitor!r}")
+    names = ["train_loss"] + (["valid_loss", *metric_table] if has_valid else [])
+    if watched not in names:  # before the mode is guessed from the name: say what is missing
+        hint = " (metrics are computed on valid_data, and none was given)" if watched in metric_table else ""
+        raise ValueError(f"monitor={watched!r} is not a figure of this run; it has {names}{hint}")
+    if not isinstance(restore_best, bool):
+        raise TypeError(f"restore_best must be True or False, but given {restore_best!r}")
     if patience is not None:
         _positive("early_stopping", patience, int)
     higher_is_better = getattr(metric_table.get(watched), "higher_is_better", None)  # a torchmetrics Metric knows
     mode = resolve_mode(watched, mode, higher_is_better)
-    return StopRule(watched, mode, patience, parse_duration(time_limit), bool(restore_best))
+    return StopRule(watched, mode, patience, parse_duration(time_limit), restore_best)
+
+
+def _check_buckets(spec: LoaderSpec, what: str) -> None:
+    """Every sequence fits the largest bucket of a BucketCollate (one read of each sample, on the host)."""
+    from .buckets import BucketCollate
+
+    if isinstance(spec.collate_fn, BucketCollate):
+        lengths = spec.batch_sampler.lengths if spec.batch_sampler is not None else None
+        spec.collate_fn.check_fits(spec.dataset, what, lengths, None if spec.sampler is None else list(spec.sampler))
 
 
 def _loader_specs(train_data: Any, valid_data: Any, batch_size: int | None, num_workers: int | None,
