@@ -1,12 +1,14 @@
 """Cases that failed late or misleadingly now fail at once, naming the value and the way on."""
 
+import math
+
 import pytest
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from conftest import flat_digits, small_mlp
-from tpu_utility import one_cycle_fit
+from tpu_utility import load_checkpoint, one_cycle_fit, save_checkpoint
 from tpu_utility.buckets import BucketCollate
 
 pytestmark = pytest.mark.filterwarnings("ignore:dropping the last")
@@ -80,3 +82,47 @@ def test_a_batch_of_three_parts_names_the_layout_and_the_way_on():
                                             r"Sequential.forward\(input\) does not take 2\. For batches such as "
                                             r"\(inputs, targets, weights\), pass (train|eval)_step="):  # fmt: skip
             fit(small_mlp(), weighted, **kwargs)
+
+
+def test_a_nan_monitored_figure_is_never_the_best_and_says_so(capsys):
+    x, y = flat_digits(64).tensors
+    valid = TensorDataset(torch.full_like(x, math.nan), y)
+    history = fit(small_mlp(), flat_digits(64), valid_data=valid, epochs=3, early_stopping=2, restore_best=True,
+                  progress=True)  # fmt: skip
+    out = capsys.readouterr().out
+    assert out.count("(valid_loss is nan: never the best epoch)") == 2
+    assert history.stop_reason == (
+        "early stopping: valid_loss did not improve for 2 epoch(s); no epoch had a finite valid_loss; "
+        "no best weights were restored (the model holds the last epoch's)"
+    )
+    assert history.best_epoch is None
+
+
+def test_loading_another_optimizers_state_names_both_classes(tmp_path):
+    model = small_mlp()
+    adam = torch.optim.Adam(model.parameters())
+    model(torch.ones(2, 64)).sum().backward()
+    adam.step()
+    save_checkpoint(str(tmp_path / "c.pt"), model=model, optimizer=adam)
+    before = [p.detach().clone() for p in model.parameters()]
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    changed = [p.detach().clone() for p in model.parameters()]
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    with pytest.raises(ValueError, match=r"c.pt holds the state of torch.optim.adam.Adam, but the optimizer given is "
+                                         r"torch.optim.sgd.SGD, which needs \['dampening', 'momentum'\] that state "
+                                         r"lacks. "
+                                         r"Give the kind of optimizer it was saved from \(Adam\), or load only the "
+                                         r"model \(optimizer=None\) and start a fresh SGD"):  # fmt: skip
+        load_checkpoint(str(tmp_path / "c.pt"), model=model, optimizer=sgd)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), changed))  # refused before loading anything
+    torch.save({"optimizer": torch.optim.SGD(model.parameters(), lr=0.1).state_dict()}, tmp_path / "plain.pt")
+    with pytest.raises(ValueError, match=r"plain.pt holds the state of an optimizer with hyperparameters \[.*'momentum'"
+                                         r".*\], but the optimizer given is torch.optim.adamw.AdamW, which needs "
+                                         r"\['betas', 'eps'\]"):  # fmt: skip
+        load_checkpoint(str(tmp_path / "plain.pt"), optimizer=torch.optim.AdamW(model.parameters()))
+    adamw = torch.optim.AdamW(model.parameters())  # the same family loads (as torch allows)
+    load_checkpoint(str(tmp_path / "c.pt"), model=model, optimizer=adamw)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), before))
+    assert adamw.state_dict()["state"][0]["step"] == 1

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from . import xla
-from .checkpoint import (CHECKPOINT_NAME, DamagedCheckpointError, load_checkpoint, load_state_into,
+from .checkpoint import (CHECKPOINT_NAME, DamagedCheckpointError, class_name, load_checkpoint, load_state_into,
                          save_atomic, to_cpu)
 from .data import LoaderSpec, label_checked, set_epoch
 from .files import WriteError, folder_lock, remove_stale_temporaries
@@ -377,7 +377,10 @@ def _after_epoch(run: _Run, record: EpochRecord) -> str | None:
     if state is not None:
         _save_epoch(run, state, improved)
     if run.master and plan.progress:
-        write_line(record.line(plan.epochs) + ("  *best" if improved and plan.stop.patience is not None else ""))
+        note = "  *best" if improved and plan.stop.patience is not None else ""
+        if not math.isfinite(figures[plan.stop.monitor]):
+            note = f"  ({plan.stop.monitor} is {figures[plan.stop.monitor]}: never the best epoch)"
+        write_line(record.line(plan.epochs) + note)
     return run.watch.early_stop(plan.stop)
 
 
@@ -420,8 +423,13 @@ def _finish(run: _Run) -> None:
     if run.runner.precision.mode == "cast":  # trained in bf16: the model goes back in the dtypes it came in
         run.runner.found.restore_dtypes(run.runner.model)
     if run.plan.stop.restore_best:
+        if not run.watch.best_epoch:
+            never = f"no epoch had a finite {run.plan.stop.monitor}"
+            why = "" if never in run.history.stop_reason else f"{never}, so "
+            run.history.stop_reason += f"; {why}no best weights were restored (the model holds the last epoch's)"
+            return
         best = run.best_state
-        if best is None and "best" in run.paths and run.watch.best_epoch:  # best.pt was checked when the run resumed
+        if best is None and "best" in run.paths:  # best.pt was checked when the run resumed
             problem, state = _best_problem(run, run.watch.best_epoch)
             if problem:
                 raise RuntimeError(f"{run.paths['best']} {problem}, so the best weights cannot be restored")
@@ -475,6 +483,7 @@ def _state(run: _Run, epoch: int) -> dict[str, Any]:
         "total_steps": run.total,
         "model": run.runner.model.state_dict(),
         "optimizer": run.opt.state_dict(),
+        "optimizer_class": class_name(run.opt),
         "rng": {
             "torch": torch.get_rng_state(),
             "xla": xla.get_rng_state() if run.runner.on_xla else 0,
