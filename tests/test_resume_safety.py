@@ -223,3 +223,50 @@ def test_resume_with_another_monitor_is_refused_naming_both(tmp_path, data):
     with pytest.raises(ValueError, match=r"watching monitor='train_loss' \(mode='max'\), but this call watches "
                                          r"monitor='valid_loss' \(mode='min'\)"):  # fmt: skip
         _fit(tmp_path, data, epochs=2, monitor="valid_loss", mode="min", resume=True)
+
+
+def test_a_rerun_into_a_folder_holding_another_runs_last_pt_is_refused_until_told(tmp_path, data):
+    _fit(tmp_path, data, epochs=2)
+    last = (tmp_path / "last.pt").read_bytes()
+    with pytest.raises(ValueError, match=r"checkpoint_dir='.*' holds another run's last.pt \(epoch 2 of 2\); this call "
+                                         r"would overwrite it. Continue that run with resume=True, or start afresh in a "
+                                         r"new checkpoint_dir or with overwrite=True"):  # fmt: skip
+        _fit(tmp_path, data, epochs=3)
+    assert (tmp_path / "last.pt").read_bytes() == last  # untouched
+    with pytest.raises(ValueError, match="resume=True continues the run in checkpoint_dir and overwrite=True replaces"):
+        _fit(tmp_path, data, epochs=3, resume=True, overwrite=True)
+    history = _fit(tmp_path, data, epochs=3, overwrite=True)
+    assert [r.epoch for r in history.records] == [1, 2, 3]
+    new_last, best = load_checkpoint(str(tmp_path)), load_checkpoint(str(tmp_path / "best.pt"))
+    assert new_last["epoch"] == 3 and best["run"] == new_last["run"]  # nothing of the old run is left
+    with open(tmp_path / "history.csv") as f:
+        assert [int(r["epoch"]) for r in csv.DictReader(f)] == [1, 2, 3]
+
+
+class _Interrupt:
+    """The default train step, with a Ctrl-C after ``limit`` steps."""
+
+    def __init__(self, limit):
+        self.calls, self.limit = 0, limit
+
+    def __call__(self, model, batch):
+        self.calls += 1
+        if self.calls > self.limit:
+            raise KeyboardInterrupt
+        x, y = batch
+        return nn.functional.cross_entropy(model(x).float(), y)
+
+
+def test_ctrl_c_ends_with_one_line_saying_what_is_saved_and_the_call_that_continues(tmp_path, data):
+    with pytest.raises(KeyboardInterrupt) as e:
+        _fit(tmp_path, data, epochs=3, train_step=_Interrupt(6))  # 4 steps per epoch: in epoch 2
+    assert str(e.value) == (
+        f"one_cycle_fit interrupted in epoch 2 of 3; {tmp_path / 'last.pt'} holds epoch 1: continue with the same "
+        f"call and resume=True"
+    )
+    assert e.value.__suppress_context__ and e.value.__cause__ is None  # no second traceback above it
+    resumed = _fit(tmp_path, data, epochs=3, train_step=_Interrupt(10**9), resume=True)
+    assert [r.epoch for r in resumed.records] == [1, 2, 3]
+    with pytest.raises(KeyboardInterrupt, match=r"^one_cycle_fit interrupted in epoch 1 of 3; nothing was saved "
+                                                r"\(no checkpoint_dir\), so it cannot be continued$"):  # fmt: skip
+        _fit(tmp_path, data, epochs=3, train_step=_Interrupt(2), checkpoint_dir=None)

@@ -9,6 +9,7 @@ are written by the master.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import random
@@ -81,6 +82,7 @@ class FitPlan:
     stop: StopRule
     checkpoint_dir: str | None = None
     resume: bool = False
+    overwrite: bool = False
     precision: str = "fp32"
     seed: int = 0
     progress: bool = True
@@ -190,6 +192,7 @@ class _Run:
         self.best_state: dict[str, torch.Tensor] | None = None
         self.last_state: dict[str, Any] | None = None  # last.pt's state, while resuming
         self.start_epoch, self.opt_step = 0, 0
+        self.saved_epoch = 0  # the epoch last.pt holds
         self.fingerprint = {**plan.fingerprint, "parameters": _parameter_digest(model)}
         self.run_id = secrets.token_hex(8)  # this run's files carry it; a resume takes last.pt's
         folder = plan.checkpoint_dir
@@ -236,6 +239,10 @@ def train(model: nn.Module, plan: FitPlan) -> tuple[nn.Module, History]:
         return _train(model, plan)
     with folder_lock(plan.checkpoint_dir, "one_cycle_fit"):
         remove_stale_temporaries(plan.checkpoint_dir, old_suffixes=(".pt",))  # a killed run's, of any file
+        if plan.overwrite:  # asked for: the earlier run's files go, none is left to mix with this run's
+            for name in (CHECKPOINT_NAME, BEST_NAME, HISTORY_NAME):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(os.path.join(plan.checkpoint_dir, name))
         return _train(model, plan)
 
 
@@ -256,15 +263,20 @@ def _train(model: nn.Module, plan: FitPlan) -> tuple[nn.Module, History]:
         if run.start_epoch:
             print(f"resumed from {run.paths['last']} after epoch {run.start_epoch}")
     started, previous = _clock(), 0.0
-    for epoch in range(run.start_epoch, plan.epochs):
-        record, elapsed = _epoch(run, epoch, started)  # elapsed: all-reduced, the same on every replica
-        reason = _after_epoch(run, record)
-        if not reason and epoch + 1 < plan.epochs:
-            reason = out_of_time(plan.stop.time_limit, elapsed, epoch + 1 - run.start_epoch, elapsed - previous)
-        if reason:
-            _stop(run, reason)
-            break
-        previous = elapsed
+    run.saved_epoch = run.start_epoch
+    epoch = run.start_epoch
+    try:
+        for epoch in range(run.start_epoch, plan.epochs):
+            record, elapsed = _epoch(run, epoch, started)  # elapsed: all-reduced, the same on every replica
+            reason = _after_epoch(run, record)
+            if not reason and epoch + 1 < plan.epochs:
+                reason = out_of_time(plan.stop.time_limit, elapsed, epoch + 1 - run.start_epoch, elapsed - previous)
+            if reason:
+                _stop(run, reason)
+                break
+            previous = elapsed
+    except KeyboardInterrupt:
+        raise KeyboardInterrupt(_interrupted(run, epoch + 1)) from None  # one line: what is saved, how to go on
     _finish(run)
     return model, run.history
 
@@ -393,6 +405,7 @@ def _save_epoch(run: _Run, state: dict[str, Any], improved: bool) -> None:
     """
     try:
         save_atomic(state, run.paths["last"])
+        run.saved_epoch = int(state["epoch"])
         if improved:
             save_atomic(state, run.paths["best"])
         run.history.to_csv(os.path.join(run.plan.checkpoint_dir, HISTORY_NAME))
@@ -400,6 +413,18 @@ def _save_epoch(run: _Run, state: dict[str, Any], improved: bool) -> None:
         raise WriteError(
             error.errno, f"{error.strerror}; then continue this run with the same call and resume=True"
         ) from error
+
+
+def _interrupted(run: _Run, epoch: int) -> str:
+    """What a Ctrl-C left: the epoch last.pt holds and the call that continues."""
+    where = f"one_cycle_fit interrupted in epoch {epoch} of {run.plan.epochs}"
+    if not run.paths:
+        return f"{where}; nothing was saved (no checkpoint_dir), so it cannot be continued"
+    if not run.saved_epoch:
+        return f"{where}, before any epoch was saved; run the same call again to start afresh"
+    return (
+        f"{where}; {run.paths['last']} holds epoch {run.saved_epoch}: continue with the same call and resume=True"
+    )
 
 
 def _stop(run: _Run, reason: str) -> None:
