@@ -411,6 +411,39 @@ class BucketCollate:
         collate.data_waste = padding_waste(values, collate.buckets)
         return collate
 
+    def check_fits(self, dataset: Any, what: str, lengths: Sequence[int] | None = None,
+                   indices: Iterable[int] | None = None) -> None:  # fmt: skip
+        """Refuses, before training, a dataset holding a sequence longer than the largest bucket.
+
+        ``lengths`` (a ``BucketBatchSampler``'s) saves reading every sample; ``indices``
+        (a sampler's) limits the check to the samples used. Nothing to check with
+        ``overflow="truncate"``.
+
+        Example:
+            >>> BucketCollate([8, 16]).check_fits([(torch.ones(20), 0)], "valid_data")  # doctest: +SKIP
+            ValueError: valid_data sample 0 has a sequence of length 20, longer than the largest bucket 16 ...
+
+        Raises:
+            ValueError: naming the sample, its length and the largest bucket.
+        """
+        if self.overflow != "error":
+            return
+        if lengths is None:
+            chosen = range(len(dataset)) if indices is None else indices
+            lengths = {i: self._split(dataset[i], i)[0].shape[0] for i in chosen}
+        else:
+            lengths = dict(enumerate(lengths))
+        if not lengths:
+            return
+        longest = max(lengths, key=lengths.__getitem__)
+        if lengths[longest] > self.buckets[-1]:
+            raise ValueError(
+                f"{what} sample {longest} has a sequence of length {lengths[longest]}, longer than the largest "
+                f"bucket {self.buckets[-1]} of its BucketCollate (buckets {self.buckets}); build the buckets from "
+                f"the lengths of every dataset it collates (BucketCollate.from_lengths(train + valid lengths)), or "
+                f"pass overflow='truncate'"
+            )
+
     # -------------------------------------------------------------- collate
     def _split(self, sample: Any, index: int) -> tuple[torch.Tensor, Any]:
         if isinstance(sample, Mapping):

@@ -396,7 +396,7 @@ def _build_shard(seeded: Dataset, path: str, names: list[str], fields: list[_Fie
                 )
             columns[j][offset] = array
     for name, column in zip(names, columns):
-        with atomic_write(os.path.join(path, name)) as f:
+        with atomic_write(os.path.join(path, name), size=column.nbytes) as f:
             np.save(f, column, allow_pickle=False)
 
 

@@ -84,8 +84,11 @@ def _write(obj: Any, path: str) -> None:
     remove_stale_temporaries(folder, old_suffixes=(".pt",))  # earlier releases wrote .tmp-XXXXXXXX.pt
     was = torch.serialization.get_crc32_options()
     torch.serialization.set_crc32_options(True)  # the checksums load_checkpoint checks
+    tensors = [leaf for leaf in pytree.tree_leaves(obj) if isinstance(leaf, torch.Tensor)]
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+    size = sum(storages.values())  # what the file holds (each storage once), for a disk-full error
     try:
-        with atomic_write(path) as f:
+        with atomic_write(path, size=size) as f:
             torch.save(obj, f)
     finally:
         torch.serialization.set_crc32_options(was)
@@ -129,6 +132,7 @@ def save_checkpoint(path: str, model: torch.nn.Module | None = None, optimizer: 
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, but given {type(optimizer).__name__}")
         state["optimizer"] = optimizer.state_dict()
+        state["optimizer_class"] = class_name(optimizer)  # named if another optimizer loads it
     state.update(extra)
     _check_loadable(state, "the checkpoint")  # on every process: the same error everywhere, before the rendezvous
     if backend.rank() == 0:
@@ -136,11 +140,22 @@ def save_checkpoint(path: str, model: torch.nn.Module | None = None, optimizer: 
     backend.barrier("tpu_utility.save_checkpoint")
 
 
-def _damaged(path: str, why: str) -> ValueError:
-    return ValueError(
-        f"checkpoint {path} is damaged ({why}); it cannot be loaded. Delete it to start again, or "
-        f"restore a copy (a save interrupted by a crash never damages the previous file)"
-    )
+class DamagedCheckpointError(ValueError):
+    """A checkpoint file that cannot be read back; ``why`` says what is wrong with it."""
+
+    def __init__(self, path: str, why: str) -> None:
+        super().__init__(
+            f"checkpoint {path} is damaged ({why}); it cannot be loaded. Delete it to start again, or "
+            f"restore a copy (a save interrupted by a crash never damages the previous file)"
+        )
+        self.path, self.why = path, why
+
+    def __reduce__(self) -> tuple[type, tuple[str, str]]:  # picklable, for a launch's worker errors
+        return type(self), (self.path, self.why)
+
+
+def _damaged(path: str, why: str) -> DamagedCheckpointError:
+    return DamagedCheckpointError(path, why)
 
 
 def _check_file(path: str) -> None:
@@ -159,6 +174,33 @@ def _check_file(path: str) -> None:
         raise _damaged(path, f"the bytes of record {bad!r} do not match their checksum")
 
 
+# Hyperparameters torch fills in itself when a state_dict from another release lacks them.
+_FILLED_IN = {"foreach", "fused", "maximize", "differentiable", "capturable", "decoupled_weight_decay", "amsgrad",
+              "nesterov", "initial_lr"}  # fmt: skip
+
+
+def class_name(obj: Any) -> str:
+    return f"{type(obj).__module__}.{type(obj).__qualname__}"
+
+
+def _check_optimizer_state(saved: Any, saved_class: Any, optimizer: torch.optim.Optimizer, path: str) -> None:
+    """Refuses another kind of optimizer's state (Adam's into SGD), which torch fails on with a KeyError."""
+    groups = saved.get("param_groups") if isinstance(saved, dict) else None
+    if not (isinstance(groups, list) and groups and all(isinstance(g, dict) for g in groups)):
+        return  # not an optimizer state_dict: torch's own error says so
+    hyperparameters = set().union(*groups) - {"params"}
+    missing = sorted(set(optimizer.defaults) - hyperparameters - _FILLED_IN)
+    if missing:
+        known = isinstance(saved_class, str)
+        was = saved_class if known else f"an optimizer with hyperparameters {sorted(hyperparameters)}"
+        raise ValueError(
+            f"{path} holds the state of {was}, but the optimizer given is {class_name(optimizer)}, which needs "
+            f"{missing} that state lacks. Give the kind of optimizer it was saved from"
+            f"{f' ({saved_class.rsplit(chr(46), 1)[-1]})' if known else ''}, or load only the model "
+            f"(optimizer=None) and start a fresh {type(optimizer).__qualname__}"
+        )
+
+
 def load_state_into(state: dict[str, Any], path: str, model: torch.nn.Module | None,
                     optimizer: torch.optim.Optimizer | None) -> None:  # fmt: skip
     """Loads a checkpoint's ``model`` / ``optimizer`` entries into them; ``path`` names it in errors."""
@@ -169,6 +211,8 @@ def load_state_into(state: dict[str, Any], path: str, model: torch.nn.Module | N
                 f"{path} has no {key!r} entry (it holds {keys}); save it with save_checkpoint(path, {key}=...)"
                 + (", or load a bare state_dict with model.load_state_dict(load_checkpoint(path))" if key == "model" else "")
             )
+    if optimizer is not None:  # before anything is loaded: a refusal leaves the model as it was
+        _check_optimizer_state(state["optimizer"], state.get("optimizer_class"), optimizer, path)
     if model is not None:
         model.load_state_dict(state["model"])  # copies into the parameters, on their device
     if optimizer is not None:

@@ -119,6 +119,7 @@ def main(argv: list[str] | None = None) -> float:
         batch_size=args.batch_size,
         cores="all" if args.cores == "all" else int(args.cores),
         checkpoint_dir=os.path.join(args.out, "checkpoints"),
+        overwrite=True,  # each demo run starts afresh
     )
     os.makedirs(args.out, exist_ok=True)
     plot_path = os.path.abspath(os.path.join(args.out, "history.png"))

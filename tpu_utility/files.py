@@ -12,10 +12,12 @@ next writer removes those whose process died. Files get the usual permissions
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import re
 import secrets
+import shutil
 import socket
 import time
 import warnings
@@ -98,13 +100,16 @@ def _fsync_folder(folder: str) -> None:
 
 
 @contextlib.contextmanager
-def atomic_write(path: str, durable: bool = True) -> Iterator[IO[bytes]]:
+def atomic_write(path: str, durable: bool = True, size: int | None = None) -> Iterator[IO[bytes]]:
     """Opens a temporary file for writing; on success it is renamed over ``path``.
 
     On an exception the temporary is removed and ``path`` is untouched; after a
     kill -9, the temporary is left for ``remove_stale_temporaries``. ``durable``
     also flushes the file and its folder to disk (against power loss, not needed
-    against a kill; costly for many small files).
+    against a kill; costly for many small files). A write that fails for lack of
+    space (or another ``OSError``) raises one ``OSError`` naming the file, the free
+    space and the size needed (``size``, the bytes about to be written, when the
+    caller knows it), and saying that the previous file is intact.
 
     Example:
         >>> # was: with open(path, "wb") as f: f.write(data)   (a kill leaves half a file)
@@ -115,6 +120,8 @@ def atomic_write(path: str, durable: bool = True) -> Iterator[IO[bytes]]:
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # the umask applies, as for open()
     except OSError as e:
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise write_failed(path, e, size or 0, known=size is not None) from e
         raise OSError(e.errno, f"cannot write {path}: {e.strerror}") from e  # PermissionError etc. kept
     try:
         with os.fdopen(fd, "wb") as f:
@@ -123,12 +130,64 @@ def atomic_write(path: str, durable: bool = True) -> Iterator[IO[bytes]]:
                 f.flush()
                 os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as error:
+        written = 0
+        with contextlib.suppress(OSError):
+            written = os.path.getsize(tmp)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
-        raise
+        cause = _os_error(error)
+        if cause is None or isinstance(error, WriteError):
+            raise
+        raise write_failed(path, cause, max(size or 0, written), known=size is not None) from error
     if durable:
         _fsync_folder(os.path.dirname(os.path.abspath(path)))
+
+
+def _os_error(error: BaseException) -> OSError | None:
+    """The OSError behind a failed write: the error itself or one it was raised from.
+
+    torch.save reports a failed write as a RuntimeError ("enforce fail at
+    inline_container.cc") raised while handling the OSError.
+    """
+    seen = 0
+    while error is not None and seen < 8:
+        if isinstance(error, OSError):
+            return error
+        error, seen = error.__cause__ or error.__context__, seen + 1
+    return None
+
+
+def _size(n: float) -> str:
+    for unit in ("bytes", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "bytes" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} bytes"  # unreachable
+
+
+class WriteError(OSError):
+    """A file could not be written (disk full, quota, I/O error); the message says what is intact."""
+
+
+def write_failed(path: str, cause: OSError, needed: int, known: bool = True) -> WriteError:
+    """The error for a file that could not be written: which file, free space, size needed, what is intact."""
+    folder = os.path.dirname(os.path.abspath(path))
+    try:
+        free = shutil.disk_usage(folder).free
+    except OSError:
+        free = None
+    full = cause.errno in (errno.ENOSPC, errno.EDQUOT) or (free is not None and free < needed)
+    what = "the disk is full" if full else f"{cause.strerror or cause}"
+    space = f"{_size(free)} free on its filesystem" if free is not None else "free space unknown"
+    need = f"{'about' if known else 'at least'} {_size(needed)} needed" if known or needed else "size needed unknown"
+    name = os.path.basename(path)
+    kept = f"the previous {name} is intact" if os.path.exists(path) else f"no {name} existed before and none was left"
+    return WriteError(
+        cause.errno or (errno.ENOSPC if full else errno.EIO),
+        f"cannot write {path}: {what} ({space}, {need}). Nothing was replaced: {kept}. "
+        f"Free some space or write to a larger disk, then run again",
+    )
 
 
 def _try_lock(fd: int) -> bool:

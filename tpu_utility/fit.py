@@ -116,6 +116,24 @@ def _check_checkpoint_dir(folder: Any) -> None:
         raise ValueError(f"checkpoint_dir={str(folder)!r} is not a writable folder: {error}") from error
 
 
+def _refuse_another_run(folder: str) -> None:
+    """A folder holding a run's last.pt is not written over unless the user says so (re-running a cell)."""
+    from .checkpoint import CHECKPOINT_NAME
+
+    path = os.path.join(folder, CHECKPOINT_NAME)
+    if not os.path.exists(path):
+        return
+    try:  # memory-mapped: only the few bytes of the epoch are read
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        held = f"epoch {int(state['epoch'])} of {int(state['config']['epochs'])}"
+    except Exception:  # damaged, or not one_cycle_fit's: still not ours to overwrite silently
+        held = "a checkpoint"
+    raise ValueError(
+        f"checkpoint_dir={folder!r} holds another run's {CHECKPOINT_NAME} ({held}); this call would overwrite it. "
+        f"Continue that run with resume=True, or start afresh in a new checkpoint_dir or with overwrite=True"
+    )
+
+
 def _optimizer_args(optimizer: Any, weight_decay: float | None) -> dict[str, Any]:
     if weight_decay is None:
         return {}
@@ -154,6 +172,7 @@ def one_cycle_fit(
     weight_decay: float | None = None,
     checkpoint_dir: str | None = None,
     resume: bool = False,
+    overwrite: bool = False,
     monitor: str | None = None,
     mode: Mode = "auto",
     early_stopping: int | None = None,
@@ -195,6 +214,9 @@ def one_cycle_fit(
             epoch, and ``best.pt`` when the monitored figure improves.
         resume: Continue from ``checkpoint_dir/last.pt`` if it exists (the same
             run only: a different one is refused, naming the differences).
+        overwrite: Start afresh in a ``checkpoint_dir`` that holds another run's
+            ``last.pt`` (its ``last.pt``, ``best.pt`` and ``history.csv`` are
+            replaced). Without it or ``resume=True`` such a folder is refused.
         monitor: The figure that decides the best epoch: "valid_loss" (default
             with ``valid_data``, else "train_loss") or a metric's name.
         mode: "min", "max", or "auto" ("min" for a loss, else "max").
@@ -247,6 +269,11 @@ def one_cycle_fit(
         _positive("max_grad_norm", max_grad_norm)
     if resume and checkpoint_dir is None:
         raise ValueError("resume=True needs checkpoint_dir, the folder holding last.pt")
+    for name, flag in (("resume", resume), ("overwrite", overwrite)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be True or False, but given {flag!r}")
+    if resume and overwrite:
+        raise ValueError("resume=True continues the run in checkpoint_dir and overwrite=True replaces it; give one")
     schedule = OneCycle(max_lr, pct_start, div_factor, final_div_factor, base_momentum, max_momentum, scale_lr_by_cores)
     _check_schedule(schedule)
     opt_factory, opt_name = resolve_optimizer(optimizer)
@@ -258,12 +285,12 @@ def one_cycle_fit(
     processes = n_cores if run_mode == "multiprocess" else 1
     train_spec, valid_spec = _loader_specs(train_data, valid_data, batch_size, num_workers, processes)
     loss = loss_fn if loss_fn is not None else nn.CrossEntropyLoss()
-    figures = ["train_loss"] + (["valid_loss", *metric_table] if valid_data is not None else [])
-    if stop.monitor not in figures:
-        raise ValueError(f"monitor={stop.monitor!r} is not among this run's figures {figures}")
     if valid_spec is not None:
         per_sample_loss(loss)  # fail now, not after the first epoch
+        _check_buckets(valid_spec, "valid_data")  # a long sequence would fail only after an epoch of training
     _check_checkpoint_dir(checkpoint_dir)
+    if checkpoint_dir is not None and not (resume or overwrite):
+        _refuse_another_run(str(checkpoint_dir))
     steps = Steps(loss, train_step, eval_step, accumulate_steps, max_grad_norm, default_loss=loss_fn is None)
     fingerprint = {
         "schedule": repr(schedule), "optimizer": opt_name, "weight_decay": weight_decay,
@@ -275,7 +302,8 @@ def one_cycle_fit(
     plan = FitPlan(
         epochs=epochs, train=train_spec, valid=valid_spec, schedule=schedule, steps=steps,
         optimizer=opt_factory, optimizer_name=opt_name, optimizer_args=_optimizer_args(optimizer, weight_decay),
-        metrics=metric_table, stop=stop, checkpoint_dir=checkpoint_dir, resume=resume, precision=precision,
+        metrics=metric_table, stop=stop, checkpoint_dir=checkpoint_dir, resume=resume, overwrite=overwrite,
+        precision=precision,
         seed=seed, progress=progress, cores=n_cores, mode=run_mode, fingerprint=fingerprint,
     )  # fmt: skip
     if run_mode != "multiprocess":
@@ -291,11 +319,26 @@ def _stop_rule(monitor: str | None, mode: str, patience: int | None, restore_bes
     watched = monitor if monitor is not None else ("valid_loss" if has_valid else "train_loss")
     if not isinstance(watched, str):
         raise TypeError(f"monitor must be a figure's name ('valid_loss', 'train_loss' or a metric's), but given {monitor!r}")
+    names = ["train_loss"] + (["valid_loss", *metric_table] if has_valid else [])
+    if watched not in names:  # before the mode is guessed from the name: say what is missing
+        hint = " (metrics are computed on valid_data, and none was given)" if watched in metric_table else ""
+        raise ValueError(f"monitor={watched!r} is not a figure of this run; it has {names}{hint}")
+    if not isinstance(restore_best, bool):
+        raise TypeError(f"restore_best must be True or False, but given {restore_best!r}")
     if patience is not None:
         _positive("early_stopping", patience, int)
     higher_is_better = getattr(metric_table.get(watched), "higher_is_better", None)  # a torchmetrics Metric knows
     mode = resolve_mode(watched, mode, higher_is_better)
-    return StopRule(watched, mode, patience, parse_duration(time_limit), bool(restore_best))
+    return StopRule(watched, mode, patience, parse_duration(time_limit), restore_best)
+
+
+def _check_buckets(spec: LoaderSpec, what: str) -> None:
+    """Every sequence fits the largest bucket of a BucketCollate (one read of each sample, on the host)."""
+    from .buckets import BucketCollate
+
+    if isinstance(spec.collate_fn, BucketCollate):
+        lengths = spec.batch_sampler.lengths if spec.batch_sampler is not None else None
+        spec.collate_fn.check_fits(spec.dataset, what, lengths, None if spec.sampler is None else list(spec.sampler))
 
 
 def _loader_specs(train_data: Any, valid_data: Any, batch_size: int | None, num_workers: int | None,

@@ -105,10 +105,9 @@ class Watch:
     def early_stop(self, rule: StopRule) -> str | None:
         """Why to stop now, or None."""
         if rule.patience is not None and self.waited >= rule.patience:
-            return (
-                f"early stopping: {rule.monitor} did not improve for {self.waited} epoch(s); "
-                f"best {self.best:.4g} at epoch {self.best_epoch}"
-            )
+            best = f"best {self.best:.4g} at epoch {self.best_epoch}" if self.best_epoch else ""
+            best = best or f"no epoch had a finite {rule.monitor}"  # NaN every epoch so far
+            return f"early stopping: {rule.monitor} did not improve for {self.waited} epoch(s); {best}"
         return None
 
     def as_dict(self) -> dict[str, Any]:

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
 from .environment import usable_cpus
-from .files import atomic_write, remove_stale_temporaries, write_json
+from .files import WriteError, atomic_write, remove_stale_temporaries, write_json
 from .progress import progress_bar
 
 ResizeMode = Literal["short_side", "crop"]
@@ -141,6 +141,8 @@ def _resize_one(job: tuple[str, str, int, str, int, bool]) -> tuple[str, str | N
         with atomic_write(dst, durable=False) as f:  # a hidden .tpu-partial name until whole: no loader picks it up
             out.save(f, format=fmt, **info, **({"quality": quality} if fmt in _QUALITY_FORMATS else {}))
         return ("written" if state is None else "redone"), None
+    except WriteError:
+        raise  # the destination's disk is full (or failing): every further image would fail too
     except Exception as e:  # a corrupt or unreadable image is reported, never fatal
         return "failed", f"{type(e).__name__}: {e}"
 

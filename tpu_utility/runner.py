@@ -13,6 +13,8 @@ simulated process counts; the runner only asks torch_xla for the numbers.
 
 from __future__ import annotations
 
+import inspect
+
 import os
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -174,9 +176,28 @@ def split_batch(batch: Batch, what: str) -> tuple[tuple, Any]:
     return tuple(batch[:-1]), batch[-1]
 
 
+def call_model(model: nn.Module, inputs: tuple, what: str) -> Any:
+    """``model(*inputs)``; a forward that cannot take that many inputs is named with the batch's layout."""
+    try:
+        return model(*inputs)
+    except TypeError as error:
+        if len(inputs) < 2:
+            raise
+        try:
+            inspect.signature(model.forward).bind(*inputs)
+        except (TypeError, ValueError):
+            raise TypeError(
+                f"a batch has {len(inputs) + 1} parts, which the default {what} reads as (*inputs, targets): "
+                f"model(*batch[:-1]) with {len(inputs)} inputs, but {type(model).__name__}.forward"
+                f"{inspect.signature(model.forward)} does not take {len(inputs)}. For batches such as "
+                f"(inputs, targets, weights), pass {what}=lambda model, batch: ..."
+            ) from error
+        raise
+
+
 def default_eval_step(model: nn.Module, batch: Batch) -> tuple[Any, Any]:
     inputs, target = split_batch(batch, "eval_step")
-    return model(*inputs), target
+    return call_model(model, inputs, "eval_step"), target
 
 
 def default_predict_step(model: nn.Module, batch: Batch) -> Any:
@@ -303,7 +324,7 @@ class Runner:
         try:
             self.model.eval()  # no dropout: the random streams stay as they were
             with torch.no_grad():
-                output = self.run(lambda model, b: model(*split_batch(b, "train_step")[0]), batch)
+                output = self.run(lambda m, b: call_model(m, split_batch(b, "train_step")[0], "train_step"), batch)
         finally:
             self.model.train(training)
         return output.shape[1] if isinstance(output, torch.Tensor) and output.dim() >= 2 else None

@@ -9,10 +9,13 @@ are written by the master.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import random
+import secrets
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -20,15 +23,16 @@ import torch
 from torch import nn
 
 from . import backend
-from .checkpoint import CHECKPOINT_NAME, load_checkpoint, load_state_into, save_atomic, to_cpu
+from .checkpoint import (CHECKPOINT_NAME, DamagedCheckpointError, class_name, load_checkpoint, load_state_into,
+                         save_atomic, to_cpu)
 from .data import LoaderSpec, label_checked, set_epoch
-from .files import folder_lock
+from .files import WriteError, folder_lock, remove_stale_temporaries
 from .history import EpochRecord, History
 from .metrics import MetricSet
 from .monitor import StopRule, Watch, out_of_time
 from .optim import step_optimizer
 from .progress import progress_bar, write_line
-from .runner import Runner, default_eval_step, split_batch
+from .runner import Runner, call_model, default_eval_step, split_batch
 from .schedule import one_cycle_curve, total_optimizer_steps
 
 BEST_NAME = "best.pt"
@@ -78,6 +82,7 @@ class FitPlan:
     stop: StopRule
     checkpoint_dir: str | None = None
     resume: bool = False
+    overwrite: bool = False
     precision: str = "fp32"
     seed: int = 0
     progress: bool = True
@@ -185,8 +190,11 @@ class _Run:
         self._schedule()
         self.watch = Watch()
         self.best_state: dict[str, torch.Tensor] | None = None
+        self.last_state: dict[str, Any] | None = None  # last.pt's state, while resuming
         self.start_epoch, self.opt_step = 0, 0
+        self.saved_epoch = 0  # the epoch last.pt holds
         self.fingerprint = {**plan.fingerprint, "parameters": _parameter_digest(model)}
+        self.run_id = secrets.token_hex(8)  # this run's files carry it; a resume takes last.pt's
         folder = plan.checkpoint_dir
         self.paths = {"last": os.path.join(folder, CHECKPOINT_NAME), "best": os.path.join(folder, BEST_NAME)} if folder else {}
 
@@ -230,6 +238,11 @@ def train(model: nn.Module, plan: FitPlan) -> tuple[nn.Module, History]:
     if plan.checkpoint_dir is None or not backend.is_master():
         return _train(model, plan)
     with folder_lock(plan.checkpoint_dir, "one_cycle_fit"):
+        remove_stale_temporaries(plan.checkpoint_dir, old_suffixes=(".pt",))  # a killed run's, of any file
+        if plan.overwrite:  # asked for: the earlier run's files go, none is left to mix with this run's
+            for name in (CHECKPOINT_NAME, BEST_NAME, HISTORY_NAME):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(os.path.join(plan.checkpoint_dir, name))
         return _train(model, plan)
 
 
@@ -241,21 +254,29 @@ def _train(model: nn.Module, plan: FitPlan) -> tuple[nn.Module, History]:
         backend.sync()  # set-up tensors become device data, not part of epoch 1's first graph
     if plan.resume and "last" in run.paths and os.path.exists(run.paths["last"]):
         _restore(run)
+        _check_best(run)  # before the first epoch: never found wrong at the end
+        if run.master:  # a kill between last.pt and history.csv left it an epoch behind
+            run.history.to_csv(os.path.join(plan.checkpoint_dir, HISTORY_NAME))
     run.schedule = OneCycleDriver(run.opt, run.curve, run.runner.device, run.opt_step)
     if run.master and plan.progress:
         print(run.history.summary)
         if run.start_epoch:
             print(f"resumed from {run.paths['last']} after epoch {run.start_epoch}")
     started, previous = _clock(), 0.0
-    for epoch in range(run.start_epoch, plan.epochs):
-        record, elapsed = _epoch(run, epoch, started)  # elapsed: all-reduced, the same on every replica
-        reason = _after_epoch(run, record)
-        if not reason and epoch + 1 < plan.epochs:
-            reason = out_of_time(plan.stop.time_limit, elapsed, epoch + 1 - run.start_epoch, elapsed - previous)
-        if reason:
-            _stop(run, reason)
-            break
-        previous = elapsed
+    run.saved_epoch = run.start_epoch
+    epoch = run.start_epoch
+    try:
+        for epoch in range(run.start_epoch, plan.epochs):
+            record, elapsed = _epoch(run, epoch, started)  # elapsed: all-reduced, the same on every replica
+            reason = _after_epoch(run, record)
+            if not reason and epoch + 1 < plan.epochs:
+                reason = out_of_time(plan.stop.time_limit, elapsed, epoch + 1 - run.start_epoch, elapsed - previous)
+            if reason:
+                _stop(run, reason)
+                break
+            previous = elapsed
+    except KeyboardInterrupt:
+        raise KeyboardInterrupt(_interrupted(run, epoch + 1)) from None  # one line: what is saved, how to go on
     _finish(run)
     return model, run.history
 
@@ -331,7 +352,7 @@ class LossStep:
 
     def __call__(self, model: nn.Module, batch: Any) -> torch.Tensor:
         inputs, target = split_batch(batch, "train_step")
-        return self.loss_fn(model(*inputs).float(), target)
+        return self.loss_fn(call_model(model, inputs, "train_step").float(), target)
 
 
 def _read_epoch(device: torch.device, train_sums: list[torch.Tensor], eval_sums: list[torch.Tensor],
@@ -359,19 +380,51 @@ def _after_epoch(run: _Run, record: EpochRecord) -> str | None:
     """Records the epoch, keeps the best, writes the files; why to stop, or None."""
     plan, history = run.plan, run.history
     history.records.append(record)
-    improved = run.watch.update(plan.stop, record.epoch, _figures(record))
+    figures = _figures(record)
+    improved = run.watch.update(plan.stop, record.epoch, figures)
     history.best_epoch = run.watch.best_epoch or None
     state = _state(run, record.epoch) if run.paths and run.master else None
     if improved and plan.stop.restore_best:  # the checkpoint's copy of the weights, else one of its own
         run.best_state = state["model"] if state is not None else to_cpu(run.runner.model.state_dict())
     if state is not None:
+        _save_epoch(run, state, improved)
+    if run.master and plan.progress:
+        note = "  *best" if improved and plan.stop.patience is not None else ""
+        if not math.isfinite(figures[plan.stop.monitor]):
+            note = f"  ({plan.stop.monitor} is {figures[plan.stop.monitor]}: never the best epoch)"
+        write_line(record.line(plan.epochs) + note)
+    return run.watch.early_stop(plan.stop)
+
+
+def _save_epoch(run: _Run, state: dict[str, Any], improved: bool) -> None:
+    """last.pt, then best.pt, then history.csv.
+
+    last.pt goes first and records the new best epoch while holding its weights,
+    so a kill before best.pt is written leaves what resume needs to repair it
+    (``_check_best`` copies last.pt). best.pt is never ahead of last.pt.
+    """
+    try:
         save_atomic(state, run.paths["last"])
+        run.saved_epoch = int(state["epoch"])
         if improved:
             save_atomic(state, run.paths["best"])
-        history.to_csv(os.path.join(plan.checkpoint_dir, HISTORY_NAME))
-    if run.master and plan.progress:
-        write_line(record.line(plan.epochs) + ("  *best" if improved and plan.stop.patience is not None else ""))
-    return run.watch.early_stop(plan.stop)
+        run.history.to_csv(os.path.join(run.plan.checkpoint_dir, HISTORY_NAME))
+    except WriteError as error:
+        raise WriteError(
+            error.errno, f"{error.strerror}; then continue this run with the same call and resume=True"
+        ) from error
+
+
+def _interrupted(run: _Run, epoch: int) -> str:
+    """What a Ctrl-C left: the epoch last.pt holds and the call that continues."""
+    where = f"one_cycle_fit interrupted in epoch {epoch} of {run.plan.epochs}"
+    if not run.paths:
+        return f"{where}; nothing was saved (no checkpoint_dir), so it cannot be continued"
+    if not run.saved_epoch:
+        return f"{where}, before any epoch was saved; run the same call again to start afresh"
+    return (
+        f"{where}; {run.paths['last']} holds epoch {run.saved_epoch}: continue with the same call and resume=True"
+    )
 
 
 def _stop(run: _Run, reason: str) -> None:
@@ -395,9 +448,17 @@ def _finish(run: _Run) -> None:
     if run.runner.precision.mode == "cast":  # trained in bf16: the model goes back in the dtypes it came in
         run.runner.found.restore_dtypes(run.runner.model)
     if run.plan.stop.restore_best:
+        if not run.watch.best_epoch:
+            never = f"no epoch had a finite {run.plan.stop.monitor}"
+            why = "" if never in run.history.stop_reason else f"{never}, so "
+            run.history.stop_reason += f"; {why}no best weights were restored (the model holds the last epoch's)"
+            return
         best = run.best_state
-        if best is None and "best" in run.paths and os.path.exists(run.paths["best"]):
-            best = load_checkpoint(run.paths["best"])["model"]
+        if best is None and "best" in run.paths:  # best.pt was checked when the run resumed
+            problem, state = _best_problem(run, run.watch.best_epoch)
+            if problem:
+                raise RuntimeError(f"{run.paths['best']} {problem}, so the best weights cannot be restored")
+            best = state["model"]
         if best is not None:
             run.runner.model.load_state_dict(best)
             run.history.stop_reason += f"; restored the best weights (epoch {run.watch.best_epoch})"
@@ -447,13 +508,15 @@ def _state(run: _Run, epoch: int) -> dict[str, Any]:
         "total_steps": run.total,
         "model": run.runner.model.state_dict(),
         "optimizer": run.opt.state_dict(),
+        "optimizer_class": class_name(run.opt),
         "rng": {
             "torch": torch.get_rng_state(),
             "xla": backend.rng_state() if run.runner.lazy else 0,
             "python": random.getstate(),
         },
         "history": run.history.to_dicts(),
-        "monitor": run.watch.as_dict(),
+        "monitor": {**run.watch.as_dict(), "name": plan.stop.monitor, "mode": plan.stop.mode},
+        "run": run.run_id,
         "versions": _versions(),
         "config": {"epochs": plan.epochs, "max_lr": plan.schedule.max_lr, "batch_size": plan.train.batch_size,
                    "cores": plan.cores, "fingerprint": run.fingerprint},  # fmt: skip
@@ -473,7 +536,87 @@ def _restore(run: _Run) -> None:
         backend.set_rng_state(int(state["rng"]["xla"]))
     run.start_epoch, run.opt_step = int(state["epoch"]), int(state["step"])
     run.history.records = History.from_dicts(state["history"]).records
-    run.watch = Watch(**state.get("monitor", {}))
+    watched = state.get("monitor", {})
+    _check_monitor(path, watched, run.plan.stop)
+    run.watch = Watch(**{k: watched[k] for k in ("best", "best_epoch", "waited") if k in watched})
+    run.history.best_epoch = run.watch.best_epoch or None
+    run.run_id = state.get("run", run.run_id)
+    run.last_state = state  # for _check_best, then dropped
+
+
+def _check_monitor(path: str, watched: dict[str, Any], rule: StopRule) -> None:
+    """Refuses to resume watching another figure: its best would be compared against the old one's."""
+    saved = (watched.get("name"), watched.get("mode"))
+    if saved[0] is None or saved == (rule.monitor, rule.mode):
+        return  # a checkpoint from before the name was recorded: nothing to compare
+    raise ValueError(
+        f"{path} was written watching monitor={saved[0]!r} (mode={saved[1]!r}), but this call watches "
+        f"monitor={rule.monitor!r} (mode={rule.mode!r}); its best epoch and best.pt were chosen by the old "
+        f"figure. Resume with monitor={saved[0]!r}, mode={saved[1]!r}, or start afresh in another checkpoint_dir"
+    )
+
+
+def _best_problem(run: _Run, epoch: int) -> tuple[str | None, dict[str, Any] | None]:
+    """What is wrong with best.pt as this run's copy of epoch ``epoch`` (None if nothing), and its state."""
+    path = run.paths["best"]
+    if not os.path.exists(path):
+        return "is missing", None
+    try:
+        state = load_checkpoint(path)
+    except DamagedCheckpointError as error:
+        return f"is damaged ({error.why})", None
+    if not isinstance(state, dict) or "epoch" not in state or "model" not in state:
+        return "is not a one_cycle_fit checkpoint", None
+    saved = state.get("config", {}).get("fingerprint", {})
+    if saved and saved != run.fingerprint:
+        keys = sorted(k for k in set(saved) | set(run.fingerprint) if saved.get(k) != run.fingerprint.get(k))
+        return f"was written by a run with other arguments (they differ in {', '.join(keys)})", None
+    if state.get("run", run.run_id) != run.run_id:
+        return f"was written by another run (run {state.get('run')}, this run {run.run_id})", None
+    if int(state["epoch"]) != epoch:
+        return f"holds epoch {int(state['epoch'])}, not epoch {epoch}", None
+    return None, state
+
+
+def _check_best(run: _Run) -> None:
+    """On resume, best.pt must be this run's copy of the best epoch that last.pt records.
+
+    If last.pt holds the best epoch itself (a kill between the two writes), best.pt
+    is rewritten from it; otherwise a wrong best.pt is an error with the choices.
+    """
+    last_state, run.last_state = run.last_state, None
+    if "best" not in run.paths:
+        return
+    best, last, rule = run.watch.best_epoch, int(last_state["epoch"]), run.plan.stop
+    if not best:
+        if os.path.exists(run.paths["best"]):
+            raise ValueError(
+                f"{run.paths['best']} exists but {run.paths['last']} records no best epoch (no epoch had a finite "
+                f"{rule.monitor}), so it is not this run's. Move it away and resume, or start afresh in another "
+                f"checkpoint_dir"
+            )
+        return
+    problem, _ = _best_problem(run, best)
+    if problem is None:
+        return
+    if best == last:
+        if run.master:
+            save_atomic(last_state, run.paths["best"])
+            warnings.warn(f"repaired {run.paths['best']}: it {problem}; rewritten from {run.paths['last']}, which "
+                          f"holds the best epoch ({best})", stacklevel=2)  # fmt: skip
+        return
+    if problem == "is missing" and not rule.restore_best:
+        if run.master:
+            warnings.warn(f"{run.paths['best']} is missing, so epoch {best}'s weights are lost; it is written again "
+                          f"when an epoch beats {rule.monitor} {run.watch.best:.4g}", stacklevel=2)  # fmt: skip
+        return
+    raise ValueError(
+        f"{run.paths['best']} {problem}, but {run.paths['last']} records epoch {best} as the best "
+        f"({rule.monitor} {run.watch.best:.4g}); resume=True stops now rather than restore wrong weights "
+        f"at the end. Either put back this run's best.pt (epoch {best}); or move best.pt away and resume with "
+        f"restore_best=False (epoch {best}'s weights are then lost; best.pt is written again when an epoch beats "
+        f"it); or start afresh in another checkpoint_dir"
+    )
 
 
 def _check_fingerprint(path: str, state: dict[str, Any], run: _Run) -> None:

@@ -1,0 +1,128 @@
+"""Cases that failed late or misleadingly now fail at once, naming the value and the way on."""
+
+import math
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset, TensorDataset
+
+from conftest import flat_digits, small_mlp
+from tpu_utility import load_checkpoint, one_cycle_fit, save_checkpoint
+from tpu_utility.buckets import BucketCollate
+
+pytestmark = pytest.mark.filterwarnings("ignore:dropping the last")
+
+
+def fit(model, train, **kwargs):
+    args = {"epochs": 1, "max_lr": 3e-3, "batch_size": 32, "progress": False, **kwargs}
+    return one_cycle_fit(model, train, **args)
+
+
+def test_a_monitored_figure_that_does_not_exist_is_named_as_missing():
+    with pytest.raises(ValueError, match=r"monitor='val_acc' is not a figure of this run; it has "
+                                         r"\['train_loss', 'valid_loss', 'accuracy'\]"):  # fmt: skip
+        fit(small_mlp(), flat_digits(64), valid_data=flat_digits(64), monitor="val_acc")
+    with pytest.raises(ValueError, match=r"monitor='accuracy' is not a figure of this run; it has \['train_loss'\] "
+                                         r"\(metrics are computed on valid_data, and none was given\)"):  # fmt: skip
+        fit(small_mlp(), flat_digits(64), monitor="accuracy")
+
+
+@pytest.mark.parametrize("value", ["no", 1, None])
+def test_restore_best_must_be_a_bool(value):
+    with pytest.raises(TypeError, match=rf"restore_best must be True or False, but given {value!r}"):
+        fit(small_mlp(), flat_digits(64), restore_best=value)
+
+
+class _Counted(Dataset):
+    def __init__(self, samples):
+        self.samples, self.reads = samples, 0
+
+    def __len__(self):
+        return len(self.samples)
+
+    def __getitem__(self, i):
+        self.reads += 1
+        return self.samples[i]
+
+
+class _Bag(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed, self.out = nn.Embedding(50, 8), nn.Linear(8, 2)
+
+    def forward(self, tokens, mask):
+        return self.out((self.embed(tokens) * mask[..., None]).sum(1) / mask.sum(1, keepdim=True))
+
+
+def test_a_validation_sequence_longer_than_the_largest_bucket_fails_before_training():
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.randint(3, 17, (64,), generator=g).tolist()
+    train = _Counted([(torch.randint(1, 50, (n,), generator=g), n % 2) for n in lengths])
+    valid = [(torch.randint(1, 50, (n,), generator=g), n % 2) for n in [8] * 20 + [40]]
+    collate = BucketCollate.from_lengths([len(s) for s, _ in train.samples], num_buckets=2)
+    assert collate.buckets[-1] < 40
+    loader = DataLoader(train, batch_size=8, collate_fn=collate, drop_last=True)
+    args = {"loss_fn": nn.CrossEntropyLoss(), "batch_size": None}
+    with pytest.raises(ValueError, match=rf"valid_data sample 20 has a sequence of length 40, longer than the largest "
+                                         rf"bucket {collate.buckets[-1]} of its BucketCollate"):  # fmt: skip
+        fit(_Bag(), loader, valid_data=DataLoader(valid, batch_size=8, collate_fn=collate), **args)
+    assert train.reads == 0  # refused before any training sample was read
+    truncating = BucketCollate(collate.buckets, overflow="truncate")  # the way on the message names
+    with pytest.warns(UserWarning, match="truncating sequences longer than 16 tokens"):
+        fit(_Bag(), loader, valid_data=DataLoader(valid, batch_size=8, collate_fn=truncating), **args)
+
+
+def test_a_batch_of_three_parts_names_the_layout_and_the_way_on():
+    x, y = flat_digits(64).tensors
+    weighted = TensorDataset(x, y, torch.ones(64))  # (inputs, targets, weights): not (*inputs, targets)
+    for kwargs in ({}, {"loss_fn": nn.CrossEntropyLoss()}, {"loss_fn": nn.CrossEntropyLoss(), "valid_data": weighted}):
+        with pytest.raises(TypeError, match=r"a batch has 3 parts, which the default (train|eval)_step reads as "
+                                            r"\(\*inputs, targets\): model\(\*batch\[:-1\]\) with 2 inputs, but "
+                                            r"Sequential.forward\(input\) does not take 2\. For batches such as "
+                                            r"\(inputs, targets, weights\), pass (train|eval)_step="):  # fmt: skip
+            fit(small_mlp(), weighted, **kwargs)
+
+
+def test_a_nan_monitored_figure_is_never_the_best_and_says_so(capsys):
+    x, y = flat_digits(64).tensors
+    valid = TensorDataset(torch.full_like(x, math.nan), y)
+    history = fit(small_mlp(), flat_digits(64), valid_data=valid, epochs=3, early_stopping=2, restore_best=True,
+                  progress=True)  # fmt: skip
+    out = capsys.readouterr().out
+    assert out.count("(valid_loss is nan: never the best epoch)") == 2
+    assert history.stop_reason == (
+        "early stopping: valid_loss did not improve for 2 epoch(s); no epoch had a finite valid_loss; "
+        "no best weights were restored (the model holds the last epoch's)"
+    )
+    assert history.best_epoch is None
+
+
+def test_loading_another_optimizers_state_names_both_classes(tmp_path):
+    model = small_mlp()
+    adam = torch.optim.Adam(model.parameters())
+    model(torch.ones(2, 64)).sum().backward()
+    adam.step()
+    save_checkpoint(str(tmp_path / "c.pt"), model=model, optimizer=adam)
+    before = [p.detach().clone() for p in model.parameters()]
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    changed = [p.detach().clone() for p in model.parameters()]
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    with pytest.raises(ValueError, match=r"c.pt holds the state of torch.optim.adam.Adam, but the optimizer given is "
+                                         r"torch.optim.sgd.SGD, which needs \['dampening', 'momentum'\] that state "
+                                         r"lacks. "
+                                         r"Give the kind of optimizer it was saved from \(Adam\), or load only the "
+                                         r"model \(optimizer=None\) and start a fresh SGD"):  # fmt: skip
+        load_checkpoint(str(tmp_path / "c.pt"), model=model, optimizer=sgd)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), changed))  # refused before loading anything
+    torch.save({"optimizer": torch.optim.SGD(model.parameters(), lr=0.1).state_dict()}, tmp_path / "plain.pt")
+    with pytest.raises(ValueError, match=r"plain.pt holds the state of an optimizer with hyperparameters \[.*'momentum'"
+                                         r".*\], but the optimizer given is torch.optim.adamw.AdamW, which needs "
+                                         r"\['betas', 'eps'\]"):  # fmt: skip
+        load_checkpoint(str(tmp_path / "plain.pt"), optimizer=torch.optim.AdamW(model.parameters()))
+    adamw = torch.optim.AdamW(model.parameters())  # the same family loads (as torch allows)
+    load_checkpoint(str(tmp_path / "c.pt"), model=model, optimizer=adamw)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), before))
+    assert adamw.state_dict()["state"][0]["step"] == 1
