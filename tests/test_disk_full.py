@@ -71,7 +71,8 @@ def test_a_full_disk_during_training_stops_with_the_resume_call_and_the_folder_r
     args = {"epochs": 3, "max_lr": 1e-2, "batch_size": 32, "progress": False, "checkpoint_dir": str(tmp_path)}
     full_after(monkeypatch, opened=3)  # epoch 1's last.pt, best.pt, history.csv; then epoch 2's last.pt fails
     with pytest.raises(WriteError, match=r"cannot write .*last.pt: the disk is full \(.*needed\)\. Nothing was "
-                                         r"replaced: the previous last.pt is intact\..*resume=True"):  # fmt: skip
+                                         r"replaced: the previous last.pt is intact\. Free some space or write to a larger "
+                                         r"disk, then continue this run with the same call and resume=True$"):  # fmt: skip
         one_cycle_fit(small_mlp(), flat_digits(128), **args)
     monkeypatch.undo()  # space freed
     assert load_checkpoint(str(tmp_path))["epoch"] == 1

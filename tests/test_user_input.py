@@ -116,7 +116,7 @@ def test_batches_of_several_inputs_and_a_target_use_model_star_inputs():
         ({"weight_decay": -1}, ValueError, r"weight_decay must be a number in \[0, ∞\), but given -1"),
         ({"time_limit": "soon"}, ValueError, r"time_limit must be seconds or a duration like '8h30m'"),
         ({"early_stopping": 0}, ValueError, r"early_stopping must be a positive int, but given 0"),
-        ({"monitor": "f1"}, ValueError, r"monitor='f1' is not among this run's figures \['train_loss'\]"),
+        ({"monitor": "f1"}, ValueError, r"monitor='f1' is not a figure of this run; it has \['train_loss'\]"),
         ({"mode": "up"}, ValueError, r"mode must be one of \('auto', 'min', 'max'\), but given 'up'"),
         ({"train_step": lambda m, b: 1.0}, TypeError, r"train_step must return the loss as a tensor .* returned float 1.0"),
     ],

@@ -246,6 +246,11 @@ def one_cycle_fit(
         RuntimeError: ``cores="all"`` after the XLA runtime started without SPMD.
         FloatingPointError: the loss became NaN or inf (names the epoch and step;
             the last good checkpoint is kept).
+        OSError: a checkpoint could not be written (``files.WriteError``: disk full;
+            names the file, the free space and the size needed; the previous
+            checkpoint is intact and the run continues with ``resume=True``).
+        KeyboardInterrupt: re-raised with one line: the epoch ``last.pt`` holds
+            and the call that continues.
 
     Example:
         >>> # was: a hand-written loop with torch.device("cuda"), OneCycleLR and opt.step()

@@ -410,9 +410,9 @@ def _save_epoch(run: _Run, state: dict[str, Any], improved: bool) -> None:
             save_atomic(state, run.paths["best"])
         run.history.to_csv(os.path.join(run.plan.checkpoint_dir, HISTORY_NAME))
     except WriteError as error:
-        raise WriteError(
-            error.errno, f"{error.strerror}; then continue this run with the same call and resume=True"
-        ) from error
+        then = "then continue this run with the same call and resume=True"
+        message = error.strerror.replace("then run again", then)
+        raise WriteError(error.errno, message if then in message else f"{message}; {then}") from error
 
 
 def _interrupted(run: _Run, epoch: int) -> str:
