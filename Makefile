@@ -17,7 +17,7 @@ PINNED := .venv
 KAGGLE := .venv-kaggle
 PYTEST_ARGS ?= -q
 
-.PHONY: venv venv-kaggle demo test test-pinned test-kaggle bench clean
+.PHONY: venv venv-kaggle demo test test-pinned test-kaggle bench dist clean
 
 # $(call find-python,3.12,$(PYTHON312)): prints the first interpreter of that version.
 define find-python
@@ -86,6 +86,11 @@ bench: venv
 	$(PINNED)/bin/python bench/text_bench.py
 	$(PINNED)/bin/python bench/predict_bench.py
 	$(PINNED)/bin/python bench/cache_bench.py
+
+# The wheel and sdist a notebook installs (docs/release.md); built offline from the venv's setuptools.
+dist: venv
+	rm -rf dist
+	$(PINNED)/bin/python -m build --no-isolation --outdir dist .
 
 clean:
 	rm -rf $(PINNED) $(KAGGLE) demo_out bench/out build dist

@@ -27,6 +27,12 @@ def test_notebook_uses_only_the_public_api():
     assert not bad, f"cells use the private module tpu_utility.xla: {bad}"
 
 
+def test_sections_are_numbered_in_order():
+    nb = nbformat.read(NOTEBOOK, as_version=4)
+    numbers = [int(m.group(1)) for c in nb.cells if c.cell_type == "markdown" for m in [re.match(r"## (\d+)\. ", c.source)] if m]
+    assert numbers == list(range(1, len(numbers) + 1)), numbers
+
+
 def _outputs_text(nb) -> str:
     return "\n".join(
         o.get("text", "") + str(o.get("data", {}).get("text/plain", "")) + str(o.get("data", {}).get("text/markdown", ""))
