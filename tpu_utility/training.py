@@ -21,13 +21,13 @@ from torch import nn
 
 from . import xla
 from .checkpoint import CHECKPOINT_NAME, load_checkpoint, load_state_into, save_atomic, to_cpu
-from .data import LoaderSpec, label_checked, set_epoch
+from .data import LoaderSpec, dropped_per_epoch, label_checked, set_epoch
 from .files import folder_lock
 from .history import EpochRecord, History
 from .metrics import MetricSet
 from .monitor import StopRule, Watch, out_of_time
 from .optim import step_optimizer
-from .progress import progress_bar, write_line
+from .progress import CompileNotice, format_duration, progress_bar, run_eta, write_line
 from .runner import Runner, default_eval_step, split_batch
 from .schedule import one_cycle_curve, total_optimizer_steps
 
@@ -186,6 +186,8 @@ class _Run:
         self.watch = Watch()
         self.best_state: dict[str, torch.Tensor] | None = None
         self.start_epoch, self.opt_step = 0, 0
+        self.paces: list[float] = []  # each epoch's seconds, compile left out
+        self.compile_seconds = 0.0  # the latest epoch's
         self.fingerprint = {**plan.fingerprint, "parameters": _parameter_digest(model)}
         folder = plan.checkpoint_dir
         self.paths = {"last": os.path.join(folder, CHECKPOINT_NAME), "best": os.path.join(folder, BEST_NAME)} if folder else {}
@@ -265,9 +267,12 @@ def _epoch(run: _Run, epoch: int, started: float) -> tuple[EpochRecord, float]:
     syncs0, transfers0 = xla.host_sync_count(), xla.transfer_from_device_count()
     t0 = time.perf_counter()
     set_epoch(run.train_loader, epoch)  # its sampler's order, and a CachedDataset's augmented copy
-    train_sums, lr = _train_epoch(run, epoch)
+    train_sums, lr, compile_seconds = _train_epoch(run, epoch)
+    graphs, t1 = xla.compile_count(), time.perf_counter()
     sums, computed = run.runner.eval_sums(run.valid_loader, run.metrics, run.eval_step) if run.valid_loader else ([], [])
     values, synced, bad_step = _read_epoch(runner.device, train_sums, sums, [*computed, torch.tensor(_clock() - started)])
+    if xla.compile_count() > graphs:  # the first validation pass and read compile their graphs: counted as compiling
+        compile_seconds += time.perf_counter() - t1
     del train_sums, sums, computed  # lazy views kept alive would run as a graph of their own at the next sync
     loss_sum, n_batches = values[0], values[1]
     if bad_step < _NO_BAD_STEP or not math.isfinite(loss_sum):
@@ -278,9 +283,11 @@ def _epoch(run: _Run, epoch: int, started: float) -> tuple[EpochRecord, float]:
             f"Try a lower max_lr, max_grad_norm=1.0 or precision='fp32'."
         )
     seconds = time.perf_counter() - t0
+    run.compile_seconds, steady = compile_seconds, max(seconds - compile_seconds, 1e-9)
+    run.paces.append(steady)  # what a later epoch takes: the run's ETA
     record = EpochRecord(
         epoch=epoch + 1, train_loss=loss_sum / n_batches, valid_loss=None, metrics={}, lr=lr, seconds=seconds,
-        samples_per_s=run.batches * runner.topology.global_batch(plan.train.batch_size) / seconds,
+        samples_per_s=run.batches * runner.topology.global_batch(plan.train.batch_size) / steady,
     )  # fmt: skip
     if run.metrics is not None:
         record.valid_loss, record.metrics = run.metrics.values(values[2:], synced[:-1])
@@ -290,14 +297,18 @@ def _epoch(run: _Run, epoch: int, started: float) -> tuple[EpochRecord, float]:
     return record, synced[-1]
 
 
-def _train_epoch(run: _Run, epoch: int) -> tuple[list[torch.Tensor], float]:
+def _train_epoch(run: _Run, epoch: int) -> tuple[list[torch.Tensor], float, float]:
+    """The epoch's training pass: its device sums, its last lr, and the seconds its steps spent compiling."""
     plan, runner, steps = run.plan, run.runner, run.plan.steps
     runner.model.train()
     run.opt.zero_grad(set_to_none=True)
     # bad_step: 1-based step of the first non-finite loss
     loss_sum, n_batches, bad_step = _device_values(runner.device, 0.0, 0.0, _NO_BAD_STEP)
     lr = run.schedule.lrs[min(run.opt_step, run.schedule.total - 1)]
-    bar = progress_bar(run.batches, f"epoch {epoch + 1}/{plan.epochs}", enabled=plan.progress and run.master)
+    desc, speak = f"epoch {epoch + 1}/{plan.epochs}", plan.progress and run.master
+    bar = progress_bar(run.batches, desc, enabled=speak)
+    # the run's first epoch on XLA compiles: say so before the first batch's compile, not after
+    notice = CompileNotice(bar, desc, xla.compile_count, expect=runner.on_xla and epoch == run.start_epoch, speak=speak)
     step = steps.train_step or LossStep(steps.loss_fn)
     for i, batch in enumerate(runner.batches(run.train_loader)):
         loss = runner.run(step, batch)
@@ -318,9 +329,11 @@ def _train_epoch(run: _Run, epoch: int) -> tuple[list[torch.Tensor], float]:
             run.opt.zero_grad(set_to_none=True)
             run.opt_step += 1
         bar.update(1)
+        notice.after_step()
+    notice.close()
     bar.close()
     run.opt.zero_grad(set_to_none=True)  # a partial accumulation at the epoch's end is dropped
-    return [loss_sum, bad_step, n_batches], lr
+    return [loss_sum, bad_step, n_batches], lr, notice.compile_seconds
 
 
 class LossStep:
@@ -370,8 +383,16 @@ def _after_epoch(run: _Run, record: EpochRecord) -> str | None:
             save_atomic(state, run.paths["best"])
         history.to_csv(os.path.join(plan.checkpoint_dir, HISTORY_NAME))
     if run.master and plan.progress:
-        write_line(record.line(plan.epochs) + ("  *best" if improved and plan.stop.patience is not None else ""))
+        best = "  *best" if improved and plan.stop.patience is not None else ""
+        write_line(record.line(plan.epochs) + _timing(run, record) + best)
     return run.watch.early_stop(plan.stop)
+
+
+def _timing(run: _Run, record: EpochRecord) -> str:
+    """The epoch line's tail: time spent compiling (samples/s leaves it out) and the run's ETA."""
+    text = f"  (compiling {format_duration(run.compile_seconds)})" if run.compile_seconds >= 0.5 else ""
+    left = run.plan.epochs - record.epoch
+    return text + (f"  ETA {format_duration(run_eta(run.paces, left))}" if left else "")
 
 
 def _stop(run: _Run, reason: str) -> None:
@@ -421,12 +442,16 @@ def _summary(run: _Run) -> str:
     kind = xla.runtime_device_type() if device.type == "xla" else device.type
     scaled = f"scaled x{cores} by cores" if plan.schedule.scale_lr_by_cores else "not scaled by cores"
     workers = plan.train.num_workers or 0
+    dropped = dropped_per_epoch(run.train_loader)
+    loaders = runner.topology.loaders[0]
+    where = f" by each of {loaders} loaders" if dropped and loaders > 1 else ""
     return (
         f"one_cycle_fit: {plan.mode} on {cores} {kind} core(s) | batch {plan.train.batch_size} per core, "
         f"{runner.topology.global_batch(plan.train.batch_size)} global | {run.batches} batches/epoch per core "
         f"x {plan.epochs} epochs = {run.total} optimizer steps | max_lr {run.max_lr:.2e} ({scaled}) | "
         f"{runner.precision.label} | {plan.optimizer_name}{' (torch_xla sync-free, fused)' if run.fused else ''} "
         f"| {workers} loader worker(s)"
+        + (f" | {dropped} sample(s) an epoch left out{where} to keep one batch shape" if dropped else "")
     )
 
 
