@@ -350,6 +350,7 @@ def _fit_multiprocess(model: Any, factory: Any, plan: FitPlan) -> History:
     history.summary, history.model, history.stop_reason = state["summary"], target, state["stop_reason"]
     history.best_epoch = state["best_epoch"] or None
     history.step_lrs, history.step_momenta, history.steps_per_epoch = state["schedule"]
+    history.momentum_name = state["momentum_name"]
     return history
 
 
@@ -362,7 +363,8 @@ def _mp_worker(index: int, model: Any, plan: FitPlan, result: str) -> None:
         save_atomic(
             {"model": to_cpu(trained.state_dict()), "history": history.to_dicts(), "summary": history.summary,
              "stop_reason": history.stop_reason, "best_epoch": history.best_epoch or 0,
-             "schedule": [history.step_lrs, history.step_momenta, history.steps_per_epoch]},
+             "schedule": [history.step_lrs, history.step_momenta, history.steps_per_epoch],
+             "momentum_name": history.momentum_name},
             result,
         )  # fmt: skip
     xla.rendezvous("tpu_utility.fit.done")

@@ -411,6 +411,7 @@ def _finish(run: _Run) -> None:
     done = run.history.records[-1].epoch if run.history.records else run.start_epoch
     run.history.step_lrs = run.curve[0][: run.opt_step]
     run.history.step_momenta = run.curve[1][: run.opt_step] if _uses_momentum(run.opt) else []
+    run.history.momentum_name = "beta1" if "betas" in run.opt.param_groups[0] else "momentum"
     if not run.history.stop_reason:
         run.history.stop_reason = f"completed {done} of {run.plan.epochs} epochs"
     if run.runner.precision.mode == "cast":  # trained in bf16: the model goes back in the dtypes it came in
