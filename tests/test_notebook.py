@@ -63,6 +63,7 @@ def test_notebook_runs_end_to_end(tmp_path, monkeypatch):
     assert rows[0] == "id,label" and [r.split(",")[0] for r in rows[1:]] == [str(i) for i in range(len(rows) - 1)]
     accuracy = float(text.split("accuracy against the held-out labels: ")[1].split("%")[0])
     assert accuracy > 90  # predictions in dataset order: shuffled rows would score about 10%
+    assert re.search(r"best\.pt \(epoch \d\) reloaded: the same predictions", text)  # reloading for inference, shown
     stderr = "".join(o.get("text", "") for c in nb.cells for o in c.get("outputs", []) if o.get("name") == "stderr")
     assert "IProgress not found" not in stderr  # ipywidgets is there, so bars are widgets
 

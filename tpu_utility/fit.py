@@ -217,7 +217,8 @@ def one_cycle_fit(
         num_workers: DataLoader workers per process (default: the DataLoader's own,
             else what ``setup_tpu`` suggests for this host, or 0 for a TensorDataset,
             whose samples are already in memory; the summary line says).
-        seed: Seeds the model's random ops and the data order (epoch-wise).
+        seed: Seeds the random ops during training (dropout, augmentation) and the data order
+            (epoch-wise); not the weights of a model built before the call.
         progress: A progress bar per epoch (a widget in notebooks, none in logs) and a line per epoch (master only).
 
     Returns:
