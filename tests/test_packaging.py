@@ -111,7 +111,7 @@ def test_each_tested_stack_is_an_extra(extra, requirements):
 # ----------------------------------------------------------- what a new user reads and installs
 # URLs a user is sent to, each opened by hand before it was listed here. The project has no
 # public home page or repository yet, so pyproject.toml has no [project.urls] (docs/release.md).
-REAL_URLS: set[str] = set()
+REAL_URLS = {"https://pypi.org/simple"}  # PyPI's index, queried for the name check in docs/release.md
 PLACEHOLDER = re.compile(
     r"<(this|your|the|my)[ _-][^>\n]*>"  # <this repository>, <your-dataset>
     r"|git\+<|\b(YOUR|MY)_[A-Z]+\b|your-(org|user|name|repo)|example\.(com|org)|\bOWNER/REPO\b|\bTODO\b|\bFIXME\b",

@@ -30,7 +30,10 @@ class EpochRecord:
     ``compiles`` is the process's cumulative graph-compile count after the epoch
     (flat from epoch 2 on when shapes are fixed); ``host_syncs`` counts
     ``.item()``-style reads and ``transfers`` device-to-host copies during the
-    epoch (one per epoch is ours: the read of these figures).
+    epoch (one per epoch is ours: the read of these figures). ``seconds`` is the
+    whole epoch; ``samples_per_s`` leaves out the time spent compiling XLA graphs
+    (the first epoch's first steps and first validation pass), so epoch 1 compares
+    with the rest.
     """
 
     epoch: int
