@@ -7,8 +7,8 @@
 # A venv is rebuilt from scratch when its requirements change (the stamp holds their
 # checksum); a change to pyproject.toml or setup.py only re-runs the editable install.
 #
-# `make test` runs the whole suite on both stacks (CI calls it); `make test-pinned` and
-# `make test-kaggle` run one. The interpreters are found on PATH, in pyenv or in uv;
+# `make test` builds the docs strictly and runs the whole suite on both stacks (CI calls it);
+# `make test-pinned` and `make test-kaggle` run one stack, `make docs` the docs alone. The interpreters are found on PATH, in pyenv or in uv;
 # PYTHON311=/path/to/python3.11 or PYTHON312=... choose one by hand.
 
 export PJRT_DEVICE ?= CPU
@@ -17,7 +17,7 @@ PINNED := .venv
 KAGGLE := .venv-kaggle
 PYTEST_ARGS ?= -q
 
-.PHONY: venv venv-kaggle demo test test-pinned test-kaggle bench clean
+.PHONY: venv venv-kaggle demo test test-pinned test-kaggle docs bench dist clean
 
 # $(call find-python,3.12,$(PYTHON312)): prints the first interpreter of that version.
 define find-python
@@ -63,12 +63,13 @@ venv-kaggle:
 demo: venv
 	$(PINNED)/bin/python -m tpu_utility.demo
 
-# Both stacks, even when the first fails; fails if either failed.
+# Both stacks and the docs, even when one fails; fails if any failed.
 test:
 	@status=0; \
+	$(MAKE) --no-print-directory docs || status=1; \
 	$(MAKE) --no-print-directory test-pinned || status=1; \
 	$(MAKE) --no-print-directory test-kaggle || status=1; \
-	[ $$status -eq 0 ] && echo "make test: both stacks passed" || echo "make test: a stack FAILED (see above)"; \
+	[ $$status -eq 0 ] && echo "make test: docs and both stacks passed" || echo "make test: the docs or a stack FAILED (see above)"; \
 	exit $$status
 
 test-pinned: venv
@@ -87,5 +88,15 @@ bench: venv
 	$(PINNED)/bin/python bench/predict_bench.py
 	$(PINNED)/bin/python bench/cache_bench.py
 
+# The documentation site (mkdocs.yml, docs/) into site/; --strict: a broken link, a page left out
+# of the nav or a docstring griffe cannot parse fails the build.
+docs: venv
+	$(PINNED)/bin/python -m mkdocs build --strict
+
+# The wheel and sdist a notebook installs (docs/release.md); built offline from the venv's setuptools.
+dist: venv
+	rm -rf dist
+	$(PINNED)/bin/python -m build --no-isolation --outdir dist .
+
 clean:
-	rm -rf $(PINNED) $(KAGGLE) demo_out bench/out build dist
+	rm -rf $(PINNED) $(KAGGLE) demo_out bench/out build dist site

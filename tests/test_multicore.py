@@ -83,7 +83,7 @@ if __name__ == "__main__":
     changed = any(not torch.equal(a, b) for a, b in zip(before.values(), history.model.state_dict().values()))
     print("weights came back:", changed)
     print("best epoch", history.best_epoch, "|", history.stop_reason)
-    print("schedule steps", len(history.step_lrs), history.steps_per_epoch)
+    print("schedule steps", len(history.step_lrs), history.steps_per_epoch, history.momentum_name)
     for r in history.records:
         print("epoch", r.epoch, "loss", r.train_loss, "acc", r.metrics["accuracy"])
 """
@@ -95,7 +95,7 @@ def test_multiprocess_launch_with_one_device(tmp_path):
     assert "runtime started in the parent: False" in r.stdout  # the device was never touched
     assert "weights came back: True" in r.stdout
     assert "| completed 3 of 3 epochs; restored the best weights (epoch 3)" in r.stdout  # decided in the launch
-    assert "schedule steps 66 22" in r.stdout  # the per-step curve comes back for History.plot
+    assert "schedule steps 66 22 beta1" in r.stdout  # the per-step curve comes back for History.plot, its momentum named
     epochs = _values(r.stdout, "epoch")
     assert float(epochs[-1][3]) < 0.5 * float(epochs[0][3])
     assert float(epochs[-1][5]) > 0.9

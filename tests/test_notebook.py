@@ -27,6 +27,12 @@ def test_notebook_uses_only_the_public_api():
     assert not bad, f"cells use the private package tpu_utility.backend: {bad}"
 
 
+def test_sections_are_numbered_in_order():
+    nb = nbformat.read(NOTEBOOK, as_version=4)
+    numbers = [int(m.group(1)) for c in nb.cells if c.cell_type == "markdown" for m in [re.match(r"## (\d+)\. ", c.source)] if m]
+    assert numbers == list(range(1, len(numbers) + 1)), numbers
+
+
 def _outputs_text(nb) -> str:
     return "\n".join(
         o.get("text", "") + str(o.get("data", {}).get("text/plain", "")) + str(o.get("data", {}).get("text/markdown", ""))
@@ -57,6 +63,7 @@ def test_notebook_runs_end_to_end(tmp_path, monkeypatch):
     assert rows[0] == "id,label" and [r.split(",")[0] for r in rows[1:]] == [str(i) for i in range(len(rows) - 1)]
     accuracy = float(text.split("accuracy against the held-out labels: ")[1].split("%")[0])
     assert accuracy > 90  # predictions in dataset order: shuffled rows would score about 10%
+    assert re.search(r"best\.pt \(epoch \d\) reloaded: the same predictions", text)  # reloading for inference, shown
     stderr = "".join(o.get("text", "") for c in nb.cells for o in c.get("outputs", []) if o.get("name") == "stderr")
     assert "IProgress not found" not in stderr  # ipywidgets is there, so bars are widgets
 

@@ -1,10 +1,11 @@
-"""The README's code blocks, run as a new user would: each in a fresh interpreter, with the
+"""The code blocks of the README and of the documentation (docs/*.md), run as a new user would: each in a fresh interpreter, with the
 names a notebook would already hold (a prelude), the "after" side of each diff, and on 4
 XLA:CPU devices where a block uses all cores. A block that stops working is a broken promise.
 
 The "Train with one call" block on 4 devices, with its outputs checked, is in test_user_input.py.
 """
 
+import glob
 import re
 
 import pytest
@@ -25,16 +26,26 @@ Net = small_cnn; model = small_cnn(); loss_fn = nn.CrossEntropyLoss(); epochs = 
 """
 
 
+DOCUMENTS = [f"{ROOT}/README.md", *sorted(glob.glob(f"{ROOT}/docs/*.md"))]
+
+
 def _blocks() -> list[str]:
-    """Every python block, and the lines a diff block keeps or adds, in README order."""
-    with open(f"{ROOT}/README.md") as f:
-        blocks = re.findall(r"```(python|diff)\n(.*?)```", f.read(), re.S)
+    """Every python block, and the lines a diff block keeps or adds, in README then docs order."""
+    blocks = []
+    for path in DOCUMENTS:
+        with open(path) as f:
+            blocks += re.findall(r"```(python|diff)\n(.*?)```", f.read(), re.S)
     return [code if kind == "python" else "\n".join(line[1:] for line in code.splitlines() if line[:1] in " +")
             for kind, code in blocks]  # fmt: skip
 
 
+USED: set[str] = set()  # the blocks some case runs
+
+
 def block(marker: str) -> str:
-    (found,) = [code for code in _blocks() if marker in code]
+    """The one block holding marker (a block shown on two pages, as written, counts once)."""
+    (found,) = {code for code in _blocks() if marker in code}
+    USED.add(found)
     return found
 
 
@@ -80,6 +91,7 @@ def _cases():
                .replace("/kaggle/working/", "work/").replace("epochs=8", "epochs=1")
                .replace("RandomResizedCrop(224)", "RandomResizedCrop(64)"))  # fmt: skip
     return [
+        ("two-line port", block("device = get_device()                # XLA first"), 1),
         ("port", block("make_sampler(train_ds)"), 1),
         ("port", block("make_sampler(train_ds)"), 4),
         ("device_loader", ON_DEVICE + "loader = DataLoader(train_ds, batch_size=64, drop_last=True)\n"
@@ -101,7 +113,16 @@ def _cases():
         ("presize, cache, train", presize, 1),
         ("presize, cache, train", presize, 4),
         ("doctor", DOCTOR + block("report = doctor("), 1),
+        ("reload best.pt", "one_cycle_fit(small_cnn(), train_ds, epochs=1, max_lr=1e-3, checkpoint_dir='ckpt', progress=False)\n"
+         + block('load_checkpoint("ckpt/best.pt"') + "\nassert preds.shape == (len(test_ds), 10)\n", 1),
     ]  # fmt: skip
+
+
+def test_every_block_runs_in_some_case():
+    """A block added to the README or a docs page without a case here would go untested."""
+    _cases()
+    unrun = [code for code in _blocks() if code not in USED]
+    assert not unrun, "blocks no case runs:\n" + "\n---\n".join(unrun)
 
 
 @pytest.mark.parametrize("name, code, devices", _cases(), ids=[f"{n}-{d}dev" for n, _, d in _cases()])

@@ -70,11 +70,23 @@ def test_pin_memory_on_xla_is_said_once_and_other_settings_are_kept():
     assert len(pin) == 1 and pin[0].filename == __file__  # once, at the user's line
 
 
-def test_the_dropped_tail_warning_points_at_the_users_line():
-    with pytest.warns(UserWarning, match=r"dropping the last 15 sample\(s\) each epoch") as caught:
-        fit(small_mlp(), TensorDataset(torch.randn(111, 1, 8, 8), torch.randint(0, 10, (111,))))
+def test_a_dropped_tail_that_is_reshuffled_is_said_in_the_summary_not_warned():
+    data = TensorDataset(torch.randn(111, 1, 8, 8), torch.randint(0, 10, (111,)))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        history = fit(small_mlp(), data)
+        find_lr(small_mlp(), data, batch_size=32, num_steps=5)
+    assert not [w for w in caught if "dropping" in str(w.message) or "left out" in str(w.message)]
+    assert "| 15 sample(s) an epoch left out to keep one batch shape" in history.summary
+
+
+def test_a_tail_never_trained_on_is_warned_once_at_the_users_line():
+    loader = DataLoader(TensorDataset(torch.randn(111, 1, 8, 8), torch.randint(0, 10, (111,))), batch_size=32)
+    with pytest.warns(UserWarning, match=r"dropping the last 15 sample\(s\) .* does not shuffle, so they are never trained on") as caught:
+        history = fit(small_mlp(), loader, epochs=2)
     drops = [w for w in caught if "dropping" in str(w.message)]
     assert len(drops) == 1 and drops[0].filename == __file__
+    assert "15 sample(s) an epoch left out" in history.summary
 
 
 def test_labels_outside_the_models_classes_fail_on_the_host():

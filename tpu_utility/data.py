@@ -348,12 +348,13 @@ def train_loader(spec: LoaderSpec, batch_size: int, *, replicas: int, rank: int,
             f"on each of {replicas} loader(s); lower batch_size"
         )
     tail = n % batch_size
-    if tail and rank == 0:
-        where = f" on each of the {replicas} processes" if replicas > 1 else ""
+    if tail and rank == 0 and spec.sampler is None and not spec.shuffle:
+        # reshuffled, the tail is other samples each epoch (the summary line says so); in a fixed
+        # order it is the same samples every epoch, never trained on
         warnings.warn(
-            f"dropping the last {tail} sample(s){where} each epoch (a short batch would change "
-            f"the graph's shapes and recompile); they are in other epochs' batches when the "
-            f"order is reshuffled every epoch",
+            f"dropping the last {tail} sample(s) of the training set every epoch (a short batch would change "
+            f"the graph's shapes and recompile), and the loader does not shuffle, so they are never trained "
+            f"on; shuffle=True, or a batch_size that divides {n}, uses them",
             stacklevel=user_stacklevel(),
         )
     return _dataloader(spec.dataset, spec, sampler=sampler, batch_size=batch_size, drop_last=True)
@@ -371,14 +372,31 @@ def _bucketed_batches(sampler: BucketBatchSampler, batch_size: int, replicas: in
         batches = sampler.reshard(batch_size, replicas, rank)
     except ValueError as e:
         raise ValueError(f"the training set's BucketBatchSampler, {batch_size} per loader: {e}") from None
-    if batches.left_out and rank == 0:
-        which = "a short batch" if replicas == 1 else "each bucket's remainder, so every loader pads alike"
+    if batches.left_out and rank == 0 and not sampler.shuffle:  # shuffled, one_cycle_fit's summary line says it
         warnings.warn(
-            f"the BucketBatchSampler leaves {batches.left_out} sample(s) out of each epoch ({which}); "
-            f"a different draw each epoch when it shuffles",
+            f"the BucketBatchSampler leaves the same {batches.left_out} sample(s) out of every epoch (it does not "
+            f"shuffle), so they are never trained on; give it shuffle=True",
             stacklevel=user_stacklevel(),
         )
     return batches
+
+
+def dropped_per_epoch(loader: DataLoader) -> int:
+    """Samples a fixed-shape training loader leaves out of each epoch (on this process).
+
+    ``train_loader`` drops a short last batch (its shape would compile a graph of its
+    own); a BucketBatchSampler leaves out each bucket's remainder.
+
+    Example:
+        >>> from torch.utils.data import DataLoader, TensorDataset
+        >>> dropped_per_epoch(DataLoader(TensorDataset(torch.zeros(111)), batch_size=32, drop_last=True))
+        15
+    """
+    if isinstance(loader.batch_sampler, BucketBatchSampler):
+        return loader.batch_sampler.left_out
+    if loader.batch_size is None or not loader.drop_last:
+        return 0
+    return len(loader.sampler) % loader.batch_size
 
 
 def eval_loader(spec: LoaderSpec, batch_size: int, *, replicas: int, rank: int) -> DataLoader:

@@ -230,7 +230,8 @@ def one_cycle_fit(
         num_workers: DataLoader workers per process (default: the DataLoader's own,
             else what ``setup_tpu`` suggests for this host, or 0 for a TensorDataset,
             whose samples are already in memory; the summary line says).
-        seed: Seeds the model's random ops and the data order (epoch-wise).
+        seed: Seeds the random ops during training (dropout, augmentation) and the data order
+            (epoch-wise); not the weights of a model built before the call.
         progress: A progress bar per epoch (a widget in notebooks, none in logs) and a line per epoch (master only).
 
     Returns:
@@ -389,6 +390,7 @@ def _fit_multiprocess(model: Any, factory: Any, plan: FitPlan) -> History:
     history.summary, history.model, history.stop_reason = state["summary"], target, state["stop_reason"]
     history.best_epoch = state["best_epoch"] or None
     history.step_lrs, history.step_momenta, history.steps_per_epoch = state["schedule"]
+    history.momentum_name = state["momentum_name"]
     return history
 
 
@@ -403,7 +405,8 @@ def _mp_worker(index: int, model: Any, plan: FitPlan, result: str) -> None:
         save_atomic(
             {"model": to_cpu(trained.state_dict()), "history": history.to_dicts(), "summary": history.summary,
              "stop_reason": history.stop_reason, "best_epoch": history.best_epoch or 0,
-             "schedule": [history.step_lrs, history.step_momenta, history.steps_per_epoch]},
+             "schedule": [history.step_lrs, history.step_momenta, history.steps_per_epoch],
+             "momentum_name": history.momentum_name},
             result,
         )  # fmt: skip
     backend.barrier("tpu_utility.fit.done")

@@ -30,7 +30,10 @@ class EpochRecord:
     ``compiles`` is the process's cumulative graph-compile count after the epoch
     (flat from epoch 2 on when shapes are fixed); ``host_syncs`` counts
     ``.item()``-style reads and ``transfers`` device-to-host copies during the
-    epoch (one per epoch is ours: the read of these figures).
+    epoch (one per epoch is ours: the read of these figures). ``seconds`` is the
+    whole epoch; ``samples_per_s`` leaves out the time spent compiling XLA graphs
+    (the first epoch's first steps and first validation pass), so epoch 1 compares
+    with the rest.
     """
 
     epoch: int
@@ -71,6 +74,7 @@ class History:
     best_epoch: int | None = None
     step_lrs: list[float] = field(default_factory=list, repr=False)
     step_momenta: list[float] = field(default_factory=list, repr=False)
+    momentum_name: str = "momentum"  # the optimizer's own name for it: "beta1" for Adam-likes
     steps_per_epoch: int = 0
 
     def __len__(self) -> int:
@@ -153,14 +157,19 @@ class History:
         return fig
 
     def _plot_schedule(self, ax: Any) -> None:
+        """The per-step learning rate and, on a second axis, the momentum (named as the optimizer names it)."""
         if self.step_lrs and self.steps_per_epoch:
             x = [(i + 1) / self.steps_per_epoch for i in range(len(self.step_lrs))]
             ax.plot(x, self.step_lrs, color="tab:blue", label="learning rate")
-            ax.set(title="schedule per optimizer step", xlabel="epoch", ylabel="learning rate")
+            ax.set(xlabel="epoch", ylabel="learning rate")
+            ax.set_title("schedule per optimizer step", pad=22)  # room for the legend above the curves
+            lines = ax.get_lines()
             if self.step_momenta:
                 twin = ax.twinx()
-                twin.plot(x, self.step_momenta, color="tab:orange", label="momentum")
-                twin.set_ylabel("momentum (beta1)")
+                lines += twin.plot(x, self.step_momenta, color="tab:orange", label=self.momentum_name)
+                twin.set_ylabel(self.momentum_name)
+            ax.legend(lines, [line.get_label() for line in lines], loc="lower center", bbox_to_anchor=(0.5, 1.0),
+                      ncol=2, frameon=False, borderaxespad=0.1)  # fmt: skip
             return
         ax.plot([r.epoch for r in self.records], [r.lr for r in self.records], "o-")
         ax.set(title="learning rate (end of epoch)", xlabel="epoch", yscale="log")

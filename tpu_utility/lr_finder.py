@@ -28,16 +28,53 @@ class LRFinderResult:
     diverged: bool = False
 
     def plot(self, path: str | None = None) -> Any:
+        """The smoothed loss against the learning rate, the diverged tail left out so the dip shows.
+
+        Saved to ``path`` if given. Returns the matplotlib Figure (a notebook shows it once).
+
+        Example:
+            >>> result = find_lr(model, train_ds)   # doctest: +SKIP
+            >>> result.plot()                        # doctest: +SKIP
+        """
         fig = closed_figure(figsize=(5, 3.5))  # a notebook shows the returned figure once
         ax = fig.subplots()
-        ax.plot(self.lrs, self.losses)
+        shown = readable_points(self.losses)
+        ax.plot(self.lrs[:shown], self.losses[:shown], label="smoothed loss")
+        finite = [x for x in self.losses[:shown] if math.isfinite(x)]
+        if finite:  # from the dip's floor to the loss before it: the turn upwards leaves at the top
+            low = min(finite)
+            high = max(finite[: finite.index(low) + 1])
+            margin = 0.08 * (high - low) or 0.1 * abs(low) or 0.1
+            ax.set_ylim(low - margin, high + margin)
         ax.axvline(self.suggested_lr, color="tab:red", linestyle="--", label=f"suggested {self.suggested_lr:.1e}")
-        ax.set(xscale="log", xlabel="learning rate", ylabel="smoothed loss", title="LR finder")
+        left_out = len(self.losses) - shown
+        title = f"LR finder ({left_out} diverged point{'s' if left_out != 1 else ''} not shown)" if left_out else "LR finder"
+        ax.set(xscale="log", xlabel="learning rate", ylabel="smoothed loss", title=title)
         ax.legend()
         fig.tight_layout()
         if path is not None:
             fig.savefig(path, dpi=100)
         return fig
+
+
+def readable_points(losses: list[float]) -> int:
+    """How many sweep points to plot: up to the first one, after the minimum, above the starting loss.
+
+    Past it the loss has diverged; its values (often 100x the start) would squash the
+    dip that matters into a few pixels.
+
+    Example:
+        >>> readable_points([2.3, 2.2, 1.0, 0.6, 1.5, 2.5, 40.0, 900.0])
+        6
+    """
+    finite = [x if math.isfinite(x) else math.inf for x in losses]
+    if not finite:
+        return 0
+    best = min(range(len(finite)), key=finite.__getitem__)
+    for i in range(best + 1, len(finite)):
+        if finite[i] > finite[0]:
+            return i + 1  # the first point above the start shows where it turns
+    return len(finite)
 
 
 def suggest_lr(lrs: list[float], losses: list[float]) -> float:

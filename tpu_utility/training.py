@@ -25,13 +25,13 @@ from torch import nn
 from . import backend
 from .checkpoint import (CHECKPOINT_NAME, DamagedCheckpointError, class_name, load_checkpoint, load_state_into,
                          save_atomic, to_cpu)
-from .data import LoaderSpec, label_checked, set_epoch
+from .data import LoaderSpec, dropped_per_epoch, label_checked, set_epoch
 from .files import WriteError, folder_lock, remove_stale_temporaries
 from .history import EpochRecord, History
 from .metrics import MetricSet
 from .monitor import StopRule, Watch, out_of_time
 from .optim import step_optimizer
-from .progress import progress_bar, write_line
+from .progress import CompileNotice, format_duration, progress_bar, run_eta, write_line
 from .runner import Runner, call_model, default_eval_step, split_batch
 from .schedule import one_cycle_curve, total_optimizer_steps
 
@@ -193,6 +193,8 @@ class _Run:
         self.last_state: dict[str, Any] | None = None  # last.pt's state, while resuming
         self.start_epoch, self.opt_step = 0, 0
         self.saved_epoch = 0  # the epoch last.pt holds
+        self.paces: list[float] = []  # each epoch's seconds, compile left out
+        self.compile_seconds = 0.0  # the latest epoch's
         self.fingerprint = {**plan.fingerprint, "parameters": _parameter_digest(model)}
         self.run_id = secrets.token_hex(8)  # this run's files carry it; a resume takes last.pt's
         folder = plan.checkpoint_dir
@@ -286,9 +288,12 @@ def _epoch(run: _Run, epoch: int, started: float) -> tuple[EpochRecord, float]:
     syncs0, transfers0 = backend.host_sync_count(), backend.transfer_from_device_count()
     t0 = time.perf_counter()
     set_epoch(run.train_loader, epoch)  # its sampler's order, and a CachedDataset's augmented copy
-    train_sums, lr = _train_epoch(run, epoch)
+    train_sums, lr, compile_seconds = _train_epoch(run, epoch)
+    graphs, t1 = backend.compile_count(), time.perf_counter()
     sums, computed = run.runner.eval_sums(run.valid_loader, run.metrics, run.eval_step) if run.valid_loader else ([], [])
     values, synced, bad_step = _read_epoch(runner.device, train_sums, sums, [*computed, torch.tensor(_clock() - started)])
+    if backend.compile_count() > graphs:  # the first validation pass and read compile their graphs: counted as compiling
+        compile_seconds += time.perf_counter() - t1
     del train_sums, sums, computed  # lazy views kept alive would run as a graph of their own at the next sync
     loss_sum, n_batches = values[0], values[1]
     if bad_step < _NO_BAD_STEP or not math.isfinite(loss_sum):
@@ -299,9 +304,11 @@ def _epoch(run: _Run, epoch: int, started: float) -> tuple[EpochRecord, float]:
             f"Try a lower max_lr, max_grad_norm=1.0 or precision='fp32'."
         )
     seconds = time.perf_counter() - t0
+    run.compile_seconds, steady = compile_seconds, max(seconds - compile_seconds, 1e-9)
+    run.paces.append(steady)  # what a later epoch takes: the run's ETA
     record = EpochRecord(
         epoch=epoch + 1, train_loss=loss_sum / n_batches, valid_loss=None, metrics={}, lr=lr, seconds=seconds,
-        samples_per_s=run.batches * runner.topology.global_batch(plan.train.batch_size) / seconds,
+        samples_per_s=run.batches * runner.topology.global_batch(plan.train.batch_size) / steady,
     )  # fmt: skip
     if run.metrics is not None:
         record.valid_loss, record.metrics = run.metrics.values(values[2:], synced[:-1])
@@ -311,14 +318,18 @@ def _epoch(run: _Run, epoch: int, started: float) -> tuple[EpochRecord, float]:
     return record, synced[-1]
 
 
-def _train_epoch(run: _Run, epoch: int) -> tuple[list[torch.Tensor], float]:
+def _train_epoch(run: _Run, epoch: int) -> tuple[list[torch.Tensor], float, float]:
+    """The epoch's training pass: its device sums, its last lr, and the seconds its steps spent compiling."""
     plan, runner, steps = run.plan, run.runner, run.plan.steps
     runner.model.train()
     run.opt.zero_grad(set_to_none=True)
     # bad_step: 1-based step of the first non-finite loss
     loss_sum, n_batches, bad_step = _device_values(runner.device, 0.0, 0.0, _NO_BAD_STEP)
     lr = run.schedule.lrs[min(run.opt_step, run.schedule.total - 1)]
-    bar = progress_bar(run.batches, f"epoch {epoch + 1}/{plan.epochs}", enabled=plan.progress and run.master)
+    desc, speak = f"epoch {epoch + 1}/{plan.epochs}", plan.progress and run.master
+    bar = progress_bar(run.batches, desc, enabled=speak)
+    # the run's first epoch on XLA compiles: say so before the first batch's compile, not after
+    notice = CompileNotice(bar, desc, backend.compile_count, expect=runner.on_xla and epoch == run.start_epoch, speak=speak)
     step = steps.train_step or LossStep(steps.loss_fn)
     for i, batch in enumerate(runner.batches(run.train_loader)):
         loss = runner.run(step, batch, training=True)
@@ -339,9 +350,11 @@ def _train_epoch(run: _Run, epoch: int) -> tuple[list[torch.Tensor], float]:
             run.opt.zero_grad(set_to_none=True)
             run.opt_step += 1
         bar.update(1)
+        notice.after_step()
+    notice.close()
     bar.close()
     run.opt.zero_grad(set_to_none=True)  # a partial accumulation at the epoch's end is dropped
-    return [loss_sum, bad_step, n_batches], lr
+    return [loss_sum, bad_step, n_batches], lr, notice.compile_seconds
 
 
 class LossStep:
@@ -392,7 +405,7 @@ def _after_epoch(run: _Run, record: EpochRecord) -> str | None:
         note = "  *best" if improved and plan.stop.patience is not None else ""
         if not math.isfinite(figures[plan.stop.monitor]):
             note = f"  ({plan.stop.monitor} is {figures[plan.stop.monitor]}: never the best epoch)"
-        write_line(record.line(plan.epochs) + note)
+        write_line(record.line(plan.epochs) + _timing(run, record) + note)
     return run.watch.early_stop(plan.stop)
 
 
@@ -427,6 +440,13 @@ def _interrupted(run: _Run, epoch: int) -> str:
     )
 
 
+def _timing(run: _Run, record: EpochRecord) -> str:
+    """The epoch line's tail: time spent compiling (samples/s leaves it out) and the run's ETA."""
+    text = f"  (compiling {format_duration(run.compile_seconds)})" if run.compile_seconds >= 0.5 else ""
+    left = run.plan.epochs - record.epoch
+    return text + (f"  ETA {format_duration(run_eta(run.paces, left))}" if left else "")
+
+
 def _stop(run: _Run, reason: str) -> None:
     run.history.stop_reason = reason
     if reason.startswith("time limit"):
@@ -443,6 +463,7 @@ def _finish(run: _Run) -> None:
     done = run.history.records[-1].epoch if run.history.records else run.start_epoch
     run.history.step_lrs = run.curve[0][: run.opt_step]
     run.history.step_momenta = run.curve[1][: run.opt_step] if _uses_momentum(run.opt) else []
+    run.history.momentum_name = "beta1" if "betas" in run.opt.param_groups[0] else "momentum"
     if not run.history.stop_reason:
         run.history.stop_reason = f"completed {done} of {run.plan.epochs} epochs"
     if run.runner.precision.mode == "cast":  # trained in bf16: the model goes back in the dtypes it came in
@@ -482,12 +503,16 @@ def _summary(run: _Run) -> str:
     kind = backend.hardware(device) or device.type
     scaled = f"scaled x{cores} by cores" if plan.schedule.scale_lr_by_cores else "not scaled by cores"
     workers = plan.train.num_workers or 0
+    dropped = dropped_per_epoch(run.train_loader)
+    loaders = runner.topology.loaders[0]
+    where = f" by each of {loaders} loaders" if dropped and loaders > 1 else ""
     return (
         f"one_cycle_fit: {plan.mode} on {cores} {kind} core(s) | batch {plan.train.batch_size} per core, "
         f"{runner.topology.global_batch(plan.train.batch_size)} global | {run.batches} batches/epoch per core "
         f"x {plan.epochs} epochs = {run.total} optimizer steps | max_lr {run.max_lr:.2e} ({scaled}) | "
         f"{runner.precision.label} | {plan.optimizer_name}{' (torch_xla sync-free, fused)' if run.fused else ''} "
         f"| {workers} loader worker(s)"
+        + (f" | {dropped} sample(s) an epoch left out{where} to keep one batch shape" if dropped else "")
     )
 
 
