@@ -1,23 +1,32 @@
 # Two commands for a new user: `make demo` and `make test`.
 #
-# Two stacks, each in its own venv, built the same way:
-#   .venv         pinned stack: Python 3.11, torch/torch_xla 2.9.0, torchvision 0.24.0 (requirements.txt)
-#   .venv-kaggle  Kaggle's TPU image: Python 3.12, torch/torch_xla 2.8.0, torchvision 0.23.0
-#                 (requirements-kaggle.txt)
+# Three stacks and a lane, each in its own venv, built the same way:
+#   .venv           pinned stack: Python 3.11, torch/torch_xla 2.9.0, torchvision 0.24.0 (requirements.txt)
+#   .venv-kaggle    Kaggle's TPU image: Python 3.12, torch/torch_xla 2.8.0, torchvision 0.23.0
+#                   (requirements-kaggle.txt)
+#   .venv-colab     Colab's TPU runtime: Python 3.13, torch/torch_xla 2.9.0, torchvision 0.24.0
+#                   (requirements-colab.txt)
+#   .venv-torchtpu  the TorchTPU lane: Python 3.11, torch 2.13 + torch-tpu 0.2.0 + libtpu, no torch_xla
+#                   (requirements-torchtpu.txt); runs the native-backend and TorchTPU tests only
 # A venv is rebuilt from scratch when its requirements change (the stamp holds their
 # checksum); a change to pyproject.toml or setup.py only re-runs the editable install.
 #
-# `make test` builds the docs strictly and runs the whole suite on both stacks (CI calls it);
-# `make test-pinned` and `make test-kaggle` run one stack, `make docs` the docs alone. The interpreters are found on PATH, in pyenv or in uv;
-# PYTHON311=/path/to/python3.11 or PYTHON312=... choose one by hand.
+# `make test` builds the docs strictly, runs the whole suite on every stack and the lane's tests
+# (CI calls it); `make test-pinned`, `test-kaggle`, `test-colab`, `test-torchtpu` run one, `make docs`
+# the docs alone. The interpreters are found on PATH, in pyenv or in uv;
+# PYTHON311=/path/to/python3.11 (or PYTHON312, PYTHON313) choose one by hand.
 
 export PJRT_DEVICE ?= CPU
 
 PINNED := .venv
 KAGGLE := .venv-kaggle
+COLAB := .venv-colab
+TORCHTPU := .venv-torchtpu
+# what the TorchTPU lane runs: the code that lane has (no torch_xla there)
+TORCHTPU_TESTS := tests/test_native.py tests/test_torchtpu.py
 PYTEST_ARGS ?= -q
 
-.PHONY: venv venv-kaggle demo test test-pinned test-kaggle docs bench dist clean
+.PHONY: venv venv-kaggle venv-colab venv-torchtpu demo test test-pinned test-kaggle test-colab test-torchtpu docs bench dist clean
 
 # $(call find-python,3.12,$(PYTHON312)): prints the first interpreter of that version.
 define find-python
@@ -60,16 +69,24 @@ venv:
 venv-kaggle:
 	$(call build-venv,$(KAGGLE),3.12,requirements-kaggle.txt,$(PYTHON312))
 
+venv-colab:
+	$(call build-venv,$(COLAB),3.13,requirements-colab.txt,$(PYTHON313))
+
+venv-torchtpu:
+	$(call build-venv,$(TORCHTPU),3.11,requirements-torchtpu.txt,$(PYTHON311))
+
 demo: venv
 	$(PINNED)/bin/python -m tpu_utility.demo
 
-# Both stacks and the docs, even when one fails; fails if any failed.
+# The docs, every stack and the lane, even when one fails; fails if any failed.
 test:
-	@status=0; \
-	$(MAKE) --no-print-directory docs || status=1; \
-	$(MAKE) --no-print-directory test-pinned || status=1; \
-	$(MAKE) --no-print-directory test-kaggle || status=1; \
-	[ $$status -eq 0 ] && echo "make test: docs and both stacks passed" || echo "make test: the docs or a stack FAILED (see above)"; \
+	@status=0; start=$$(date +%s); \
+	for target in docs test-pinned test-kaggle test-colab test-torchtpu; do \
+		t0=$$(date +%s); $(MAKE) --no-print-directory $$target || status=1; \
+		echo "make test: $$target took $$(( $$(date +%s) - t0 )) s"; \
+	done; \
+	echo "make test: $$(( $$(date +%s) - start )) s in all"; \
+	[ $$status -eq 0 ] && echo "make test: the docs and every stack passed" || echo "make test: the docs or a stack FAILED (see above)"; \
 	exit $$status
 
 test-pinned: venv
@@ -79,6 +96,14 @@ test-pinned: venv
 test-kaggle: venv-kaggle
 	@echo "== Kaggle stack: $$($(KAGGLE)/bin/python -c 'import sys, torch; print("Python", sys.version.split()[0], "torch", torch.__version__)')"
 	$(KAGGLE)/bin/python -m pytest $(PYTEST_ARGS) tests
+
+test-colab: venv-colab
+	@echo "== Colab stack: $$($(COLAB)/bin/python -c 'import sys, torch; print("Python", sys.version.split()[0], "torch", torch.__version__)')"
+	$(COLAB)/bin/python -m pytest $(PYTEST_ARGS) tests
+
+test-torchtpu: venv-torchtpu
+	@echo "== TorchTPU lane: $$(TPU_SKIP_MDS_QUERY=1 $(TORCHTPU)/bin/python -c 'import sys, torch; from importlib.metadata import version; print("Python", sys.version.split()[0], "torch", torch.__version__, "torch-tpu", version("torch-tpu"))')"
+	TPU_SKIP_MDS_QUERY=1 $(TORCHTPU)/bin/python -m pytest $(PYTEST_ARGS) -p no:cacheprovider $(TORCHTPU_TESTS)
 
 bench: venv
 	$(PINNED)/bin/python -m pip install -q -r bench/requirements.txt
@@ -99,4 +124,4 @@ dist: venv
 	$(PINNED)/bin/python -m build --no-isolation --outdir dist .
 
 clean:
-	rm -rf $(PINNED) $(KAGGLE) demo_out bench/out build dist site
+	rm -rf $(PINNED) $(KAGGLE) $(COLAB) $(TORCHTPU) demo_out bench/out build dist site

@@ -252,11 +252,12 @@ def setup_tpu(
             )
             chosen_cache = None
 
-    if not use_xla and backend.current().name == "tpu":  # TorchTPU: caches are read when torch starts
+    torchtpu_runs = not use_xla and isinstance(backend.current(), backend.TorchTpuBackend)
+    if torchtpu_runs:  # TorchTPU: its caches are read when torch starts
         chosen_cache, cache_note = _torchtpu_cache()
     if wanted == "TPU":
         device_type, kind, count = "TPU", tpu.kind, tpu.devices
-    elif not use_xla and backend.current().name == "tpu":
+    elif torchtpu_runs:
         device_type, kind, count = "TPU", "TorchTPU", backend.device_count()
     elif wanted == "CPU":
         device_type, kind, count = "CPU", "XLA:CPU", int(os.environ.get("CPU_NUM_DEVICES", "1"))
