@@ -13,9 +13,9 @@ import torch
 from torch import nn
 
 from . import xla
-from .data import LoaderSpec, label_checked, unpack_loader
+from .data import LabelCheck, LoaderSpec, unpack_loader
 from .metrics import MetricSet, resolve_metrics
-from .runner import Precision, Runner, default_eval_step, default_predict_step, process_mode
+from .runner import CheckedEvalStep, Precision, Runner, default_eval_step, default_predict_step, process_mode
 
 
 def _runner(model: nn.Module, cores: int | str, precision: str) -> Runner:
@@ -152,11 +152,10 @@ def evaluate(
     runner = _runner(model, cores, precision)
     try:
         metric_set = MetricSet(table, loss_fn or nn.CrossEntropyLoss(), runner.device)
+        loader, step = runner.eval_loader(spec), eval_step or default_eval_step
         if loss_fn is None and eval_step is None:  # on XLA an out-of-range label would not raise: check on the host
-            classes = runner.output_classes(spec)
-            spec = label_checked(spec, classes) if classes is not None else spec
-        loader = runner.eval_loader(spec)
-        step = eval_step or default_eval_step
+            labels = LabelCheck()
+            loader, step = labels.loader(loader, masked=True), CheckedEvalStep(labels)
         runner.check_eval(loader, metric_set, step)
         sums, computed = runner.eval_sums(loader, metric_set, step)
         sums = xla.all_reduce([torch.stack(sums)], "sum")[0]

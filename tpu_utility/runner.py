@@ -21,10 +21,9 @@ from typing import Any, Callable, Iterator, Literal, Sequence, get_args
 import torch
 from torch import nn
 from torch.utils import _pytree as pytree
-from torch.utils.data.dataloader import default_collate
 
 from . import xla
-from .data import LoaderSpec, eval_loader, real_counts, train_loader
+from .data import LabelCheck, LoaderSpec, eval_loader, real_counts, train_loader
 from .device import get_device, move_model, move_to_device
 from .metrics import MetricSet
 from .progress import progress_bar
@@ -163,6 +162,18 @@ def default_eval_step(model: nn.Module, batch: Batch) -> tuple[Any, Any]:
     return model(*inputs), target
 
 
+class CheckedEvalStep:
+    """``default_eval_step`` that shows its output to a LabelCheck (which learns the class count from the first)."""
+
+    def __init__(self, labels: LabelCheck) -> None:
+        self.labels = labels
+
+    def __call__(self, model: nn.Module, batch: Batch) -> tuple[Any, Any]:
+        output, target = default_eval_step(model, batch)
+        self.labels.see(output)
+        return output, target
+
+
 def default_predict_step(model: nn.Module, batch: Batch) -> Any:
     """``model(x)`` for a tensor, ``model(*inputs)`` for ``(*inputs, target)`` (the target is ignored)."""
     if isinstance(batch, torch.Tensor):
@@ -273,22 +284,6 @@ class Runner:
         self.found.restore(self.model)
         if self.found_weights is not None:
             self.model.load_state_dict(self.found_weights)
-
-    def output_classes(self, spec: LoaderSpec) -> int | None:
-        """The model's class dimension (cross_entropy's: dim 1 of (N, C, ...)), found by tracing two samples.
-
-        None when the output is not such a tensor (nothing to check labels against).
-        """
-        sample = [spec.dataset[i] for i in range(min(2, len(spec.dataset)))]
-        batch = move_to_device((spec.collate_fn or default_collate)(sample), self.device)
-        training = self.model.training
-        try:
-            self.model.eval()  # no dropout: the random streams stay as they were
-            with torch.no_grad():
-                output = self.run(lambda model, b: model(*split_batch(b, "train_step")[0]), batch)
-        finally:
-            self.model.train(training)
-        return output.shape[1] if isinstance(output, torch.Tensor) and output.dim() >= 2 else None
 
     # -- loaders
     def train_loader(self, spec: LoaderSpec, seed: int) -> Any:

@@ -21,14 +21,14 @@ from torch import nn
 
 from . import xla
 from .checkpoint import CHECKPOINT_NAME, load_checkpoint, load_state_into, save_atomic, to_cpu
-from .data import LoaderSpec, label_checked, set_epoch
+from .data import LabelCheck, LoaderSpec, set_epoch
 from .files import folder_lock
 from .history import EpochRecord, History
 from .metrics import MetricSet
 from .monitor import StopRule, Watch, out_of_time
 from .optim import step_optimizer
 from .progress import progress_bar, write_line
-from .runner import Runner, default_eval_step, split_batch
+from .runner import CheckedEvalStep, Runner, default_eval_step, split_batch
 from .schedule import one_cycle_curve, total_optimizer_steps
 
 BEST_NAME = "best.pt"
@@ -139,15 +139,6 @@ class OneCycleDriver:
         return self.lrs[i]
 
 
-def _checked_labels(runner: Runner, train: LoaderSpec, valid: LoaderSpec | None, check_valid: bool
-                    ) -> tuple[LoaderSpec, LoaderSpec | None]:  # fmt: skip
-    """Specs whose collate_fn checks labels against the model's output width."""
-    classes = runner.output_classes(train)
-    if classes is None:
-        return train, valid
-    return label_checked(train, classes), label_checked(valid, classes) if valid is not None and check_valid else valid
-
-
 def _device_values(device: torch.device, *values: Any) -> list[torch.Tensor]:
     """Accumulators materialised on the device, like the previous step's outputs they stand for.
 
@@ -174,13 +165,16 @@ class _Run:
             xla.set_rng_seed(plan.seed)
         self.master = runner.topology.master
         self._optimizer()
-        train_spec, valid_spec = plan.train, plan.valid
-        if plan.steps.default_loss and plan.steps.train_step is None:
-            train_spec, valid_spec = _checked_labels(runner, train_spec, valid_spec, plan.steps.eval_step is None)
-        self.train_loader = runner.train_loader(train_spec, plan.seed)
-        self.valid_loader = runner.eval_loader(valid_spec) if valid_spec is not None else None
+        self.train_loader = runner.train_loader(plan.train, plan.seed)
+        self.valid_loader = runner.eval_loader(plan.valid) if plan.valid is not None else None
         self.metrics = MetricSet(plan.metrics, plan.steps.loss_fn, runner.device) if plan.valid is not None else None
         self.eval_step = plan.steps.eval_step or default_eval_step
+        # the default loss's labels, checked on the host against the first real output's class count
+        self.labels = LabelCheck() if plan.steps.default_loss and plan.steps.train_step is None else None
+        if self.labels is not None:
+            self.train_loader = self.labels.loader(self.train_loader)
+            if self.valid_loader is not None and plan.steps.eval_step is None:
+                self.valid_loader, self.eval_step = self.labels.loader(self.valid_loader, masked=True), CheckedEvalStep(self.labels)
         self.batches = len(self.train_loader)
         self._schedule()
         self.watch = Watch()
@@ -298,7 +292,7 @@ def _train_epoch(run: _Run, epoch: int) -> tuple[list[torch.Tensor], float]:
     loss_sum, n_batches, bad_step = _device_values(runner.device, 0.0, 0.0, _NO_BAD_STEP)
     lr = run.schedule.lrs[min(run.opt_step, run.schedule.total - 1)]
     bar = progress_bar(run.batches, f"epoch {epoch + 1}/{plan.epochs}", enabled=plan.progress and run.master)
-    step = steps.train_step or LossStep(steps.loss_fn)
+    step = steps.train_step or LossStep(steps.loss_fn, run.labels)
     for i, batch in enumerate(runner.batches(run.train_loader)):
         loss = runner.run(step, batch)
         if not isinstance(loss, torch.Tensor):
@@ -324,14 +318,18 @@ def _train_epoch(run: _Run, epoch: int) -> tuple[list[torch.Tensor], float]:
 
 
 class LossStep:
-    """The default train step: ``loss_fn(model(*inputs).float(), target)``."""
+    """The default train step: ``loss_fn(model(*inputs).float(), target)``; the output is shown to
+    ``labels`` (a LabelCheck) first, so a bad label fails before the loss."""
 
-    def __init__(self, loss_fn: Callable) -> None:
-        self.loss_fn = loss_fn
+    def __init__(self, loss_fn: Callable, labels: LabelCheck | None = None) -> None:
+        self.loss_fn, self.labels = loss_fn, labels
 
     def __call__(self, model: nn.Module, batch: Any) -> torch.Tensor:
         inputs, target = split_batch(batch, "train_step")
-        return self.loss_fn(model(*inputs).float(), target)
+        output = model(*inputs)
+        if self.labels is not None:
+            self.labels.see(output)
+        return self.loss_fn(output.float(), target)
 
 
 def _read_epoch(device: torch.device, train_sums: list[torch.Tensor], eval_sums: list[torch.Tensor],
