@@ -33,8 +33,9 @@ sys.meta_path.insert(0, _Blocked())
 BLOCK_TORCH_XLA = blocking("torch_xla")
 
 
-# A guard against a hung child, not a speed bar: the slowest scripts (three SPMD fits on 4 XLA:CPU
-# devices) take up to ~4 minutes on a 2-core CI host that other jobs load; 300 s failed there once.
+# A guard against a hung child, not a speed bar. In a full run on a 2-core host at load ~7 the
+# slowest subprocess test took 109 s (the README's one-call block on 4 devices) and the 4-device
+# bucket script 51-95 s alone; 300 s was within reach of a more loaded host, and once failed there.
 SUBPROCESS_TIMEOUT = 900
 
 
