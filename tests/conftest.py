@@ -33,17 +33,48 @@ sys.meta_path.insert(0, _Blocked())
 BLOCK_TORCH_XLA = blocking("torch_xla")
 
 
-def run_python(code: str, env: dict | None = None, timeout: int = 300, cwd: str | None = None) -> subprocess.CompletedProcess:
-    """Runs code in a fresh interpreter (fresh XLA runtime); the caller checks the returncode."""
+# A guard against a hung child, not a speed bar. In a full run on a 2-core host at load ~7 the
+# slowest subprocess test took 109 s (the README's one-call block on 4 devices) and the 4-device
+# bucket script 51-95 s alone; 300 s was within reach of a more loaded host, and once failed there.
+SUBPROCESS_TIMEOUT = 900
+
+
+def run_python(code: str, env: dict | None = None, timeout: int = SUBPROCESS_TIMEOUT,
+               cwd: str | None = None) -> subprocess.CompletedProcess:  # fmt: skip
+    """Runs code in a fresh interpreter (fresh XLA runtime); the caller checks the returncode.
+
+    A child still running after ``timeout`` seconds is killed and the test fails with its output so far.
+    """
     full_env = {**os.environ, "PYTHONPATH": ROOT, **(env or {})}
     for key, value in list(full_env.items()):
         if value is None:
             del full_env[key]
-    result = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)],
-        env=full_env, capture_output=True, text=True, timeout=timeout, cwd=cwd or ROOT,
-    )  # fmt: skip
-    return result
+    try:
+        return subprocess.run(
+            [sys.executable, "-c", textwrap.dedent(code)],
+            env=full_env, capture_output=True, text=True, timeout=timeout, cwd=cwd or ROOT,
+        )  # fmt: skip
+    except subprocess.TimeoutExpired as expired:
+        said = [x.decode(errors="replace") if isinstance(x, bytes) else (x or "") for x in (expired.stdout, expired.stderr)]
+    pytest.fail(
+        f"the test's subprocess was still running after {timeout} s and was killed (a hang, or a "
+        f"host loaded far beyond CI's usual). Its stdout so far:\n{said[0][-2000:]}\nstderr:\n{said[1][-2000:]}",
+        pytrace=False,
+    )
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Says plainly why a test stopped when pytest-timeout stopped it."""
+    outcome = yield
+    report = outcome.get_result()
+    if report.failed and "Timeout (>" in str(report.longrepr):
+        marker = item.get_closest_marker("timeout")
+        limit = marker.args[0] if marker and marker.args else item.config.getini("timeout")
+        report.sections.append(("pytest-timeout", (
+            f"{item.nodeid} ran past its limit of {limit} s and was stopped (the per-test limit is "
+            f"[tool.pytest.ini_options] timeout in pyproject.toml, or the test's @pytest.mark.timeout). "
+            f"A hang shows in the thread dump above; on a loaded host, rerun the test alone.")))
 
 
 def run_script(tmp_path, name: str, code: str, env: dict | None = None, timeout: int = 600) -> subprocess.CompletedProcess:

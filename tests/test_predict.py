@@ -6,7 +6,8 @@ import math
 import pytest
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, Dataset, SubsetRandomSampler, TensorDataset
+from torch.utils.data import (DataLoader, Dataset, RandomSampler, Subset, SubsetRandomSampler, TensorDataset,
+                              WeightedRandomSampler)
 
 from conftest import BLOCK_TORCH_XLA, flat_digits, run_python, run_script, small_mlp
 from tpu_utility import evaluate, predict, backend
@@ -80,9 +81,8 @@ def test_predict_inputs_alone_a_loader_sampler_predict_step_and_tta():
     plain = predict(echo(), inputs_only, batch_size=32)
     assert torch.equal(plain.squeeze(1), torch.arange(300, dtype=torch.float32))
     picked = [5, 17, 250, 3]
-    loader = DataLoader(data, batch_size=2, sampler=SubsetRandomSampler(picked))
-    chosen = predict(echo(), loader).squeeze(1)
-    assert sorted(chosen.tolist()) == sorted(float(i) for i in picked)  # the user's sampler chose them
+    chosen = predict(echo(), Subset(data, picked), batch_size=2).squeeze(1)
+    assert chosen.tolist() == [float(i) for i in picked]  # row k is model(data[picked[k]])
     stepped = predict(echo(), data, batch_size=32, predict_step=lambda m, b: m(b[0]) + 1)
     assert torch.equal(stepped.squeeze(1), torch.arange(1, 301, dtype=torch.float32))
     both = predict(echo(), data, batch_size=32, tta=[lambda b: b, lambda b: (b[0] * 3, b[1])])
@@ -261,11 +261,24 @@ def test_evaluate_checks_labels_on_the_host_as_training_does():
         evaluate(nn.Linear(4, 3), ds, batch_size=8)
 
 
-def test_predict_over_a_random_sampler_returns_rows_in_dataset_order():
+def test_predict_over_a_shuffling_sampler_returns_rows_in_dataset_order():
     ds = TensorDataset(torch.arange(100.0).unsqueeze(1))
-    loader = DataLoader(ds, batch_size=4, sampler=SubsetRandomSampler([5, 3, 90, 1]))
+    generator = torch.Generator().manual_seed(0)
+    loader = DataLoader(ds, batch_size=8, sampler=RandomSampler(ds, generator=generator))
     out = predict(nn.Identity(), loader, predict_step=lambda model, batch: model(batch[0]))
-    assert out.flatten().tolist() == [1.0, 3.0, 5.0, 90.0]  # ascending dataset index, whatever the draw
+    assert out.flatten().tolist() == [float(i) for i in range(100)]  # row i is sample i, whatever the draw
+
+
+@pytest.mark.parametrize("sampler, drawn", [
+    (SubsetRandomSampler([5, 3, 90, 1]), "draws 4 of the 100 samples"),
+    (WeightedRandomSampler(torch.ones(100), 64, generator=torch.Generator().manual_seed(0)), "draws 64 indices with"),
+    (RandomSampler(range(100), replacement=True, generator=torch.Generator().manual_seed(0)), "draws 100 indices with"),
+])  # fmt: skip
+def test_predict_refuses_a_sampler_that_does_not_draw_every_sample_once(sampler, drawn):
+    ds = TensorDataset(torch.arange(100.0).unsqueeze(1))
+    loader = DataLoader(ds, batch_size=4, sampler=sampler)
+    with pytest.raises(ValueError, match=rf"row i = model\(dataset\[i\]\).*{type(sampler).__name__} {drawn}.*Subset"):
+        predict(nn.Identity(), loader, predict_step=lambda model, batch: model(batch[0]))
 
 
 def test_a_model_of_mixed_dtypes_comes_back_in_its_own_dtypes():
@@ -283,3 +296,103 @@ def test_a_bf16_fit_on_xla_cpu_gives_the_model_back_in_float32_for_predict():
     assert {p.dtype for p in history.model.parameters()} == {torch.float32}  # trained by casting; given back as found
     out = predict(history.model, train)  # fp32, after a bf16 run: one graph of one precision
     assert out.shape == (256, 10) and out.dtype == torch.float32
+
+
+SHAPES = """
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+class Tagger(nn.Module):
+    # a batch-first LSTM; `kind` picks what forward returns
+    def __init__(self, kind):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lstm, self.head, self.kind = nn.LSTM(3, 4, num_layers=2, batch_first=True), nn.Linear(4, 2), kind
+
+    def forward(self, x):
+        seq, (h, c) = self.lstm(x)
+        logits = self.head(seq[:, -1])
+        return {"lstm": (seq, (h, c)), "transposed": logits.T, "reduced": logits.mean(0), "scalar": logits.sum(),
+                "nested": {"seq": seq, "last": (logits, [logits.argmax(1)])}}[self.kind]
+
+torch.manual_seed(1)
+x = torch.randn(100, 7, 3)
+data = TensorDataset(x, torch.zeros(100, dtype=torch.long))
+"""
+
+
+def _shape_cases(cores):
+    """What predict gives or refuses for each kind of output, as printed lines."""
+    from tpu_utility import predict
+
+    exec(SHAPES, scope := {})
+    lines = []
+    for kind in ("lstm", "transposed", "reduced", "scalar"):
+        try:
+            out = predict(scope["Tagger"](kind), scope["data"], batch_size=16, cores=cores, progress=False)
+            lines.append(f"{kind}: returned {out!r:.60}")
+        except ValueError as e:
+            lines.append(f"{kind}: {e}")
+    model = scope["Tagger"]("nested")
+    got = predict(model, scope["data"], batch_size=16, cores=cores, progress=False)
+    with torch.no_grad():
+        want = model(scope["x"])
+    same = all(torch.allclose(a, b, atol=1e-5) for a, b in zip(torch.utils._pytree.tree_leaves(got),
+                                                                   torch.utils._pytree.tree_leaves(want)))  # fmt: skip
+    lines.append(f"nested: same structure {torch.utils._pytree.tree_structure(got) == torch.utils._pytree.tree_structure(want)} "
+                 f"same values {same}")
+    return lines
+
+
+def _check_shape_cases(lines, batch):
+    """``batch``: the batch the model sees (16 per core; under SPMD, the global batch over all cores)."""
+    by_kind = dict(line.split(": ", 1) for line in lines)
+    assert f"output[1][0] has shape (2, {batch}, 4) for a batch of {batch} samples" in by_kind["lstm"]  # h: (layers, N, H)
+    assert f"output has shape (2, {batch}) for a batch of {batch}" in by_kind["transposed"]
+    assert f"output has shape (2,) for a batch of {batch}" in by_kind["reduced"]
+    assert f"output has shape () for a batch of {batch}" in by_kind["scalar"]
+    assert all("batch-first" in by_kind[k] for k in ("lstm", "transposed", "reduced", "scalar"))
+    assert by_kind["nested"] == "same structure True same values True"  # against the model on the CPU, whole
+
+
+def test_predict_takes_batch_first_outputs_and_refuses_the_rest_by_name():
+    _check_shape_cases(_shape_cases(cores=1), batch=16)
+
+
+def test_predict_takes_batch_first_outputs_and_refuses_the_rest_on_four_spmd_devices():
+    import inspect
+
+    code = f"import torch, warnings; warnings.simplefilter('ignore')\nSHAPES = {SHAPES!r}\n" + inspect.getsource(_shape_cases) + """
+for line in _shape_cases(cores="all"):
+    print(line)
+from tpu_utility import backend
+print("devices:", backend.global_device_count(), "spmd:", backend.is_spmd())
+"""
+    r = run_python(code, env={"CPU_NUM_DEVICES": "4"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "devices: 4 spmd: True" in r.stdout
+    _check_shape_cases([line for line in r.stdout.splitlines() if not line.startswith("devices")], batch=64)
+
+
+def test_evaluate_refuses_a_metric_named_loss_as_one_cycle_fit_does():
+    from tpu_utility import one_cycle_fit
+
+    fn = lambda output, target: torch.full((output.shape[0],), 123.0)  # noqa: E731
+    with pytest.raises(ValueError, match=r"may not be named 'loss'"):
+        evaluate(small_mlp(), flat_digits(64), metrics={"loss": fn})
+    with pytest.raises(ValueError, match=r"may not be named 'valid_loss'"):
+        evaluate(small_mlp(), flat_digits(64), metrics={"valid_loss": fn})
+    with pytest.raises(ValueError, match=r"may not be named 'loss'"):
+        one_cycle_fit(small_mlp(), flat_digits(64), epochs=1, max_lr=1e-3, metrics={"loss": fn}, progress=False)
+
+
+def test_a_tta_that_does_not_fit_the_batch_or_changes_the_output_is_named():
+    data = indexed(40)
+    with pytest.raises(AttributeError, match=r"tta\[1\] failed on a batch \[Tensor\(16, 4\), Tensor\(16,\)\]: .*flip"):
+        predict(echo(), data, batch_size=16, tta=[lambda b: b, lambda x: x.flip(-1)])
+    with pytest.raises(ValueError, match=r"tta\[1\] gives the output Tensor\(8, 1\), but tta\[0\] gives Tensor\(16, 1\)"):
+        predict(echo(), data, batch_size=16, tta=[lambda b: b, lambda b: (b[0][:8], b[1][:8])])
+    flipped = predict(echo(), data, batch_size=16, tta=[lambda b: b, lambda b: (b[0].flip(-1), *b[1:])])
+    x = data.tensors[0]
+    assert torch.allclose(flipped.squeeze(1), (x[:, 0] + x[:, 3]) / 2)  # the documented form works

@@ -99,6 +99,48 @@ def test_labels_outside_the_models_classes_fail_on_the_host():
         fit(small_mlp(), flat_digits(), valid_data=TensorDataset(x, y))
 
 
+COUNTING = """
+import sys, warnings; warnings.simplefilter("ignore")
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+from tpu_utility import one_cycle_fit, backend
+
+class Counting(nn.Module):
+    # forward has a side effect on the device, as a step counter or a running statistic would
+    def __init__(self, count):
+        super().__init__()
+        self.net, self.count, self.sizes = nn.Linear(8, 3), count, []
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x):
+        self.sizes.append(x.shape[0])
+        if self.count:
+            self.calls += 1
+        return self.net(x)
+
+torch.manual_seed(0)
+data = TensorDataset(torch.randn(160, 8), torch.randint(0, 3, (160,)))
+model = Counting(count=sys.argv[1] == "counting")
+compiles = backend.compile_count()
+h = one_cycle_fit(model, data, epochs=1, max_lr=1e-2, batch_size=32, progress=False)
+print("sizes", sorted(set(model.sizes)), "calls", len(model.sizes), "buffer", int(model.calls))
+print("epoch 1 compiles", h.records[0].compiles - compiles)
+"""
+
+
+def test_the_label_check_costs_no_forward_and_no_compile_of_its_own(tmp_path):
+    # the check reads the class count from the first real batch's output: the model runs on the
+    # loader's batches only, and a forward with side effects adds no graph (it did with a probe batch)
+    runs = {kind: run_python(f"import sys; sys.argv[1:] = [{kind!r}]\n" + COUNTING) for kind in ("counting", "plain")}
+    for r in runs.values():
+        assert r.returncode == 0, r.stderr[-3000:]
+    assert "sizes [32] calls 5 buffer 5" in runs["counting"].stdout  # 160 samples: 5 batches of 32, no probe
+    assert "sizes [32] calls 5 buffer 0" in runs["plain"].stdout
+    compiles = [int(r.stdout.split("epoch 1 compiles")[1].split()[0]) for r in runs.values()]
+    assert compiles[0] == compiles[1], compiles  # the side effect adds no graph of its own
+
+
 def test_batches_of_several_inputs_and_a_target_use_model_star_inputs():
     class TwoInputs(nn.Module):
         def __init__(self):

@@ -30,6 +30,17 @@ from .predict import evaluate, predict
 from .presize import PresizeReport, presize_images
 from .schedule import one_cycle, one_cycle_curve
 
+
+def __getattr__(name: str):  # noqa: ANN202
+    # check() is imported on first use, so `python -m tpu_utility.check` runs a module not imported yet
+    if name == "check":
+        from .check import check
+
+        globals()["check"] = check  # the function, not the submodule the import just bound
+        return check
+    raise AttributeError(f"module 'tpu_utility' has no attribute {name!r}")
+
+
 try:
     __version__ = _version("tpu_utility")  # the installed metadata (pyproject.toml's version)
 except _PackageNotFoundError:  # a source tree that was never installed
@@ -41,6 +52,7 @@ __all__ = [
     "BucketCollate",
     "cache_dataset",
     "CachedDataset",
+    "check",
     "choose_buckets",
     "device_loader",
     "doctor",

@@ -8,6 +8,7 @@ import dataclasses
 
 import os
 import sys
+import threading
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
@@ -419,32 +420,83 @@ def real_counts(loader: DataLoader) -> list[int]:
     return [sum(i < n for i in indices[k : k + size]) for k in range(0, len(indices), size)]
 
 
-def label_checked(spec: LoaderSpec, classes: int) -> LoaderSpec:
-    """The spec with its collate_fn wrapped in a LabelCheck for ``classes`` classes."""
-    return dataclasses.replace(spec, collate_fn=LabelCheck(spec.collate_fn, classes))
-
-
 class LabelCheck:
-    """A collate_fn that checks class labels on the host, before they reach the device.
+    """Class labels checked on the host against the class count of the model's first real output.
 
     On XLA an out-of-range label does not raise (on the CPU, cross_entropy's
-    IndexError would): the run trains on garbage. The batch is still on the
-    host here, so the check costs no device sync. ``ignore_index`` (-100 for
+    IndexError would): the run trains on garbage. Each batch's target is checked
+    as the loader yields it, still on the host (no device sync). The class count
+    is dim 1 of the output of the first batch the model runs on anyway
+    (``see``), so the check costs no forward and no compile of its own; labels of
+    batches loaded before that are kept (their distinct values) and checked
+    then, before the loss is computed. ``ignore_index`` (-100 for
     ``nn.CrossEntropyLoss``) is allowed.
+
+    Example:
+        >>> labels = LabelCheck()
+        >>> loader = labels.loader(train_loader)           # doctest: +SKIP
+        >>> for x, y in loader:                            # doctest: +SKIP
+        ...     output = model(x)
+        ...     labels.see(output)   # raises ValueError if a label is not in [0, output.shape[1])
     """
 
-    def __init__(self, collate_fn: Callable | None, classes: int, ignore_index: int = -100) -> None:
-        self.collate_fn, self.classes, self.ignore_index = collate_fn or default_collate, classes, ignore_index
+    def __init__(self, ignore_index: int = -100) -> None:
+        self.ignore_index = ignore_index
+        self.classes: int | None = None  # unknown until see(); 0 for an output with no class dimension
+        self._pending: set[int] = set()  # distinct labels loaded before the class count was known
+        self._lock = threading.Lock()
 
-    def __call__(self, items: list) -> Any:
-        batch = self.collate_fn(items)
+    def loader(self, loader: DataLoader, masked: bool = False) -> LabelCheckedLoader:
+        """``loader`` with each batch's target checked; ``masked`` for an eval_loader's ``(batch, index)``."""
+        return LabelCheckedLoader(loader, self, masked)
+
+    def target(self, batch: Any) -> None:
+        """Checks (or keeps, before the class count is known) the target of a host batch ``(*inputs, target)``."""
         target = batch[-1] if isinstance(batch, (list, tuple)) and len(batch) >= 2 else None
-        if isinstance(target, torch.Tensor) and not target.is_floating_point() and target.numel():
-            bad = ((target < 0) & (target != self.ignore_index)) | (target >= self.classes)
-            if bool(bad.any()):
-                raise ValueError(
-                    f"labels must be class indices in [0, {self.classes}) for a model with {self.classes} "
-                    f"outputs, but a batch holds {sorted(set(target[bad].tolist()))[:5]}; check the "
-                    f"dataset's targets or the model's last layer"
-                )
-        return batch
+        if not isinstance(target, torch.Tensor) or target.is_floating_point() or not target.numel():
+            return
+        with self._lock:
+            if self.classes is None:
+                self._pending.update(torch.unique(target).tolist())
+                return
+        self._check(target)
+
+    def see(self, output: Any) -> None:
+        """Learns the class count from the model's first output (dim 1 of ``(N, C, ...)``, as
+        cross_entropy reads it) and checks the labels loaded so far."""
+        if self.classes is not None:
+            return
+        with self._lock:
+            self.classes = output.shape[1] if isinstance(output, torch.Tensor) and output.dim() >= 2 else 0
+            pending, self._pending = self._pending, set()
+        if pending:
+            self._check(torch.tensor(sorted(pending)))
+
+    def _check(self, target: torch.Tensor) -> None:
+        if not self.classes:
+            return
+        bad = ((target < 0) & (target != self.ignore_index)) | (target >= self.classes)
+        if bool(bad.any()):
+            raise ValueError(
+                f"labels must be class indices in [0, {self.classes}) for a model with {self.classes} "
+                f"outputs, but a batch holds {sorted(set(target[bad].tolist()))[:5]}; check the "
+                f"dataset's targets or the model's last layer"
+            )
+
+
+class LabelCheckedLoader:
+    """A loader whose batches' targets a LabelCheck sees as they are loaded; otherwise the loader itself."""
+
+    def __init__(self, loader: DataLoader, check: LabelCheck, masked: bool) -> None:
+        self.loader, self.check, self.masked = loader, check, masked
+
+    def __iter__(self) -> Iterator[Any]:
+        for batch in self.loader:
+            self.check.target(batch[0] if self.masked else batch)
+            yield batch
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __getattr__(self, name: str) -> Any:  # sampler, batch_size, dataset: the loader's own
+        return getattr(self.__dict__["loader"], name)

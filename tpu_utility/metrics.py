@@ -40,8 +40,9 @@ def metric_name(metric: Any) -> str:
     return getattr(metric, "__name__", type(metric).__name__)
 
 
-# the columns History and the monitor already use
-RESERVED_NAMES = ("epoch", "train_loss", "valid_loss", "lr", "seconds", "samples_per_s", "compiles", "host_syncs", "transfers")
+# the columns History and the monitor already use, and evaluate's "loss"
+RESERVED_NAMES = ("epoch", "train_loss", "valid_loss", "loss", "lr", "seconds", "samples_per_s", "compiles", "host_syncs",
+                  "transfers")  # fmt: skip
 
 
 def resolve_metrics(metrics: Any, default_loss: bool) -> dict[str, Any]:

@@ -6,15 +6,16 @@ device, dtype and train/eval mode afterwards.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable, Sequence
 
 import torch
 from torch import nn
 
 from . import backend
-from .data import label_checked, unpack_loader
+from .data import LabelCheck, LoaderSpec, unpack_loader
 from .metrics import MetricSet, resolve_metrics
-from .runner import Precision, Runner, default_eval_step, default_predict_step, process_mode
+from .runner import CheckedEvalStep, Precision, Runner, default_eval_step, default_predict_step, process_mode
 
 
 def _runner(model: nn.Module, cores: int | str, precision: str) -> Runner:
@@ -37,26 +38,50 @@ def predict(
 ) -> Any:
     """The model's outputs for every sample, in dataset order, on the CPU.
 
-    Works on one core, on all cores (SPMD; inside a ``torch_xla.launch`` each
-    process gets every prediction), and without torch_xla (CUDA or CPU). Batches
-    are padded to one shape (one compile); outputs stay on the device and move
-    to the host every 16 batches in one transfer.
+    Row ``i`` of every output is ``model(dataset[i])``. Works on one core, on all
+    cores (SPMD; inside a ``torch_xla.launch`` each process gets every
+    prediction), and without torch_xla (CUDA or CPU). Batches are padded to one
+    shape (one compile); outputs stay on the device and move to the host every
+    16 batches in one transfer.
+
+    Outputs must be batch-first: a tensor whose dim 0 is the batch, or tuples,
+    lists and dicts of them (nested), which come back in the same structure.
+    Anything else is refused by name, since joining it along dim 0 would give
+    wrong rows: a 0-d value, an output reduced over the batch, a transposed
+    ``(C, N)`` output, an LSTM's ``(h, c)`` (``(layers, N, H)``).
 
     Args:
         model: The model (left on its device and in its mode afterwards).
         data: A Dataset or DataLoader of inputs, or of ``(*inputs, target)``
-            (the target is ignored). A DataLoader's own sampler picks the samples.
+            (the target is ignored). A DataLoader's sampler may order the samples
+            any way (rows still come back in dataset order), but it must draw
+            each sample once: one that draws a subset or draws with replacement
+            (``SubsetRandomSampler``, ``WeightedRandomSampler``,
+            ``RandomSampler(replacement=True)``) is refused, since no row order
+            would then be ``model(dataset[i])``. Predict on
+            ``torch.utils.data.Subset(dataset, indices)`` instead: its row ``k``
+            is ``model(dataset[indices[k]])``.
         cores: 1, "all", or the number of all cores.
         batch_size: Per core (default 64, or the DataLoader's own).
         precision: "fp32" or "bf16".
         predict_step: ``(model, batch) -> output`` replacing ``model(x)``.
         tta: Batch transforms whose outputs are averaged on the device (include
-            ``lambda b: b`` to keep the plain prediction among them).
+            ``lambda b: b`` to keep the plain prediction among them). Each gets
+            the whole batch as the loader gives it (for ``(x, y)`` batches:
+            ``lambda b: (b[0].flip(-1), *b[1:])``) and must keep the output's shape.
         progress: A progress bar counting batches (master only; no host syncs).
 
     Returns:
         A tensor (or the tuple or dict of tensors the model returns), first
         dimension ``len(dataset)``.
+
+    Raises:
+        ValueError: an output that is not batch-first (the message names its
+            path in the output, its shape and the batch size); a sampler that
+            does not draw every sample once; a tta transform that changes the
+            output's shape.
+        TypeError: an output that is not made of tensors; a tta that is not a
+            list of callables.
 
     Example:
         >>> # was: model.eval(); torch.cat([model(x.cuda()).cpu() for x, _ in loader])
@@ -65,12 +90,28 @@ def predict(
     """
     if tta is not None and (isinstance(tta, (str, bytes)) or not all(callable(t) for t in tta)):
         raise TypeError(f"tta must be a list of batch transforms (callables), but given {tta!r}")
-    spec = unpack_loader(data, batch_size, "data")
+    spec = _every_sample_once(unpack_loader(data, batch_size, "data"))
     runner = _runner(model, cores, precision)
     try:
         return runner.predict(runner.eval_loader(spec), predict_step or default_predict_step, tta, progress)
     finally:
         runner.restore_model()
+
+
+def _every_sample_once(spec: LoaderSpec) -> LoaderSpec:
+    """The spec without its sampler when that only orders the dataset; refused when it draws otherwise."""
+    if spec.sampler is None:
+        return spec
+    drawn, n = list(spec.sampler), len(spec.dataset)
+    if sorted(drawn) == list(range(n)):
+        return dataclasses.replace(spec, sampler=None)  # rows come back in dataset order whatever the draw
+    repeats = len(drawn) - len(set(drawn))
+    how = f"{len(drawn)} indices with {repeats} repeated" if repeats else f"{len(drawn)} of the {n} samples"
+    raise ValueError(
+        f"predict returns row i = model(dataset[i]) for every sample, but data's sampler "
+        f"{type(spec.sampler).__name__} draws {how}; give the samples to predict as "
+        f"torch.utils.data.Subset(dataset, indices) (its row k is model(dataset[indices[k]]))"
+    )
 
 
 def evaluate(
@@ -111,11 +152,10 @@ def evaluate(
     runner = _runner(model, cores, precision)
     try:
         metric_set = MetricSet(table, loss_fn or nn.CrossEntropyLoss(), runner.device)
+        loader, step = runner.eval_loader(spec), eval_step or default_eval_step
         if loss_fn is None and eval_step is None:  # on XLA an out-of-range label would not raise: check on the host
-            classes = runner.output_classes(spec)
-            spec = label_checked(spec, classes) if classes is not None else spec
-        loader = runner.eval_loader(spec)
-        step = eval_step or default_eval_step
+            labels = LabelCheck()
+            loader, step = labels.loader(loader, masked=True), CheckedEvalStep(labels)
         runner.check_eval(loader, metric_set, step)
         sums, computed = runner.eval_sums(loader, metric_set, step)
         sums = backend.all_reduce([torch.stack(sums)], "sum")[0]

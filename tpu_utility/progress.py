@@ -151,7 +151,7 @@ class CompileNotice:
         speak: False keeps it silent (``progress=False``, or not the master process).
 
     Example:
-        >>> from tpu_utility import xla
+        >>> from tpu_utility import backend
         >>> from tpu_utility.progress import CompileNotice, progress_bar
         >>> bar = progress_bar(3, "epoch 1/5")
         >>> notice = CompileNotice(bar, "epoch 1/5", backend.compile_count, expect=False, speak=True)

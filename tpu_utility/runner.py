@@ -23,10 +23,9 @@ from typing import Any, Callable, Iterator, Literal, Sequence, get_args
 import torch
 from torch import nn
 from torch.utils import _pytree as pytree
-from torch.utils.data.dataloader import default_collate
 
 from . import backend
-from .data import LoaderSpec, eval_loader, real_counts, train_loader
+from .data import LabelCheck, LoaderSpec, eval_loader, real_counts, train_loader
 from .device import get_device, move_model, move_to_device
 from .metrics import MetricSet
 from .progress import progress_bar
@@ -200,6 +199,18 @@ def default_eval_step(model: nn.Module, batch: Batch) -> tuple[Any, Any]:
     return call_model(model, inputs, "eval_step"), target
 
 
+class CheckedEvalStep:
+    """``default_eval_step`` that shows its output to a LabelCheck (which learns the class count from the first)."""
+
+    def __init__(self, labels: LabelCheck) -> None:
+        self.labels = labels
+
+    def __call__(self, model: nn.Module, batch: Batch) -> tuple[Any, Any]:
+        output, target = default_eval_step(model, batch)
+        self.labels.see(output)
+        return output, target
+
+
 def default_predict_step(model: nn.Module, batch: Batch) -> Any:
     """``model(x)`` for a tensor, ``model(*inputs)`` for ``(*inputs, target)`` (the target is ignored)."""
     if isinstance(batch, torch.Tensor):
@@ -313,22 +324,6 @@ class Runner:
         if self.found_weights is not None:
             self.model.load_state_dict(self.found_weights)
 
-    def output_classes(self, spec: LoaderSpec) -> int | None:
-        """The model's class dimension (cross_entropy's: dim 1 of (N, C, ...)), found by tracing two samples.
-
-        None when the output is not such a tensor (nothing to check labels against).
-        """
-        sample = [spec.dataset[i] for i in range(min(2, len(spec.dataset)))]
-        batch = move_to_device((spec.collate_fn or default_collate)(sample), self.device)
-        training = self.model.training
-        try:
-            self.model.eval()  # no dropout: the random streams stay as they were
-            with torch.no_grad():
-                output = self.run(lambda m, b: call_model(m, split_batch(b, "train_step")[0], "train_step"), batch)
-        finally:
-            self.model.train(training)
-        return output.shape[1] if isinstance(output, torch.Tensor) and output.dim() >= 2 else None
-
     # -- loaders
     def train_loader(self, spec: LoaderSpec, seed: int) -> Any:
         loaders, index = self.topology.loaders
@@ -406,10 +401,7 @@ class Runner:
         with torch.no_grad():
             for batch, index in self.batches(loader):
                 bar.update(1)
-                output = self._predict_batch(step, batch, tta)
-                leaves, spec = pytree.tree_flatten(output)
-                if not all(isinstance(t, torch.Tensor) for t in leaves):
-                    raise TypeError(f"predict_step must return tensors (a tensor, tuple or dict of them), but returned {output!r}")
+                leaves, spec = batch_first_leaves(self._predict_batch(step, batch, tta), index.shape[0])
                 current.append((leaves, index))
                 if len(current) == PREDICT_CHUNK:
                     on_host += self._to_host(previous)  # computed already: the device goes on with `current`
@@ -423,8 +415,8 @@ class Runner:
     def _predict_batch(self, step: Step, batch: Batch, tta: Sequence[Callable] | None) -> Any:
         if not tta:
             return self.run(step, batch)
-        outputs = [self.run(step, transform(batch)) for transform in tta]
-        return pytree.tree_map(lambda *ts: torch.stack([t.float() for t in ts]).mean(0), *outputs)
+        outputs = [self.run(step, _transformed(k, transform, batch)) for k, transform in enumerate(tta)]
+        return _tta_mean(outputs)
 
     def _to_host(self, pending: list[tuple[list[torch.Tensor], torch.Tensor]]) -> list[tuple[list[torch.Tensor], torch.Tensor]]:
         """One device-to-host transfer for many batches (gathered over replicas first)."""
@@ -438,6 +430,68 @@ class Runner:
             leaves = [next(moved) for _ in range(width)]
             result.append((leaves, next(moved)))
         return result
+
+
+def batch_first_leaves(output: Any, batch: int) -> tuple[list[torch.Tensor], Any]:
+    """The output's tensors and structure, each checked to be batch-first: dim 0 is the batch.
+
+    Raises:
+        TypeError: a leaf that is not a tensor.
+        ValueError: a 0-d leaf, or one whose dim 0 is not the batch size (an LSTM's
+            ``(h, c)``, a transposed ``(C, N)`` output, a value reduced over the batch).
+    """
+    paths, spec = pytree.tree_flatten_with_path(output)
+    for path, leaf in paths:
+        where = f"output{pytree.keystr(path)}"
+        if not isinstance(leaf, torch.Tensor):
+            raise TypeError(
+                f"predict needs tensors (a tensor, or tuples, lists and dicts of them), but {where} is "
+                f"{type(leaf).__name__}; return only tensors from the model or predict_step"
+            )
+        if leaf.dim() == 0 or leaf.shape[0] != batch:
+            raise ValueError(
+                f"predict needs batch-first outputs (dim 0 = the batch), but {where} has shape "
+                f"{tuple(leaf.shape)} for a batch of {batch} samples; leave it out or move the batch to "
+                f"dim 0 with predict_step=lambda model, batch: ... (for an LSTM: its output, not (h, c))"
+            )
+    return [leaf for _, leaf in paths], spec
+
+
+def _transformed(k: int, transform: Callable, batch: Batch) -> Batch:
+    """tta[k](batch), its error naming the transform and the batch it was given."""
+    try:
+        return transform(batch)
+    except Exception as error:
+        kind = type(error) if type(error) in (ValueError, TypeError, AttributeError, IndexError, KeyError) else RuntimeError
+        raise kind(
+            f"tta[{k}] failed on a batch {_structure(batch)}: {error}. A tta transform gets the whole batch "
+            f"as the loader gives it; for (inputs, target) batches write lambda b: (b[0].flip(-1), *b[1:])"
+        ) from error
+
+
+def _tta_mean(outputs: list[Any]) -> Any:
+    """The mean of the tta outputs, which must all have tta[0]'s structure and shapes."""
+    want = _structure(outputs[0])
+    for k, output in enumerate(outputs[1:], 1):
+        if _structure(output) != want:
+            raise ValueError(
+                f"tta[{k}] gives the output {_structure(output)}, but tta[0] gives {want}; tta outputs "
+                f"are averaged, so every transform must keep the output's structure and shapes"
+            )
+    return pytree.tree_map(lambda *ts: torch.stack([t.float() for t in ts]).mean(0), *outputs)
+
+
+class _Shape:
+    def __init__(self, t: torch.Tensor) -> None:
+        self.text = f"Tensor{tuple(t.shape)}"
+
+    def __repr__(self) -> str:
+        return self.text
+
+
+def _structure(batch: Batch) -> str:
+    """A batch described by its structure and shapes, for error messages: [Tensor(16, 4), Tensor(16,)]."""
+    return repr(pytree.tree_map(lambda t: _Shape(t) if isinstance(t, torch.Tensor) else t, batch))
 
 
 def _in_order(parts: list[tuple[list[torch.Tensor], torch.Tensor]], n: int) -> list[torch.Tensor]:

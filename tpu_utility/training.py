@@ -25,14 +25,14 @@ from torch import nn
 from . import backend
 from .checkpoint import (CHECKPOINT_NAME, DamagedCheckpointError, class_name, load_checkpoint, load_state_into,
                          save_atomic, to_cpu)
-from .data import LoaderSpec, dropped_per_epoch, label_checked, set_epoch
+from .data import LabelCheck, LoaderSpec, dropped_per_epoch, set_epoch
 from .files import WriteError, folder_lock, remove_stale_temporaries
 from .history import EpochRecord, History
 from .metrics import MetricSet
 from .monitor import StopRule, Watch, out_of_time
 from .optim import step_optimizer
 from .progress import CompileNotice, format_duration, progress_bar, run_eta, write_line
-from .runner import Runner, call_model, default_eval_step, split_batch
+from .runner import CheckedEvalStep, Runner, call_model, default_eval_step, split_batch
 from .schedule import one_cycle_curve, total_optimizer_steps
 
 BEST_NAME = "best.pt"
@@ -144,15 +144,6 @@ class OneCycleDriver:
         return self.lrs[i]
 
 
-def _checked_labels(runner: Runner, train: LoaderSpec, valid: LoaderSpec | None, check_valid: bool
-                    ) -> tuple[LoaderSpec, LoaderSpec | None]:  # fmt: skip
-    """Specs whose collate_fn checks labels against the model's output width."""
-    classes = runner.output_classes(train)
-    if classes is None:
-        return train, valid
-    return label_checked(train, classes), label_checked(valid, classes) if valid is not None and check_valid else valid
-
-
 def _device_values(device: torch.device, *values: Any) -> list[torch.Tensor]:
     """Accumulators materialised on the device, like the previous step's outputs they stand for.
 
@@ -179,13 +170,16 @@ class _Run:
             backend.set_rng_state(plan.seed)
         self.master = runner.topology.master
         self._optimizer()
-        train_spec, valid_spec = plan.train, plan.valid
-        if plan.steps.default_loss and plan.steps.train_step is None:
-            train_spec, valid_spec = _checked_labels(runner, train_spec, valid_spec, plan.steps.eval_step is None)
-        self.train_loader = runner.train_loader(train_spec, plan.seed)
-        self.valid_loader = runner.eval_loader(valid_spec) if valid_spec is not None else None
+        self.train_loader = runner.train_loader(plan.train, plan.seed)
+        self.valid_loader = runner.eval_loader(plan.valid) if plan.valid is not None else None
         self.metrics = MetricSet(plan.metrics, plan.steps.loss_fn, runner.device) if plan.valid is not None else None
         self.eval_step = plan.steps.eval_step or default_eval_step
+        # the default loss's labels, checked on the host against the first real output's class count
+        self.labels = LabelCheck() if plan.steps.default_loss and plan.steps.train_step is None else None
+        if self.labels is not None:
+            self.train_loader = self.labels.loader(self.train_loader)
+            if self.valid_loader is not None and plan.steps.eval_step is None:
+                self.valid_loader, self.eval_step = self.labels.loader(self.valid_loader, masked=True), CheckedEvalStep(self.labels)
         self.batches = len(self.train_loader)
         self._schedule()
         self.watch = Watch()
@@ -329,8 +323,8 @@ def _train_epoch(run: _Run, epoch: int) -> tuple[list[torch.Tensor], float, floa
     desc, speak = f"epoch {epoch + 1}/{plan.epochs}", plan.progress and run.master
     bar = progress_bar(run.batches, desc, enabled=speak)
     # the run's first epoch on XLA compiles: say so before the first batch's compile, not after
-    notice = CompileNotice(bar, desc, backend.compile_count, expect=runner.on_xla and epoch == run.start_epoch, speak=speak)
-    step = steps.train_step or LossStep(steps.loss_fn)
+    notice = CompileNotice(bar, desc, backend.compile_count, expect=runner.lazy and epoch == run.start_epoch, speak=speak)
+    step = steps.train_step or LossStep(steps.loss_fn, run.labels)
     for i, batch in enumerate(runner.batches(run.train_loader)):
         loss = runner.run(step, batch, training=True)
         if not isinstance(loss, torch.Tensor):
@@ -358,14 +352,18 @@ def _train_epoch(run: _Run, epoch: int) -> tuple[list[torch.Tensor], float, floa
 
 
 class LossStep:
-    """The default train step: ``loss_fn(model(*inputs).float(), target)``."""
+    """The default train step: ``loss_fn(model(*inputs).float(), target)``; the output is shown to
+    ``labels`` (a LabelCheck) first, so a bad label fails before the loss."""
 
-    def __init__(self, loss_fn: Callable) -> None:
-        self.loss_fn = loss_fn
+    def __init__(self, loss_fn: Callable, labels: LabelCheck | None = None) -> None:
+        self.loss_fn, self.labels = loss_fn, labels
 
     def __call__(self, model: nn.Module, batch: Any) -> torch.Tensor:
         inputs, target = split_batch(batch, "train_step")
-        return self.loss_fn(call_model(model, inputs, "train_step").float(), target)
+        output = call_model(model, inputs, "train_step")
+        if self.labels is not None:
+            self.labels.see(output)
+        return self.loss_fn(output.float(), target)
 
 
 def _read_epoch(device: torch.device, train_sums: list[torch.Tensor], eval_sums: list[torch.Tensor],
