@@ -81,7 +81,7 @@ demo: venv
 # The docs, every stack and the lane, even when one fails; fails if any failed.
 test:
 	@status=0; start=$$(date +%s); \
-	for target in docs test-pinned test-kaggle test-colab test-torchtpu; do \
+	for target in docs test-colab test-kaggle test-torchtpu test-pinned; do \
 		t0=$$(date +%s); $(MAKE) --no-print-directory $$target || status=1; \
 		echo "make test: $$target took $$(( $$(date +%s) - t0 )) s"; \
 	done; \
