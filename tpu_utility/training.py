@@ -231,15 +231,22 @@ def train(model: nn.Module, plan: FitPlan) -> tuple[nn.Module, History]:
     The master holds ``checkpoint_dir``'s lock for the whole run, so a second fit
     writing the same folder is refused at once instead of overwriting this one's files.
     """
-    if plan.checkpoint_dir is None or not backend.is_master():
+    if plan.checkpoint_dir is None:
         return _train(model, plan)
-    with folder_lock(plan.checkpoint_dir, "one_cycle_fit"):
-        remove_stale_temporaries(plan.checkpoint_dir, old_suffixes=(".pt",))  # a killed run's, of any file
-        if plan.overwrite:  # asked for: the earlier run's files go, none is left to mix with this run's
-            for name in (CHECKPOINT_NAME, BEST_NAME, HISTORY_NAME):
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(os.path.join(plan.checkpoint_dir, name))
-        return _train(model, plan)
+    if not backend.is_master():
+        result = _train(model, plan)
+    else:
+        with folder_lock(plan.checkpoint_dir, "one_cycle_fit"):
+            remove_stale_temporaries(plan.checkpoint_dir, old_suffixes=(".pt",))  # a killed run's, of any file
+            if plan.overwrite:  # asked for: the earlier run's files go, none is left to mix with this run's
+                for name in (CHECKPOINT_NAME, BEST_NAME, HISTORY_NAME):
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(os.path.join(plan.checkpoint_dir, name))
+            result = _train(model, plan)
+    # the master's last writes are on disk before any replica returns: a resume that follows at once
+    # (the next call, on every replica) must read the same last.pt everywhere
+    backend.barrier("tpu_utility.train.saved")
+    return result
 
 
 def _train(model: nn.Module, plan: FitPlan) -> tuple[nn.Module, History]:
