@@ -97,9 +97,14 @@ test-kaggle: venv-kaggle
 	@echo "== Kaggle stack: $$($(KAGGLE)/bin/python -c 'import sys, torch; print("Python", sys.version.split()[0], "torch", torch.__version__)')"
 	$(KAGGLE)/bin/python -m pytest $(PYTEST_ARGS) tests
 
+# The Colab stack has the pinned stack's torch/torch_xla trio on a newer Python: it runs the whole
+# suite but the README/docs blocks and the notebook, which run the same text on the same trio in
+# the pinned stack (and on torch 2.8 in the Kaggle one); that keeps make test inside CI's limit.
+COLAB_SKIPS := --ignore=tests/test_readme.py --ignore=tests/test_notebook.py
+
 test-colab: venv-colab
 	@echo "== Colab stack: $$($(COLAB)/bin/python -c 'import sys, torch; print("Python", sys.version.split()[0], "torch", torch.__version__)')"
-	$(COLAB)/bin/python -m pytest $(PYTEST_ARGS) tests
+	$(COLAB)/bin/python -m pytest $(PYTEST_ARGS) $(COLAB_SKIPS) tests
 
 test-torchtpu: venv-torchtpu
 	@echo "== TorchTPU lane: $$(TPU_SKIP_MDS_QUERY=1 $(TORCHTPU)/bin/python -c 'import sys, torch; from importlib.metadata import version; print("Python", sys.version.split()[0], "torch", torch.__version__, "torch-tpu", version("torch-tpu"))')"
