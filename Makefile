@@ -97,10 +97,13 @@ test-kaggle: venv-kaggle
 	@echo "== Kaggle stack: $$($(KAGGLE)/bin/python -c 'import sys, torch; print("Python", sys.version.split()[0], "torch", torch.__version__)')"
 	$(KAGGLE)/bin/python -m pytest $(PYTEST_ARGS) tests
 
-# The Colab stack has the pinned stack's torch/torch_xla trio on a newer Python: it runs the whole
-# suite but the README/docs blocks and the notebook, which run the same text on the same trio in
-# the pinned stack (and on torch 2.8 in the Kaggle one); that keeps make test inside CI's limit.
-COLAB_SKIPS := --ignore=tests/test_readme.py --ignore=tests/test_notebook.py
+# The Colab stack has the pinned stack's torch/torch_xla trio on a newer Python: it runs the suite
+# but the longest files that run the same code on the same trio in the pinned stack (the README/docs
+# blocks, the notebook, the kill-and-resume runs, the gloo multi-process runs, which the TorchTPU
+# lane runs on torch 2.13 too); that keeps make test inside CI's 90 minutes (a fresh clone: docs
+# 3.3 min, Colab 22.5 min with everything, Kaggle 28.2 min).
+COLAB_SKIPS := --ignore=tests/test_readme.py --ignore=tests/test_notebook.py --ignore=tests/test_resume_safety.py \
+	--ignore=tests/test_native.py
 
 test-colab: venv-colab
 	@echo "== Colab stack: $$($(COLAB)/bin/python -c 'import sys, torch; print("Python", sys.version.split()[0], "torch", torch.__version__)')"
