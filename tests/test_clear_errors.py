@@ -9,7 +9,7 @@ from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from conftest import flat_digits, small_mlp
 from tpu_utility import load_checkpoint, one_cycle_fit, save_checkpoint
-from tpu_utility.buckets import BucketCollate
+from tpu_utility.data.buckets import BucketCollate
 
 pytestmark = pytest.mark.filterwarnings("ignore:dropping the last")
 

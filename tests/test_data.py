@@ -5,7 +5,7 @@ import torch
 from torch.utils.data import DistributedSampler, TensorDataset
 
 from tpu_utility import make_sampler, backend
-from tpu_utility.data import eval_loader, padded_length, unpack_loader
+from tpu_utility.data.loaders import eval_loader, padded_length, unpack_loader
 
 
 def test_one_replica_needs_no_sampler():
@@ -40,7 +40,7 @@ def test_validation_on_four_replicas_counts_1001_samples_once():
 
 @pytest.mark.filterwarnings("ignore:dropping the last")
 def test_hosts_of_a_pod_slice_each_load_their_share_of_the_global_batch():
-    from tpu_utility.runner import Topology
+    from tpu_utility.training.runner import Topology
 
     hosts, devices, per_core = 4, 16, 8
     layouts = [Topology("spmd", hosts=hosts, host=h, devices=devices) for h in range(hosts)]
@@ -56,7 +56,7 @@ def test_hosts_of_a_pod_slice_each_load_their_share_of_the_global_batch():
             shapes.add(tuple(values.shape))
             seen += values[idx >= 0].tolist()
     assert sorted(seen) == list(range(1001)) and shapes == {(32,)}  # each sample once, over all hosts
-    from tpu_utility.data import train_loader
+    from tpu_utility.data.loaders import train_loader
 
     firsts = []
     for t in layouts:
@@ -69,7 +69,7 @@ def test_hosts_of_a_pod_slice_each_load_their_share_of_the_global_batch():
 def test_single_and_multiprocess_layouts_and_an_uneven_mesh():
     import pytest
 
-    from tpu_utility.runner import Topology
+    from tpu_utility.training.runner import Topology
 
     single = Topology()
     assert (single.loaders, single.loader_batch(64), single.global_batch(64), single.cores) == ((1, 0), 64, 64, 1)
@@ -88,7 +88,7 @@ def _ids(loader):
 def test_make_samplers_distributed_sampler_is_sharded_once_not_twice():
     from torch.utils.data import DataLoader
 
-    from tpu_utility.data import train_loader
+    from tpu_utility.data.loaders import train_loader
 
     ds = TensorDataset(torch.arange(100))
     seen = []

@@ -84,7 +84,7 @@ def test_a_full_disk_during_training_stops_with_the_resume_call_and_the_folder_r
 def test_the_cache_and_presize_writers_give_the_same_error(tmp_path, monkeypatch):
     from PIL import Image
 
-    from tpu_utility import presize
+    from tpu_utility.data import presize
 
     data = TensorDataset(torch.zeros(64, 32, 32), torch.zeros(64, dtype=torch.long))
     full_after(monkeypatch, opened=1)  # the build plan is written, then the first shard fails

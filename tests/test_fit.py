@@ -12,7 +12,7 @@ from torch.utils.data import DataLoader, Dataset
 from conftest import BLOCK_TORCH_XLA, flat_digits, run_python, small_mlp
 from tpu_utility import find_lr, one_cycle_fit
 from tpu_utility.demo import small_cnn
-from tpu_utility.schedule import one_cycle
+from tpu_utility.training.schedule import one_cycle
 
 pytestmark = pytest.mark.filterwarnings("ignore:dropping the last")
 

@@ -8,8 +8,9 @@ import torch
 from torch import nn
 
 from conftest import flat_digits, run_python, small_mlp
-from tpu_utility import evaluate, load_checkpoint, one_cycle_fit, training
-from tpu_utility.monitor import StopRule, Watch, out_of_time, parse_duration
+from tpu_utility import evaluate, load_checkpoint, one_cycle_fit
+from tpu_utility.training import trainer
+from tpu_utility.training.monitor import StopRule, Watch, out_of_time, parse_duration
 
 pytestmark = pytest.mark.filterwarnings("ignore:dropping the last")
 
@@ -116,7 +117,7 @@ def _dropout_mlp():
 def test_time_limit_stops_before_an_epoch_that_would_not_finish_and_resumes_bitwise(tmp_path, monkeypatch, digits):
     train, valid = digits
     straight = fit(_dropout_mlp(), train, valid_data=valid, epochs=4, seed=3)
-    monkeypatch.setattr(training, "_clock", _FakeClock())
+    monkeypatch.setattr(trainer, "_clock", _FakeClock())
     stopped = fit(_dropout_mlp(), train, valid_data=valid, epochs=4, seed=3, time_limit="4m10s",
                   checkpoint_dir=str(tmp_path))  # fmt: skip
     assert [r.epoch for r in stopped.records] == [1, 2]
@@ -219,7 +220,7 @@ def test_a_second_fit_into_a_checkpoint_dir_in_use_is_refused_before_training(tm
 def test_auto_mode_asks_the_metric_then_its_name_and_refuses_to_guess():
     from torchmetrics.regression import MeanSquaredError
 
-    from tpu_utility.monitor import resolve_mode
+    from tpu_utility.training.monitor import resolve_mode
 
     assert resolve_mode("valid_loss", "auto") == "min" and resolve_mode("top1_accuracy", "auto") == "max"
     assert resolve_mode("mae", "auto") == "min" and resolve_mode("perplexity", "auto") == "min"

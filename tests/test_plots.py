@@ -8,8 +8,8 @@ import torch
 from torch.utils.data import TensorDataset
 
 from tpu_utility import one_cycle_fit
-from tpu_utility.history import History
-from tpu_utility.lr_finder import LRFinderResult, readable_points
+from tpu_utility.training.history import History
+from tpu_utility.training.lr_finder import LRFinderResult, readable_points
 
 
 def _sweep():

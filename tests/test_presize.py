@@ -15,7 +15,7 @@ from PIL import Image
 from conftest import ROOT
 from tpu_utility import presize_images
 from tpu_utility.files import TEMP_SUFFIX
-from tpu_utility.presize import _storable_mode
+from tpu_utility.data.presize import _storable_mode
 
 
 def _photo(w=160, h=120, seed=0):
@@ -221,7 +221,7 @@ def test_a_rerun_with_other_settings_redoes_every_output(tmp_path):
 
 
 def test_workers_default_to_the_usable_cpus(tmp_path, monkeypatch):
-    from tpu_utility import presize
+    from tpu_utility.data import presize
 
     sizes = []
     real = presize.ProcessPoolExecutor

@@ -166,9 +166,9 @@ def _fit(folder, data, **kwargs):
 
 
 def test_a_missing_damaged_or_foreign_best_pt_is_found_before_the_first_resumed_epoch(tmp_path, monkeypatch, data):
-    from tpu_utility import training
+    from tpu_utility.training import trainer
 
-    monkeypatch.setattr(training, "_clock", _FakeClock())
+    monkeypatch.setattr(trainer, "_clock", _FakeClock())
     run = tmp_path / "run"
     stopped = _fit(run, data, time_limit="4m10s")
     assert [r.epoch for r in stopped.records] == [1, 2] and stopped.best_epoch == 1

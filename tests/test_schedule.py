@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
-from tpu_utility.schedule import one_cycle, one_cycle_curve, steps_per_epoch, total_optimizer_steps
+from tpu_utility.training.schedule import one_cycle, one_cycle_curve, steps_per_epoch, total_optimizer_steps
 
 
 @pytest.mark.parametrize("total, pct", [(100, 0.25), (37, 0.3), (1000, 0.1)])

@@ -10,7 +10,7 @@ from torch.utils.data import DataLoader, Dataset, SubsetRandomSampler, TensorDat
 
 from conftest import flat_digits, run_python, small_mlp
 from tpu_utility import find_lr, get_device, one_cycle_fit
-from tpu_utility.data import ShardedSampler
+from tpu_utility.data.loaders import ShardedSampler
 
 pytestmark = pytest.mark.filterwarnings("ignore:dropping the last")
 
@@ -62,7 +62,7 @@ def test_pin_memory_on_xla_is_said_once_and_other_settings_are_kept():
                         worker_init_fn=lambda i: seeds.append(i))  # fmt: skip
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        import tpu_utility.data as data
+        import tpu_utility.data.loaders as data
 
         data._PIN_MEMORY_WARNED = False
         fit(small_mlp(), loader, epochs=1, valid_data=loader)
@@ -293,7 +293,7 @@ def _init_worker(worker_id):
 
 
 def test_a_dataloaders_settings_reach_the_loaders_the_runner_builds():
-    from tpu_utility.data import eval_loader, train_loader, unpack_loader
+    from tpu_utility.data.loaders import eval_loader, train_loader, unpack_loader
 
     generator = torch.Generator().manual_seed(5)
     user = DataLoader(flat_digits(), batch_size=32, shuffle=True, num_workers=2, prefetch_factor=4,

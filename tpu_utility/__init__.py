@@ -13,22 +13,24 @@ Importing this package never imports torch_xla; it works without it (CUDA, else 
 from importlib.metadata import PackageNotFoundError as _PackageNotFoundError
 from importlib.metadata import version as _version
 
+# the hand-loop kit: the lines that replace CUDA's in a loop you keep
 from .amp import autocast, grad_scaler
-from .buckets import BucketBatchSampler, BucketCollate, choose_buckets, group_batches, padding_waste
-from .cache import CachedDataset, cache_dataset
 from .checkpoint import load_checkpoint, save_checkpoint
-from .data import make_sampler
 from .device import get_device
-from .doctor import DoctorError, DoctorReport, doctor
 from .environment import TpuInfo, setup_tpu
-from .fit import one_cycle_fit
-from .history import EpochRecord, History
 from .loop import device_loader, inference_mode, launch, masked_loader, use_all_cores
-from .lr_finder import LRFinderResult, find_lr
 from .optim import step_optimizer
-from .predict import evaluate, predict
-from .presize import PresizeReport, presize_images
-from .schedule import one_cycle, one_cycle_curve
+
+# data preparation: fixed shapes, caches, images shrunk once
+from .data import (BucketBatchSampler, BucketCollate, CachedDataset, PresizeReport, cache_dataset, choose_buckets,
+                   group_batches, make_sampler, padding_waste, presize_images)
+
+# the trainer: one call that trains, keeps the best epoch and predicts
+from .training import (EpochRecord, History, LRFinderResult, evaluate, find_lr, one_cycle, one_cycle_curve,
+                       one_cycle_fit, predict)
+
+# diagnosis: doctor() here; check() is loaded on first use (below)
+from .doctor import DoctorError, DoctorReport, doctor
 
 
 def __getattr__(name: str):  # noqa: ANN202

@@ -95,7 +95,7 @@ def _mlp() -> nn.Module:
 
 def _fit(cores: int | str, precision: str = "fp32", epochs: int = EPOCHS) -> tuple[nn.Module, str]:
     """one_cycle_fit on the blobs; (model, a line of figures) or CheckFailed."""
-    from .fit import one_cycle_fit
+    from .training.fit import one_cycle_fit
 
     h = one_cycle_fit(_mlp(), blobs(1024), valid_data=blobs(256, seed=1), epochs=epochs, max_lr=1e-2,
                       batch_size=32, cores=cores, precision=precision, progress=False)  # fmt: skip
@@ -120,7 +120,7 @@ def _one_core() -> str:
 
 
 def _all_cores() -> str:
-    from .runner import available_cores
+    from .training.runner import available_cores
 
     cores = available_cores()
     how = "SPMD" if cores > 1 else "1 device here, so the same as one core"
@@ -128,7 +128,7 @@ def _all_cores() -> str:
 
 
 def _predict_in_order() -> str:
-    from .predict import predict
+    from .training.inference import predict
 
     n = 1001  # not a multiple of any batch: the last one is padded
     x = torch.zeros(n, 4)
@@ -170,7 +170,7 @@ def _checkpoint() -> str:
 
 def _bf16() -> str:
     from .device import get_device
-    from .runner import PrecisionMode
+    from .training.runner import PrecisionMode
 
     mode = PrecisionMode.choose("bf16", get_device())
     if mode.mode != "autocast":

@@ -18,7 +18,7 @@ from torch.utils.data import TensorDataset
 
 from . import backend
 from .environment import setup_tpu
-from .fit import one_cycle_fit
+from .training.fit import one_cycle_fit
 
 
 def digits_datasets(valid_fraction: float = 0.2, seed: int = 0) -> tuple[TensorDataset, TensorDataset]:

@@ -39,7 +39,7 @@ from torch.utils import _pytree as pytree
 from torch.utils.data import DataLoader
 
 from . import backend
-from .buckets import choose_buckets
+from .data.buckets import choose_buckets
 from .device import move_to_device
 from .loop import INFERENCE_MODE_ERROR
 from .optim import step_optimizer

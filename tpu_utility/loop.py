@@ -36,8 +36,8 @@ from torch.utils.data import (
 )
 
 from . import backend
-from .buckets import BucketBatchSampler
-from .data import eval_loader, unpack_loader
+from .data.buckets import BucketBatchSampler
+from .data.loaders import eval_loader, unpack_loader
 from .device import get_device, move_to_device
 
 StartMethod = Literal["auto", "fork", "spawn"]

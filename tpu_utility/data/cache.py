@@ -35,9 +35,9 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from . import backend
-from .files import LOCK_NAME, TEMP_SUFFIX, atomic_write, folder_lock, write_json
-from .progress import progress_bar
+from .. import backend
+from ..files import LOCK_NAME, TEMP_SUFFIX, atomic_write, folder_lock, write_json
+from ..progress import progress_bar
 
 FORMAT = "tpu_utility.cache/1"
 MANIFEST = "manifest.json"

@@ -34,7 +34,7 @@ import torch
 from torch.utils.data import Sampler
 from torch.utils.data.dataloader import default_collate
 
-from . import backend
+from .. import backend
 
 Overflow = Literal["error", "truncate"]
 

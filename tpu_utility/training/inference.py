@@ -12,8 +12,8 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
-from . import backend
-from .data import LabelCheck, LoaderSpec, unpack_loader
+from .. import backend
+from ..data.loaders import LabelCheck, LoaderSpec, unpack_loader
 from .metrics import MetricSet, resolve_metrics
 from .runner import CheckedEvalStep, Precision, Runner, default_eval_step, default_predict_step, process_mode
 

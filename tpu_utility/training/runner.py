@@ -24,11 +24,11 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from . import backend
-from .data import LabelCheck, LoaderSpec, eval_loader, real_counts, train_loader
-from .device import get_device, move_model, move_to_device
+from .. import backend
+from ..data.loaders import LabelCheck, LoaderSpec, eval_loader, real_counts, train_loader
+from ..device import get_device, move_model, move_to_device
 from .metrics import MetricSet
-from .progress import progress_bar
+from ..progress import progress_bar
 
 Strategy = Literal["auto", "spmd", "multiprocess"]
 Precision = Literal["fp32", "bf16"]

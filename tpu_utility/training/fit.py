@@ -33,16 +33,16 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from . import backend
-from .checkpoint import save_atomic, to_cpu
-from .data import LoaderSpec, unpack_loader
-from .environment import choose_start_method, is_interactive
+from .. import backend
+from ..checkpoint import save_atomic, to_cpu
+from ..data.loaders import LoaderSpec, unpack_loader
+from ..environment import choose_start_method, is_interactive
 from .history import History
 from .metrics import METRICS, accuracy, per_sample_loss, resolve_metrics
 from .monitor import Mode, StopRule, parse_duration, resolve_mode
 from .runner import Precision, Strategy, available_cores, choose_strategy, process_mode, resolve_cores
 from .schedule import check_one_cycle
-from .training import FitPlan, OneCycle, Steps, train
+from .trainer import FitPlan, OneCycle, Steps, train
 
 __all__ = ["one_cycle_fit", "resolve_optimizer", "resolve_cores", "choose_strategy", "available_cores",
            "accuracy", "METRICS"]  # fmt: skip
@@ -118,7 +118,7 @@ def _check_checkpoint_dir(folder: Any) -> None:
 
 def _refuse_another_run(folder: str) -> None:
     """A folder holding a run's last.pt is not written over unless the user says so (re-running a cell)."""
-    from .checkpoint import CHECKPOINT_NAME
+    from ..checkpoint import CHECKPOINT_NAME
 
     path = os.path.join(folder, CHECKPOINT_NAME)
     if not os.path.exists(path):
@@ -340,7 +340,7 @@ def _stop_rule(monitor: str | None, mode: str, patience: int | None, restore_bes
 
 def _check_buckets(spec: LoaderSpec, what: str) -> None:
     """Every sequence fits the largest bucket of a BucketCollate (one read of each sample, on the host)."""
-    from .buckets import BucketCollate
+    from ..data.buckets import BucketCollate
 
     if isinstance(spec.collate_fn, BucketCollate):
         lengths = spec.batch_sampler.lengths if spec.batch_sampler is not None else None
@@ -357,7 +357,7 @@ def _loader_specs(train_data: Any, valid_data: Any, batch_size: int | None, num_
         valid_spec = unpack_loader(valid_data, own_size, "valid_data")
     workers = num_workers if num_workers is not None else train_spec.num_workers
     if workers is None:  # a Dataset: what setup_tpu suggests for this host, none for tensors in memory
-        from .environment import suggest_num_workers
+        from ..environment import suggest_num_workers
 
         in_memory = isinstance(train_spec.dataset, TensorDataset)
         workers = 0 if in_memory else suggest_num_workers(os.cpu_count() or 1, processes)
@@ -395,7 +395,7 @@ def _fit_multiprocess(model: Any, factory: Any, plan: FitPlan) -> History:
 
 
 def _mp_worker(index: int, model: Any, plan: FitPlan, result: str) -> None:
-    from .environment import setup_tpu
+    from ..environment import setup_tpu
 
     if backend.current().lazy:
         setup_tpu(verbose=False)  # this process's own compile-cache folder

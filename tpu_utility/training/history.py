@@ -105,7 +105,7 @@ class History:
         import csv
         import io
 
-        from .files import atomic_write
+        from ..files import atomic_write
 
         rows = self.to_rows()
         columns = list(dict.fromkeys(k for row in rows for k in row)) or ["epoch"]

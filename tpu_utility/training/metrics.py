@@ -16,7 +16,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from . import backend
+from .. import backend
 
 MetricFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 

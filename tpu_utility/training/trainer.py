@@ -22,16 +22,16 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from . import backend
-from .checkpoint import (CHECKPOINT_NAME, DamagedCheckpointError, class_name, load_checkpoint, load_state_into,
+from .. import backend
+from ..checkpoint import (CHECKPOINT_NAME, DamagedCheckpointError, class_name, load_checkpoint, load_state_into,
                          save_atomic, to_cpu)
-from .data import LabelCheck, LoaderSpec, dropped_per_epoch, set_epoch
-from .files import WriteError, folder_lock, remove_stale_temporaries
+from ..data.loaders import LabelCheck, LoaderSpec, dropped_per_epoch, set_epoch
+from ..files import WriteError, folder_lock, remove_stale_temporaries
 from .history import EpochRecord, History
 from .metrics import MetricSet
 from .monitor import StopRule, Watch, out_of_time
-from .optim import step_optimizer
-from .progress import CompileNotice, format_duration, progress_bar, run_eta, write_line
+from ..optim import step_optimizer
+from ..progress import CompileNotice, format_duration, progress_bar, run_eta, write_line
 from .runner import CheckedEvalStep, Runner, call_model, default_eval_step, split_batch
 from .schedule import one_cycle_curve, total_optimizer_steps
 

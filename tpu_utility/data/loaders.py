@@ -17,7 +17,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, RandomSampler, Sampler, SequentialSampler
 from torch.utils.data.dataloader import default_collate
 
-from . import backend
+from .. import backend
 from .buckets import BucketBatchSampler, BucketCollate
 
 
@@ -291,7 +291,8 @@ def user_stacklevel() -> int:
 
     So a warning points at the user's line, not at our code or a launcher.
     """
-    ours = (os.path.dirname(os.path.abspath(__file__)), os.path.dirname(torch.__file__))
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # tpu_utility/, above data/
+    ours = (package + os.sep, os.path.dirname(torch.__file__))
     frame, level = sys._getframe(1), 1
     while frame is not None:
         name = os.path.abspath(frame.f_code.co_filename)

@@ -10,12 +10,12 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from . import backend
-from .data import set_epoch, unpack_loader
+from .. import backend
+from ..data.loaders import set_epoch, unpack_loader
 from .fit import check_number, check_seed, resolve_optimizer
 from .history import closed_figure
 from .runner import Runner
-from .training import OneCycleDriver, LossStep
+from .trainer import OneCycleDriver, LossStep
 
 
 @dataclass

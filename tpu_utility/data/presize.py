@@ -23,9 +23,9 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
-from .environment import usable_cpus
-from .files import WriteError, atomic_write, remove_stale_temporaries, write_json
-from .progress import progress_bar
+from ..environment import usable_cpus
+from ..files import WriteError, atomic_write, remove_stale_temporaries, write_json
+from ..progress import progress_bar
 
 ResizeMode = Literal["short_side", "crop"]
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".tif", ".tiff", ".gif")

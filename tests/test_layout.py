@@ -1,0 +1,102 @@
+"""The package's shape, checked: layers that only import downwards, and one package that talks to torch_xla."""
+
+import ast
+import os
+
+from conftest import ROOT
+
+PACKAGE = os.path.join(ROOT, "tpu_utility")
+
+# Modules of the package by dotted name, lowest layer first: a module imports only from its own layer or
+# lower ones, so the backend never learns about training, the kit never about the trainer, and data
+# preparation never about the loop that consumes it. "data" and "training" are those packages' __init__.
+LAYERS = [
+    {"backend"},
+    {"files", "progress", "device", "environment"},
+    {"optim", "amp", "checkpoint", "data.buckets", "data.cache", "data.presize", "training.schedule",
+     "training.monitor", "training.history"},
+    {"data.loaders", "training.metrics"},
+    {"data", "loop"},
+    {"training.runner"},
+    {"training.trainer", "training.inference", "doctor"},
+    {"training.fit"},
+    {"training.lr_finder", "training", "check"},
+    {"demo", "__init__"},
+]  # fmt: skip
+LAYER_OF = {name: i for i, names in enumerate(LAYERS) for name in names}
+
+
+def _unit(parts):
+    """The layer unit a dotted module belongs to: the longest known prefix (the backend package is one unit)."""
+    for end in range(len(parts), 0, -1):
+        name = ".".join(parts[:end])
+        if name in LAYER_OF:
+            return name
+    return None
+
+
+def _modules():
+    """(path, unit, package parts) for every module of the package."""
+    for folder, _, files in os.walk(PACKAGE):
+        for name in sorted(files):
+            if name.endswith(".py"):
+                path = os.path.join(folder, name)
+                parts = os.path.relpath(path, PACKAGE)[:-3].split(os.sep)
+                package = parts[:-1]
+                module = package if name == "__init__.py" else parts
+                yield path, _unit(module) or ".".join(module) or "__init__", package
+
+
+def _imported_units(source, package):
+    """The units a module's source imports, at the top or inside functions, resolved from its relative imports."""
+    found = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom) and node.level:
+            base = package[: len(package) - (node.level - 1)]
+            base += node.module.split(".") if node.module else []
+            found.update(_unit(base + [alias.name]) for alias in node.names)
+    return found - {None}
+
+
+def test_every_module_sits_in_a_layer():
+    strays = sorted({unit for _, unit, _ in _modules() if unit not in LAYER_OF})
+    assert not strays, f"modules in no layer (add them to LAYERS): {strays}"
+
+
+def _upward(unit, source, package):
+    return [other for other in _imported_units(source, package) if LAYER_OF[other] > LAYER_OF[unit]]
+
+
+def test_no_module_imports_a_higher_layer():
+    upward = [
+        f"{os.path.relpath(path, ROOT)} ({unit}) imports {other}"
+        for path, unit, package in _modules() if unit in LAYER_OF
+        for other in _upward(unit, open(path).read(), package)
+    ]  # fmt: skip
+    assert not upward, "\n".join(upward)
+
+
+def test_the_layering_check_sees_upward_imports_at_any_depth():
+    # the check itself can fail: files.py importing the trainer, and the data loaders importing the runner
+    assert _upward("files", "def f():\n    from .training.fit import one_cycle_fit\n", []) == ["training.fit"]
+    assert _upward("data.loaders", "from ..training import runner\nfrom .. import backend\n", ["data"]) == [
+        "training.runner"
+    ]
+    assert _upward("training.trainer", "from .runner import Runner\nfrom ..data.loaders import set_epoch\n",
+                   ["training"]) == []  # fmt: skip
+
+
+def test_the_backend_package_alone_imports_torch_xla_and_compares_device_types():
+    offenders = []
+    for path, unit, _ in _modules():
+        if unit == "backend":
+            continue
+        for node in ast.walk(ast.parse(open(path).read())):
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+                offenders += [f"{path}: import {n}" for n in names if n.split(".")[0] in ("torch_xla", "torch_tpu")]
+            if isinstance(node, ast.Compare) and any(
+                isinstance(c, ast.Constant) and c.value in ("xla", "tpu") for c in [node.left, *node.comparators]
+            ):
+                offenders.append(f"{path}:{node.lineno}: compares with a device type string")
+    assert not offenders, "\n".join(offenders)

@@ -1,0 +1,30 @@
+"""The trainer: ``one_cycle_fit()`` trains, keeps the best epoch and hands back the model; ``predict()`` follows.
+
+Read it top down:
+
+- ``fit.py``: ``one_cycle_fit()``, the public entry; checks every argument once and plans the run.
+- ``runner.py``: what one process needs to run a model on its share of the cores (topology, steps, loaders).
+- ``trainer.py``: the epoch loop each process runs: steps, validation, checkpoints, the stop rules.
+- ``schedule.py``, ``monitor.py``, ``metrics.py``: the one-cycle policy, the best-epoch and stop rules, exact metrics.
+- ``history.py``: ``History``, what ``one_cycle_fit`` returns.
+- ``inference.py``: ``predict()`` and ``evaluate()`` in dataset order on any number of cores.
+- ``lr_finder.py``: ``find_lr()``, a learning-rate sweep on the same runner.
+"""
+
+from .fit import one_cycle_fit
+from .history import EpochRecord, History
+from .inference import evaluate, predict
+from .lr_finder import LRFinderResult, find_lr
+from .schedule import one_cycle, one_cycle_curve
+
+__all__ = [
+    "EpochRecord",
+    "evaluate",
+    "find_lr",
+    "History",
+    "LRFinderResult",
+    "one_cycle",
+    "one_cycle_curve",
+    "one_cycle_fit",
+    "predict",
+]
