@@ -1,6 +1,12 @@
 """doctor(): run your own training (or evaluation) step as you run it, and say in
 plain words what makes it slow or wrong on XLA, and how to fix it.
 
+On XLA it reads torch_xla's counters; on the native backends (CPU, CUDA) and
+TorchTPU, which run eagerly, it watches the step's aten ops (the backend's
+``watch_host_syncs``) and the input shapes, names the host syncs and shape changes
+with the same fixes, and lists what it cannot measure there (compiles, CPU
+fallbacks) instead of calling the step clean of them.
+
 doctor does not cut the lazy graph between your steps (only once at the end), so
 what it measures is what your loop does. Per step it records:
 
@@ -45,7 +51,7 @@ from .loop import INFERENCE_MODE_ERROR
 from .optim import step_optimizer
 
 Kind = Literal[
-    "not_on_xla", "optimizer_params", "tied_weights", "batch_split", "graph_growth", "recompile",
+    "not_on_xla", "not_on_device", "optimizer_params", "tied_weights", "batch_split", "graph_growth", "recompile",
     "device_slicing", "host_sync", "cpu_fallback", "inference_mode",
 ]  # fmt: skip
 Mode = Literal["train", "eval"]
@@ -60,6 +66,8 @@ _EMBEDDING_BAG = (
     "e.sum(1) (mean: / mask.sum(1, keepdim=True)), with tokens padded to a fixed length"
 )
 _NO_DYNAMIC_SHAPE = "it has a data-dependent shape: keep the shape fixed with torch.where(mask, x, 0) and a mask"
+_RECOMPILED_ELSEWHERE = ("under torch.compile(dynamic=False) (TorchTPU's way) and on XLA, though this eager backend "
+                         "runs it uncompiled")  # fmt: skip
 # Ops that XLA cannot lower, and a replacement it can lower.
 LOWERED_REPLACEMENTS: dict[str, str] = {
     "aten::_embedding_bag": _EMBEDDING_BAG,
@@ -95,11 +103,14 @@ class DoctorReport:
     ``step_compiles`` holds the compiles of each measured step; ``notes`` say what
     was seen but needs no fix (a one-time compile); ``error`` is the exception your
     step raised (then doctor raised :class:`DoctorError` with this report).
+    On an eager backend (native PyTorch, TorchTPU) ``compiles_per_step`` is None and
+    ``unmeasured`` says what doctor could not see there, so ``clean`` means clean of
+    what was measured: host syncs, input shape changes and the static checks.
     """
 
     steps: int
     warmup: int
-    compiles_per_step: float
+    compiles_per_step: float | None
     host_syncs_per_step: float
     fallback_ops: list[str]
     findings: list[Finding] = field(default_factory=list)
@@ -108,6 +119,8 @@ class DoctorReport:
     notes: list[str] = field(default_factory=list)
     error: BaseException | None = None
     error_step: int | None = None
+    measured_on: str = "xla"
+    unmeasured: list[str] = field(default_factory=list)
 
     @property
     def clean(self) -> bool:
@@ -118,22 +131,34 @@ class DoctorReport:
 
     def __str__(self) -> str:
         what = "" if self.mode == "train" else f" ({self.mode} step)"
-        lines = [
-            f"doctor{what}: {self.steps} steps after {self.warmup} warm-up: {self.compiles_per_step:.2f} "
-            f"compiles/step, {self.host_syncs_per_step:.2f} host syncs/step, CPU fallbacks: "
-            f"{', '.join(self.fallback_ops) or 'none'}"
-        ]
+        if self.compiles_per_step is None:
+            lines = [
+                f"doctor{what} on the {self.measured_on} backend (eager): {self.steps} steps after {self.warmup} "
+                f"warm-up: {self.host_syncs_per_step:.2f} host syncs/step, compiles and CPU fallbacks not measured"
+            ]
+        else:
+            lines = [
+                f"doctor{what}: {self.steps} steps after {self.warmup} warm-up: {self.compiles_per_step:.2f} "
+                f"compiles/step, {self.host_syncs_per_step:.2f} host syncs/step, CPU fallbacks: "
+                f"{', '.join(self.fallback_ops) or 'none'}"
+            ]
         if self.error is not None:
             lines.append(
                 f"error: your step raised {type(self.error).__name__}: {self.error} (at step {self.error_step}, "
                 f"counting warm-up); the findings below were made before it"
             )
-        if self.clean:
+        if self.clean and self.compiles_per_step is None:
+            lines.append(
+                "clean of what doctor sees on this backend: no host syncs, no input shape changes between steps, "
+                "the optimizer owns the model's parameters, no split ties, the batch divides across the cores."
+            )
+        elif self.clean:
             lines.append(
                 "clean: no recompiles, no host syncs, no CPU fallbacks, no graph growth, the optimizer owns the "
                 "model's parameters, no split ties, the batch divides across the cores."
             )
         lines += map(str, self.findings)
+        lines += [f"not measured: {u}" for u in self.unmeasured]
         lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)
 
@@ -193,6 +218,19 @@ def check_xla(model: nn.Module | None) -> Finding | None:
             fix,
         )
     return None
+
+
+def check_device(model: nn.Module | None) -> Finding | None:
+    """On an eager backend: the model must be on the backend's device (on the CPU backend it always is)."""
+    devices = sorted({str(p.device) for p in model.parameters()}) if model is not None else []
+    if not devices or any(backend.owns(d) for d in devices):
+        return None
+    return Finding(
+        "not_on_device",
+        f"the model's parameters are on {', '.join(devices)}, not on the {backend.current().name} device "
+        f"({backend.device()}): the step runs on the host CPU, so doctor measured nothing",
+        "device = get_device(); model.to(device) before building the optimizer; move each batch with .to(device)",
+    )
 
 
 def check_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer) -> Finding | None:
@@ -296,23 +334,6 @@ def _user_frame() -> str:
     return "<unknown>" if frame is None else _describe(frame)
 
 
-@contextlib.contextmanager
-def _patched(wrappers: dict[str, Callable[[Callable], Callable]]) -> Iterator[None]:
-    """Replaces torch.Tensor methods for the duration; nothing of ours stays after."""
-    originals = {name: getattr(torch.Tensor, name) for name in wrappers}
-    own = {name for name in wrappers if name in torch.Tensor.__dict__}
-    for name, make in wrappers.items():
-        setattr(torch.Tensor, name, make(originals[name]))
-    try:
-        yield
-    finally:
-        for name, original in originals.items():
-            if name in own:
-                setattr(torch.Tensor, name, original)
-            else:
-                delattr(torch.Tensor, name)  # inherited from TensorBase
-
-
 def _read_tracer(calls: Counter, state: threading.local) -> Callable[[str], Callable[[Callable], Callable]]:
     """Records the user line of every read of an XLA tensor's value (outermost call only)."""
 
@@ -391,7 +412,7 @@ def _tracing(run: _Run) -> Iterator[None]:
     make_read = _read_tracer(run.reads, threading.local())
     wrappers = {name: make_read(name) for name in _READS}
     wrappers.update(_slice_tracer(run.slicing_now))
-    with _patched(wrappers):
+    with backend.patch_tensor_methods(wrappers):
         yield
 
 
@@ -448,6 +469,8 @@ class _Run:
     created: int = 0
     host_syncs: int = 0
     fallbacks: list[str] = field(default_factory=list)
+    eager: bool = False  # the backend counts nothing itself: doctor watches the step's ops
+    syncs: Counter = field(default_factory=Counter)  # (kind, op, user line) -> count, from the backend's watch
 
     @property
     def records(self) -> list[_Step]:
@@ -470,8 +493,12 @@ def _run(step: Callable, plan: Iterator[Any], warmup: int, run: _Run) -> None:
         _run_one(step, batch, run.warmup)
     backend.wait()  # no cut of ours: the first measured step runs as every later one does
     backend.clear_counters()
+
+    def record(kind: str, op: str) -> None:
+        run.syncs[(kind, op, _user_frame())] += 1
+
     try:
-        with _tracing(run):
+        with _tracing(run), backend.watch_host_syncs(record):
             for batch in plan:
                 _run_one(step, batch, run.measured)
                 for line, indices in run.slicing_now.items():
@@ -481,7 +508,7 @@ def _run(step: Callable, plan: Iterator[Any], warmup: int, run: _Run) -> None:
                     break  # every further step is slower still; the finding is clear
     finally:  # also when the step raised: the findings so far need these
         run.created = backend.tensors_created()
-        run.host_syncs = backend.host_sync_count()
+        run.host_syncs = backend.host_sync_count() + sum(run.syncs.values())
         run.fallbacks = backend.fallback_ops()
     backend.sync()  # runs whatever the last step left pending (not counted as the step's)
     backend.wait()
@@ -524,14 +551,18 @@ def _length_dim(records: list[_Step]) -> tuple[int, int] | None:
 def _shape_recompiles(run: _Run, mode: Mode) -> Finding | None:
     records = run.records
     seen = [records[0].shapes]
-    new_shape_compiles = 0
+    new_shape_compiles = new_shapes = 0
     for index, record in enumerate(records):
         if record.shapes not in seen:
             seen.append(record.shapes)
             if index >= len(run.warmup):
                 new_shape_compiles += record.compiles
-    if new_shape_compiles == 0:
+                new_shapes += 1
+    if (new_shapes if run.eager else new_shape_compiles) == 0:
         return None
+    # an eager backend compiles nothing: each new shape is named by what it costs where steps compile
+    counted = (f"{new_shapes} new input shape(s)" if run.eager else f"{new_shape_compiles} graph compilation(s)")
+    elsewhere = f" {_RECOMPILED_ELSEWHERE}" if run.eager else ""
     changed = [
         f"step {i + 1}: input {j} {records[i - 1].shapes[j]} -> {records[i].shapes[j]}"
         for i in range(1, len(records))
@@ -543,8 +574,8 @@ def _shape_recompiles(run: _Run, mode: Mode) -> Finding | None:
     if length is None:
         return Finding(
             "recompile",
-            f"{new_shape_compiles} graph compilation(s) in {measured} steps after warm-up: input shapes changed "
-            f"between steps (the batch size: a short last batch?)",
+            f"{counted} in {measured} steps after warm-up: input shapes changed between steps (the batch size: "
+            f"a short last batch?)" + (f"; each new shape compiles a new graph{elsewhere}" if run.eager else ""),
             _batch_size_fix(mode),
             where=changed,
         )
@@ -555,9 +586,9 @@ def _shape_recompiles(run: _Run, mode: Mode) -> Finding | None:
     also = f"; and the batch size changed too: {_batch_size_fix(mode)}" if len(sizes) > 1 else ""
     return Finding(
         "recompile",
-        f"{new_shape_compiles} graph compilation(s) in {measured} steps after warm-up: input shapes changed "
-        f"between steps (sequence lengths: dim {d} of input {j} took {len(set(lengths))} values, "
-        f"{min(lengths)}..{max(lengths)}); every new length compiles a new graph",
+        f"{counted} in {measured} steps after warm-up: input shapes changed between steps (sequence lengths: "
+        f"dim {d} of input {j} took {len(set(lengths))} values, {min(lengths)}..{max(lengths)}); every new "
+        f"length compiles a new graph{elsewhere}",
         f"pad each batch to one of a few lengths: DataLoader(..., collate_fn=tpu_utility.BucketCollate("
         f"buckets={buckets})) (from the lengths seen here), or BucketCollate.from_lengths(lengths, "
         f"num_buckets=4) from all your samples' lengths; with batch_sampler=tpu_utility.BucketBatchSampler("
@@ -615,10 +646,14 @@ def _host_syncs(run: _Run) -> Finding | None:
     if not syncs:
         return None
     where = [f"{n}x .{name}() {line}" for (name, line), n in sorted(run.reads.items(), key=lambda kv: -kv[1])]
+    where += [f"{n}x {op} {line}" for (_, op, line), n in sorted(run.syncs.items(), key=lambda kv: -kv[1])]
+    kinds = {kind for kind, _, _ in run.syncs}
     fix = "keep values on the device (running_loss += loss.detach()) and read them once per epoch"
-    if any(name in ("cpu", "numpy", "tolist") for name, _ in run.reads):
+    if any(name in ("cpu", "numpy", "tolist") for name, _ in run.reads) or "copy" in kinds:
         fix += ("; collect predictions on the device (preds.append(logits.argmax(1))) and move them once after "
                 "the loop: torch.cat(preds).cpu().numpy()")  # fmt: skip
+    shaped = dict.fromkeys(op for kind, op, _ in run.syncs if kind == "shape")
+    fix += "".join(f"; {LOWERED_REPLACEMENTS.get(op, f'{op}: {_NO_DYNAMIC_SHAPE}')}" for op in shaped)
     return Finding(
         "host_sync",
         f"{syncs / len(run.measured):.2f} host sync(s) per step: each read of a device value waits for the "
@@ -646,7 +681,7 @@ def _analyse(run: _Run, mode: Mode, model: nn.Module | None,
     """Findings from the steps that ran (given the static ones, which may explain them)."""
     if not run.measured:
         return [], []
-    if model is None and run.created == 0:
+    if model is None and run.created == 0 and not run.eager:  # an eager backend counts no tensors
         return [_nothing_ran()], []
     growth = _growth(run, mode)
     if any(f is not None and f.kind == "optimizer_params" for f in static):
@@ -694,19 +729,40 @@ def _check_arguments(steps: Any, warmup: Any, mode: Any, batch: Any, batches: An
         raise ValueError(f"mode must be one of {get_args(Mode)}, but given {mode!r}")
 
 
+def _eager_notes() -> list[str]:
+    """How doctor measured on an eager backend, where a reader could take it for something else."""
+    name = backend.current().name
+    notes = []
+    if not backend.is_accelerated(backend.device()):
+        notes.append("on the CPU nothing waits for a host sync: doctor counts the ops that would make a GPU or "
+                     "TPU wait")  # fmt: skip
+    wanted = backend.pjrt_device()
+    if wanted and not backend.XLA_INSTALLED:
+        notes.append(f"PJRT_DEVICE={wanted!r} is set but torch_xla is not installed: doctor measured the step on "
+                     f"the {name} backend; to measure it on XLA, install it ({backend.INSTALL_HINT}) and call "
+                     f"setup_tpu() in the first cell")  # fmt: skip
+    elif backend.XLA_INSTALLED:
+        notes.append(f"torch_xla is installed but not in use (PJRT_DEVICE is not set and no TPU is attached): "
+                     f"doctor measured the step on the {name} backend; to measure it on XLA, call setup_tpu() in "
+                     f"the first cell (PJRT_DEVICE=CPU runs XLA on the host)")  # fmt: skip
+    return notes
+
+
 def _report(run: _Run, mode: Mode, findings: list[Finding | None], notes: list[str]) -> DoctorReport:
     measured = max(len(run.measured), 1)
     compiles = [s.compiles for s in run.measured]
     return DoctorReport(
         steps=len(run.measured),
         warmup=len(run.warmup),
-        compiles_per_step=sum(compiles) / measured,
+        compiles_per_step=None if run.eager else sum(compiles) / measured,
         host_syncs_per_step=max(sum(run.reads.values()), run.host_syncs) / measured,
         fallback_ops=run.fallbacks,
         findings=[f for f in findings if f is not None],
         mode=mode,
-        step_compiles=compiles,
-        notes=notes,
+        step_compiles=[] if run.eager else compiles,
+        notes=notes + (_eager_notes() if run.eager else []),
+        measured_on=backend.current().name,
+        unmeasured=list(backend.unmeasured()),
     )
 
 
@@ -725,6 +781,13 @@ def doctor(
 ) -> DoctorReport:
     """Runs your training or evaluation step as you run it and reports what slows or breaks it on XLA.
 
+    On XLA it reads torch_xla's counters (compiles, host syncs, CPU fallbacks,
+    graph growth). On the native backends (CPU, CUDA) and TorchTPU, which run
+    eagerly, it names the host syncs and the input shape changes (a recompile
+    under ``torch.compile(dynamic=False)`` and on XLA) with the same fixes, and
+    lists in ``report.unmeasured`` what it cannot see there. On the CPU nothing
+    waits for a host sync: it counts the ops that would make a GPU or TPU wait.
+
     Args:
         step: Your step, ``step(batch)`` (forward, backward, optimizer step; or,
             with ``mode="eval"``, your evaluation of one batch), or a model, for
@@ -734,7 +797,7 @@ def doctor(
         batch: One batch, used for every step.
         batches: Or several batches (a list or a DataLoader), used in turn; this
             is how shape changes between steps show up.
-        model, optimizer: Enable the XLA, optimizer and tied-weight checks (needed
+        model, optimizer: Enable the device, optimizer and tied-weight checks (needed
             when ``step`` is a callable; ``step`` itself when it is a model).
         loss_fn: For the model form; default ``nn.CrossEntropyLoss()``.
         steps: Steps measured after warm-up, or ``"all"``: every batch of
@@ -746,7 +809,8 @@ def doctor(
 
     Returns:
         DoctorReport: figures per step, findings (each with a fix) and notes;
-        ``report.clean`` is True when there is nothing to fix.
+        ``report.clean`` is True when there is nothing to fix among what was
+        measured (``report.unmeasured`` lists the rest on an eager backend).
 
     Raises:
         DoctorError: your step raised; ``err.report`` holds the findings made
@@ -769,11 +833,12 @@ def doctor(
     elif not callable(step):
         raise TypeError(f"step must be a callable step(batch) or an nn.Module, but given {step!r}")
 
-    findings: list[Finding | None] = [check_xla(model)]
+    run = _Run(eager=not backend.counters().measured)  # eager: the backend counts nothing, doctor watches
+    findings: list[Finding | None] = [check_device(model) if run.eager else check_xla(model)]
     if model is not None and optimizer is not None:
         findings.insert(0, check_optimizer(model, optimizer))
-    if findings[-1] is not None:  # not on XLA: nothing to measure
-        return _report(_Run(), mode, findings, [])
+    if findings[-1] is not None:  # not on the device: nothing to measure
+        return _report(run, mode, findings, [])
     if model is not None:
         findings.append(check_ties(model))
     plan = _plan(batch, batches, steps, warmup)
@@ -785,7 +850,6 @@ def doctor(
         cores = backend.global_device_count() if backend.is_spmd() else backend.world_size()
     findings.append(check_batch_split(first, cores))
 
-    run = _Run()
     try:
         _run(step, plan, warmup, run)
     except Exception as error:

@@ -15,12 +15,12 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, ContextManager, Sequence
 
 import torch
 
 from . import xla
-from .base import Backend, Counters, ReduceOp
+from .base import Backend, Counters, ReduceOp, SyncKind, patch_tensor_methods
 from .hardware import TpuHardware, detect_tpu, pjrt_device
 from .native import NativeBackend
 from .tpu import TorchTpuBackend
@@ -225,6 +225,16 @@ def fallback_ops() -> list[str]:
 
 def clear_counters() -> None:
     current().clear_counters()
+
+
+def watch_host_syncs(on_sync: Callable[[SyncKind, str], None]) -> ContextManager[bool]:
+    """Calls ``on_sync(kind, op)`` at each host sync inside; yields False where the backend's counters count them."""
+    return current().watch_host_syncs(on_sync)
+
+
+def unmeasured() -> tuple[str, ...]:
+    """What this backend cannot count (compiles, host syncs, CPU fallbacks), each as "what: why"."""
+    return current().unmeasured()
 
 
 def pending_ir_nodes() -> int:

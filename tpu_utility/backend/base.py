@@ -18,12 +18,15 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Literal, Sequence
+from typing import Any, Callable, ContextManager, Iterator, Literal, Sequence
 
 import torch
 from torch.utils import _pytree as pytree
 
 ReduceOp = Literal["sum", "min", "max"]
+# What a host sync is: a value read (.item(), bool(), print), a copy of device data to the
+# host (.cpu(), .tolist()), or an op whose output shape depends on the data (nonzero, x[mask]).
+SyncKind = Literal["read", "copy", "shape"]
 
 
 @dataclass(frozen=True)
@@ -40,6 +43,23 @@ class Counters:
     host_syncs: int = 0
     transfers: int = 0
     measured: bool = False
+
+
+@contextlib.contextmanager
+def patch_tensor_methods(wrappers: dict[str, Callable[[Callable], Callable]]) -> Iterator[None]:
+    """Replaces torch.Tensor methods by ``wrappers[name](original)`` for the duration; nothing stays after."""
+    originals = {name: getattr(torch.Tensor, name) for name in wrappers}
+    own = {name for name in wrappers if name in torch.Tensor.__dict__}
+    for name, make in wrappers.items():
+        setattr(torch.Tensor, name, make(originals[name]))
+    try:
+        yield
+    finally:
+        for name, original in originals.items():
+            if name in own:
+                setattr(torch.Tensor, name, original)
+            else:
+                delattr(torch.Tensor, name)  # inherited from TensorBase
 
 
 def move_to_device(batch: Any, device: torch.device) -> Any:
@@ -173,6 +193,23 @@ class Backend:
 
     def clear_counters(self) -> None:
         """Starts the counters afresh."""
+
+    def watch_host_syncs(self, on_sync: Callable[[SyncKind, str], None]) -> ContextManager[bool]:
+        """Calls ``on_sync(kind, op)`` at each host sync of the code run inside.
+
+        Yields whether this backend watches that way. Here it does not (nothing is
+        seen); ``NativeBackend`` watches with a dispatch mode, and torch_xla counts
+        host syncs in its own counters (``counters().host_syncs``) instead.
+        """
+        return contextlib.nullcontext(False)
+
+    def unmeasured(self) -> tuple[str, ...]:
+        """What neither ``counters()`` nor ``watch_host_syncs`` sees here, each as "what: why"."""
+        return (
+            "graph compilations: this backend counts none",
+            "host syncs: this backend counts none",
+            "CPU fallbacks: this backend counts none",
+        )
 
     # ---------------------------------------------------------------- SPMD
     def is_spmd(self) -> bool:

@@ -15,21 +15,131 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
+import sys
 import tempfile
-from typing import Any, Callable, Sequence
+import threading
+import weakref
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
 
-from .base import Backend, ReduceOp
+from .base import Backend, ReduceOp, SyncKind, patch_tensor_methods
 
 # Every collective and the start-up rendezvous give up after this long (seconds): a replica
 # that died or took another path raises on the others instead of hanging them forever.
 COLLECTIVE_TIMEOUT_S = float(os.environ.get("TPU_UTILITY_COLLECTIVE_TIMEOUT", "600"))
 
 _OPS = {"sum": "SUM", "min": "MIN", "max": "MAX"}
+
+_ATEN = torch.ops.aten
+# A value read into Python: .item(), float(), int(), bool(), `if tensor:`, printing a scalar.
+_READ_OPS = {_ATEN._local_scalar_dense}
+# Outputs whose shape depends on the data: the host must learn the size before it can go on.
+_SHAPE_OPS = {_ATEN.nonzero, _ATEN.masked_select, _ATEN._unique, _ATEN._unique2, _ATEN.unique_dim,
+              _ATEN.unique_consecutive}  # fmt: skip
+_MASK_INDEX_OPS = {_ATEN.index, _ATEN.index_put, _ATEN.index_put_, _ATEN._index_put_impl_}  # x[mask], x[mask] = v
+_REPEAT_OPS = {_ATEN.repeat_interleave.Tensor, _ATEN.repeat_interleave.self_Tensor}  # no output_size: a sync
+# torch's optimizers keep their step counters on the host on every device (unless capturable or
+# fused) and read them with .item(): no sync on an accelerator, so not counted on the CPU either.
+_OPTIM_DIR = os.path.dirname(torch.optim.__file__) + os.sep
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+
+
+def _caller(depth: int) -> tuple[str, int]:
+    """(file, line) of the code that called the op, past this package's own wrappers of Tensor methods."""
+    frame = sys._getframe(depth + 1)
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(_PACKAGE_DIR):
+        frame = frame.f_back
+    return frame.f_code.co_filename, frame.f_lineno
+
+
+class _HostSyncMode(TorchDispatchMode):
+    """Sees every aten op and reports those that make the host wait for the device.
+
+    ``owns(device)`` tells the backend's device from the host. Where the host is the
+    device (the CPU backend) nothing waits, so an op counts where it would wait on
+    an accelerator: every tensor is taken for a device tensor, except the step
+    counters torch.optim reads on the host on every device.
+    """
+
+    def __init__(self, owns: Callable[[torch.device], bool], on_sync: Callable[[SyncKind, str], None],
+                 host_is_device: bool) -> None:  # fmt: skip
+        super().__init__()
+        self.owns, self.on_sync, self.host_is_device = owns, on_sync, host_is_device
+        self.thread = threading.get_ident()
+        # tensors counted as copied to the host, with the line that copied them
+        self.on_host: dict[int, tuple[weakref.ref, tuple[str, int]]] = {}
+
+    def on_the_host(self, tensor: Any, line: tuple[str, int]) -> bool:
+        """Whether ``tensor`` was copied to the host on this ``line``: x.cpu().tolist() and x.cpu().item()
+        wait once on an accelerator (the second call reads the host copy), but on the CPU
+        .cpu() returns x itself, so the chain is told by the tensor and the line."""
+        ref, copied_at = self.on_host.get(id(tensor), (None, None))
+        return ref is not None and ref() is tensor and copied_at == line
+
+    def _device(self, value: Any) -> bool:
+        return isinstance(value, torch.Tensor) and self.owns(value.device)
+
+    def sync(self, func: Any, args: tuple, kwargs: dict) -> SyncKind | None:
+        """The kind of host sync ``func(*args, **kwargs)`` makes, or None."""
+        packet = func.overloadpacket
+        first = args[0] if args else None
+        if packet in _READ_OPS:
+            return "read" if self._device(first) else None
+        if packet in _SHAPE_OPS or func in _REPEAT_OPS:
+            if func in _REPEAT_OPS and kwargs.get("output_size") is not None:
+                return None
+            return "shape" if any(self._device(a) for a in args) else None
+        if packet in _MASK_INDEX_OPS:
+            indices = args[1] if len(args) > 1 else kwargs.get("indices", ())
+            masks = [i for i in indices or () if isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8)]
+            return "shape" if masks and self._device(first) else None
+        if packet is _ATEN._to_copy:
+            target = kwargs.get("device")
+            moved = target is not None and self._device(first) and not self.owns(target)
+            return "copy" if moved and not kwargs.get("non_blocking", False) else None
+        if packet is _ATEN.copy_:
+            source = args[1] if len(args) > 1 else kwargs.get("src")
+            blocking = not (args[2] if len(args) > 2 else kwargs.get("non_blocking", False))
+            moved = self._device(source) and isinstance(first, torch.Tensor) and not self.owns(first.device)
+            return "copy" if moved and blocking else None
+        return None
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        kind = self.sync(func, args, kwargs)
+        if kind is not None and self.host_is_device:
+            line = _caller(1)
+            if line[0].startswith(_OPTIM_DIR) or (kind == "read" and self.on_the_host(args[0], line)):
+                kind = None
+        if kind is not None:
+            masked = func.overloadpacket in _MASK_INDEX_OPS
+            self.on_sync(kind, func._schema.name + (" (a boolean mask)" if masked else ""))
+        return func(*args, **kwargs)
+
+    def host_reads(self) -> dict[str, Callable[[Callable], Callable]]:
+        """Wrappers of the reads the dispatcher never sees when the tensor is already on the host."""
+
+        def make(name: str) -> Callable[[Callable], Callable]:
+            def wrap(original: Callable) -> Callable:
+                def traced(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+                    if threading.get_ident() == self.thread and self.owns(tensor.device):
+                        line = _caller(1)
+                        if not self.on_the_host(tensor, line):
+                            self.on_host[id(tensor)] = (weakref.ref(tensor), line)
+                            self.on_sync("copy", f".{name}()")
+                    return original(tensor, *args, **kwargs)
+
+                return traced
+
+            return wrap
+
+        return {"cpu": make("cpu"), "tolist": make("tolist")}
 
 
 def distributed_ready() -> bool:
@@ -151,6 +261,51 @@ class NativeBackend(Backend):
 
     def to_cpu(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         return [t.detach().cpu() for t in tensors]
+
+    # ------------------------------------------------------------ counters
+    @contextlib.contextmanager
+    def watch_host_syncs(self, on_sync: Callable[[SyncKind, str], None]) -> Iterator[bool]:
+        """Calls ``on_sync(kind, op)`` at each op of the code inside that makes the host wait.
+
+        A ``TorchDispatchMode`` sees every aten op: value reads (``aten::_local_scalar_dense``
+        from ``.item()``, ``bool()``, ``if tensor:``), data-dependent shapes (``nonzero``,
+        ``masked_select``, ``unique``, ``x[mask]``) and blocking copies of device data to the
+        host. On the CPU, where the host is the device, nothing waits: ops are reported
+        where they would wait on a GPU or TPU, and ``.cpu()``/``.tolist()`` (which the
+        dispatcher never sees there) are wrapped for the duration. A step under
+        ``torch.compile`` runs uncompiled inside (torch does not compile under a dispatch mode).
+
+        Example:
+            >>> seen = []
+            >>> with NativeBackend("cpu", "gloo").watch_host_syncs(lambda kind, op: seen.append(op)):
+            ...     _ = torch.ones(2).sum().item()
+            >>> seen
+            ['aten::_local_scalar_dense']
+        """
+        host_is_device = self.device_type == "cpu"
+        mode = _HostSyncMode(self.owns, on_sync, host_is_device)
+        with contextlib.ExitStack() as stack:
+            if host_is_device:
+                stack.enter_context(patch_tensor_methods(mode.host_reads()))
+            stack.enter_context(mode)
+            yield True
+
+    def unmeasured(self) -> tuple[str, ...]:
+        compiles = (
+            "graph compilations: an eager backend compiles nothing, and a step under torch.compile runs uncompiled "
+            "while doctor watches it (TORCH_LOGS=recompiles names each recompile of a compiled step and its cause)"
+        )
+        if self.device_type == "cuda":
+            return (compiles,)  # CUDA has no silent CPU fallback: an op without a kernel raises
+        if self.device_type == "cpu":
+            return (
+                compiles,
+                "CPU fallbacks: the CPU runs every op itself; on a TPU with torch_xla, doctor names the ops XLA "
+                "cannot lower",
+                ".to('cpu') copies: on the CPU they cannot be told from moving a batch to the device (.cpu() and "
+                ".tolist() are counted)",
+            )
+        return (compiles, f"ops that fall back to the host CPU: the {self.device_type} backend does not count them")
 
     # ----------------------------------------------------------- precision
     def bf16_autocast_available(self) -> bool:

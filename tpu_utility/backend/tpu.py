@@ -66,6 +66,15 @@ class TorchTpuBackend(NativeBackend):
     def autocast(self, device: torch.device, dtype: torch.dtype) -> Any:
         return torch.autocast("tpu", dtype=torch.bfloat16 if dtype == torch.float16 else dtype)
 
+    def unmeasured(self) -> tuple[str, ...]:
+        """Host syncs are watched as on every native backend; TorchTPU's compiles and host fallbacks are not."""
+        return (
+            "graph compilations: TorchTPU runs eagerly unless the step is compiled (torch.compile(backend='tpu', "
+            "dynamic=False)), and a compiled step runs uncompiled while doctor watches it; the input shape changes "
+            "that recompile it are named",
+            "ops that fall back to the host CPU: TorchTPU does not count them where Python can read them",
+        )
+
 
 def set_launch_env(nprocs: int) -> None:
     """``torch.tpu.distributed.set_tpu_launch_env(nproc_per_node=nprocs)``: one chip per process."""

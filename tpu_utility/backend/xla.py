@@ -637,6 +637,10 @@ class XlaBackend(Backend):
     def clear_counters(self) -> None:
         clear_metrics()
 
+    def unmeasured(self) -> tuple[str, ...]:
+        """Nothing: torch_xla counts compiles, host syncs and CPU fallbacks itself."""
+        return ()
+
     def is_spmd(self) -> bool:
         return is_spmd()
 
