@@ -20,6 +20,7 @@ from torch import nn
 
 from conftest import BLOCK_TORCH_XLA, run_python, run_script
 from test_torchtpu import FAKE_TORCHTPU, _torchtpu_installed
+from tpu_utility import get_device
 from tpu_utility.backend import XLA_INSTALLED, NativeBackend
 
 NATIVE = {"PJRT_DEVICE": None, "CPU_NUM_DEVICES": None}
@@ -263,6 +264,17 @@ def _watched(backend, work):
         work()
     assert watching is True
     return seen
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _xla_registered_before_the_first_backward():
+    # torch's autograd engine sizes its device queues at the process's first backward: a CPU backward
+    # run here before the XLA runtime knew its devices would make every later XLA backward in this
+    # pytest process fail an internal assert. A user's notebook starts XLA first (setup_tpu, get_device).
+    if XLA_INSTALLED:
+        get_device()
+
+    yield
 
 
 def test_the_cpu_watch_counts_what_would_wait_on_an_accelerator_and_nothing_else():
