@@ -12,7 +12,7 @@ PACKAGE = os.path.join(ROOT, "tpu_utility")
 # preparation never about the loop that consumes it. "data" and "training" are those packages' __init__.
 LAYERS = [
     {"backend"},
-    {"files", "progress", "device", "environment"},
+    {"remote", "files", "progress", "device", "environment"},
     {"optim", "amp", "checkpoint", "data.buckets", "data.cache", "data.presize", "training.schedule",
      "training.monitor", "training.history"},
     {"data.loaders", "training.metrics"},

@@ -17,15 +17,17 @@ For a hand-written loop (was ``torch.save(model.state_dict(), path)`` and
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import zipfile
 from collections import Counter, OrderedDict
-from typing import Any
+from typing import IO, Any
 
 import torch
 from torch.utils import _pytree as pytree
 
-from . import backend
+from . import backend, remote
 from .files import atomic_write, remove_stale_temporaries
 
 CHECKPOINT_NAME = "last.pt"
@@ -79,9 +81,10 @@ def save_atomic(obj: Any, path: str) -> None:
 
 def _write(obj: Any, path: str) -> None:
     """``save_atomic`` for a state already checked."""
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    remove_stale_temporaries(folder, old_suffixes=(".pt",))  # earlier releases wrote .tmp-XXXXXXXX.pt
+    if not remote.is_url(path):  # a URL is one whole-object put: no folder to make, no temporaries
+        folder = os.path.dirname(os.path.abspath(path))
+        os.makedirs(folder, exist_ok=True)
+        remove_stale_temporaries(folder, old_suffixes=(".pt",))  # earlier releases wrote .tmp-XXXXXXXX.pt
     was = torch.serialization.get_crc32_options()
     torch.serialization.set_crc32_options(True)  # the checksums load_checkpoint checks
     tensors = [leaf for leaf in pytree.tree_leaves(obj) if isinstance(leaf, torch.Tensor)]
@@ -158,10 +161,10 @@ def _damaged(path: str, why: str) -> DamagedCheckpointError:
     return DamagedCheckpointError(path, why)
 
 
-def _check_file(path: str) -> None:
+def _check_file(source: str | IO[bytes], path: str) -> None:
     """Checks the zip structure and every record's CRC-32 (torch.load itself checks neither)."""
     try:
-        with zipfile.ZipFile(path) as archive:
+        with zipfile.ZipFile(source) as archive:
             records = archive.infolist()
             if not any(r.CRC for r in records if r.file_size):
                 return  # written with torch's CRC-32 turned off: nothing to check
@@ -233,7 +236,8 @@ def load_checkpoint(path: str, model: torch.nn.Module | None = None,
     CUDA or CPU); optimizer state follows its parameters.
 
     Args:
-        path: The file, or a folder holding ``last.pt``.
+        path: The file, or a folder holding ``last.pt``; a URL (``gs://bucket/run``)
+            is read through fsspec.
         model: Loaded from the ``"model"`` entry.
         optimizer: Loaded from the ``"optimizer"`` entry.
 
@@ -250,18 +254,28 @@ def load_checkpoint(path: str, model: torch.nn.Module | None = None,
         >>> state = load_checkpoint("ckpt.pt", model=model, optimizer=optimizer)  # doctest: +SKIP
         >>> start_epoch = state["epoch"] + 1                                        # doctest: +SKIP
     """
-    if os.path.isdir(path):
-        path = os.path.join(path, CHECKPOINT_NAME)
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"checkpoint {path} does not exist")
-    if zipfile.is_zipfile(path):
-        _check_file(path)
+    source: Any = path
+    if remote.is_url(path):
+        if remote.is_folder(path):
+            path = remote.join(path, CHECKPOINT_NAME)
+        if not remote.exists(path):
+            raise FileNotFoundError(f"checkpoint {path} does not exist")
+        source = io.BytesIO(remote.read_bytes(path))  # checked and loaded from memory, as a local file is
     else:
-        with open(path, "rb") as f:
+        if os.path.isdir(path):
+            path = source = os.path.join(path, CHECKPOINT_NAME)
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"checkpoint {path} does not exist")
+    if zipfile.is_zipfile(source):
+        _check_file(source, path)
+    else:
+        with contextlib.nullcontext(source) if isinstance(source, io.BytesIO) else open(path, "rb") as f:
             if f.read(len(_LEGACY_MAGIC)) != _LEGACY_MAGIC:
                 raise _damaged(path, "truncated or not a torch.save file")
+    if isinstance(source, io.BytesIO):
+        source.seek(0)  # the checks above read it
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        state = torch.load(source, map_location="cpu", weights_only=True)
     except Exception as e:  # pickle, zip and storage errors: KeyError, EOFError, RuntimeError, OSError...
         if isinstance(e, torch.serialization.pickle.UnpicklingError) and "weights_only" in str(e):
             raise  # a whole file holding objects: torch's message says what to allow

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import io
 import json
 import os
 import re
@@ -22,6 +23,8 @@ import socket
 import time
 import warnings
 from typing import IO, Any, Iterator
+
+from . import remote
 
 TEMP_SUFFIX = ".tpu-partial"
 LOCK_NAME = ".tpu_utility.lock"
@@ -74,13 +77,34 @@ def write_json(path: str, obj: Any, indent: int | None = None) -> None:
         f.write(json.dumps(obj, indent=indent, sort_keys=True).encode())
 
 
+def join(folder: str | os.PathLike, name: str) -> str:
+    """``folder/name``, for a local folder or a URL (``gs://bucket/run``)."""
+    return remote.join(folder, name) if remote.is_url(folder) else os.path.join(folder, name)
+
+
+def exists(path: str) -> bool:
+    """Whether the file (or folder) exists, locally or at a URL."""
+    return remote.exists(path) if remote.is_url(path) else os.path.exists(path)
+
+
+def remove(path: str) -> None:
+    """Deletes a file, locally or at a URL; ``FileNotFoundError`` when there is none."""
+    if remote.is_url(path):
+        remote.remove(path)
+    else:
+        os.unlink(path)
+
+
 def remove_stale_temporaries(folder: str, old_suffixes: tuple[str, ...] = ()) -> list[str]:
     """Deletes temporaries in ``folder`` (not below) left by killed tpu_utility writers.
 
-    ``old_suffixes`` also removes ``.tmp-XXXXXXXX<suffix>`` files, the names earlier
+    Nothing is written under a temporary name at a URL (one whole-object put), so a URL
+    has none. ``old_suffixes`` also removes ``.tmp-XXXXXXXX<suffix>`` files, the names earlier
     releases used; pass only the suffixes that release wrote in this kind of folder.
     """
-    removed = []
+    removed: list[str] = []
+    if remote.is_url(folder):
+        return removed
     with contextlib.suppress(FileNotFoundError):
         for name in os.listdir(folder):
             if _is_stale(name, old_suffixes):
@@ -99,6 +123,20 @@ def _fsync_folder(folder: str) -> None:
             os.close(fd)
 
 
+class _Upload(io.BytesIO):
+    """The bytes for one put; they outlive a wrapper (``io.TextIOWrapper``) that closes the buffer."""
+
+    _closed_value: bytes | None = None
+
+    def close(self) -> None:
+        if not self.closed:
+            self._closed_value = self.getvalue()
+        super().close()
+
+    def value(self) -> bytes:
+        return self._closed_value if self.closed and self._closed_value is not None else self.getvalue()
+
+
 @contextlib.contextmanager
 def atomic_write(path: str, durable: bool = True, size: int | None = None) -> Iterator[IO[bytes]]:
     """Opens a temporary file for writing; on success it is renamed over ``path``.
@@ -115,7 +153,15 @@ def atomic_write(path: str, durable: bool = True, size: int | None = None) -> It
         >>> # was: with open(path, "wb") as f: f.write(data)   (a kill leaves half a file)
         >>> with atomic_write(path) as f:          # doctest: +SKIP
         ...     f.write(data)
+
+    At a URL (``gs://``, ``memory://``) the bytes are buffered and written as one
+    whole-object put on success; nothing is written on an exception.
     """
+    if remote.is_url(path):
+        upload = _Upload()
+        yield upload
+        remote.write_bytes(path, upload.value())
+        return
     tmp = temp_path(path)
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # the umask applies, as for open()
@@ -236,7 +282,13 @@ def folder_lock(folder: str, purpose: str, timeout: float | None = 0.0) -> Itera
         >>> # was: two notebooks writing one checkpoint folder, each overwriting the other
         >>> with folder_lock("checkpoints", "training"):   # doctest: +SKIP
         ...     train()
+
+    A URL has no lock that a crashed holder releases: there it holds nothing (see
+    ``tpu_utility.remote``), and two runs must not share one URL.
     """
+    if remote.is_url(folder):
+        yield folder
+        return
     os.makedirs(folder, exist_ok=True)
     lock_path = os.path.join(folder, LOCK_NAME)
     start, warned = time.monotonic(), False

@@ -23,6 +23,7 @@ What a run does for you, and how:
 from __future__ import annotations
 
 import dataclasses
+import io
 import math
 import os
 import tempfile
@@ -33,10 +34,11 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from .. import backend
+from .. import backend, remote
 from ..checkpoint import save_atomic, to_cpu
 from ..data.loaders import LoaderSpec, unpack_loader
 from ..environment import choose_start_method, is_interactive
+from ..files import exists, join
 from .history import History
 from .metrics import METRICS, accuracy, per_sample_loss, resolve_metrics
 from .monitor import Mode, StopRule, parse_duration, resolve_mode
@@ -105,7 +107,10 @@ def _check_checkpoint_dir(folder: Any) -> None:
     if folder is None:
         return
     if not isinstance(folder, (str, os.PathLike)):
-        raise TypeError(f"checkpoint_dir must be a folder path, but given {folder!r}")
+        raise TypeError(f"checkpoint_dir must be a folder path or a URL, but given {folder!r}")
+    if remote.is_url(folder):  # gs://bucket/run: through fsspec, or a clear error, never a local folder "gs:"
+        remote.check_folder(folder)
+        return
     if os.path.exists(folder) and not os.path.isdir(folder):
         raise ValueError(f"checkpoint_dir={str(folder)!r} is a file, not a folder")
     try:
@@ -120,11 +125,12 @@ def _refuse_another_run(folder: str) -> None:
     """A folder holding a run's last.pt is not written over unless the user says so (re-running a cell)."""
     from ..checkpoint import CHECKPOINT_NAME
 
-    path = os.path.join(folder, CHECKPOINT_NAME)
-    if not os.path.exists(path):
+    path = join(folder, CHECKPOINT_NAME)
+    if not exists(path):
         return
-    try:  # memory-mapped: only the few bytes of the epoch are read
-        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    try:  # memory-mapped: only the few bytes of the epoch are read (a URL's object is read whole)
+        source = io.BytesIO(remote.read_bytes(path)) if remote.is_url(path) else path
+        state = torch.load(source, map_location="cpu", weights_only=True, mmap=not remote.is_url(path))
         held = f"epoch {int(state['epoch'])} of {int(state['config']['epochs'])}"
     except Exception:  # damaged, or not one_cycle_fit's: still not ours to overwrite silently
         held = "a checkpoint"
@@ -211,7 +217,9 @@ def one_cycle_fit(
         scale_lr_by_cores: Multiply ``max_lr`` by the number of cores.
         weight_decay: For the named optimizers (default: theirs).
         checkpoint_dir: Write ``last.pt`` and ``history.csv`` there after every
-            epoch, and ``best.pt`` when the monitored figure improves.
+            epoch, and ``best.pt`` when the monitored figure improves. A local
+            folder, or a URL (``gs://bucket/run``, ``s3://``, ``memory://``) written
+            through fsspec (``pip install fsspec gcsfs``).
         resume: Continue from ``checkpoint_dir/last.pt`` if it exists (the same
             run only: a different one is refused, naming the differences).
         overwrite: Start afresh in a ``checkpoint_dir`` that holds another run's

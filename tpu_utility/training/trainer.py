@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 import random
 import secrets
 import time
@@ -26,7 +25,7 @@ from .. import backend
 from ..checkpoint import (CHECKPOINT_NAME, DamagedCheckpointError, class_name, load_checkpoint, load_state_into,
                          save_atomic, to_cpu)
 from ..data.loaders import LabelCheck, LoaderSpec, dropped_per_epoch, set_epoch
-from ..files import WriteError, folder_lock, remove_stale_temporaries
+from ..files import WriteError, exists, folder_lock, join, remove, remove_stale_temporaries
 from .history import EpochRecord, History
 from .metrics import MetricSet
 from .monitor import StopRule, Watch, out_of_time
@@ -192,7 +191,7 @@ class _Run:
         self.fingerprint = {**plan.fingerprint, "parameters": _parameter_digest(model)}
         self.run_id = secrets.token_hex(8)  # this run's files carry it; a resume takes last.pt's
         folder = plan.checkpoint_dir
-        self.paths = {"last": os.path.join(folder, CHECKPOINT_NAME), "best": os.path.join(folder, BEST_NAME)} if folder else {}
+        self.paths = {"last": join(folder, CHECKPOINT_NAME), "best": join(folder, BEST_NAME)} if folder else {}
 
     def _schedule(self) -> None:
         """The whole one-cycle curve: its length is what each core iterates."""
@@ -241,7 +240,7 @@ def train(model: nn.Module, plan: FitPlan) -> tuple[nn.Module, History]:
             if plan.overwrite:  # asked for: the earlier run's files go, none is left to mix with this run's
                 for name in (CHECKPOINT_NAME, BEST_NAME, HISTORY_NAME):
                     with contextlib.suppress(FileNotFoundError):
-                        os.unlink(os.path.join(plan.checkpoint_dir, name))
+                        remove(join(plan.checkpoint_dir, name))
             result = _train(model, plan)
     # the master's last writes are on disk before any replica returns: a resume that follows at once
     # (the next call, on every replica) must read the same last.pt everywhere
@@ -255,11 +254,11 @@ def _train(model: nn.Module, plan: FitPlan) -> tuple[nn.Module, History]:
         run.runner.check_eval(run.valid_loader, run.metrics, run.eval_step)
     if run.runner.lazy:
         backend.sync()  # set-up tensors become device data, not part of epoch 1's first graph
-    if plan.resume and "last" in run.paths and os.path.exists(run.paths["last"]):
+    if plan.resume and "last" in run.paths and exists(run.paths["last"]):
         _restore(run)
         _check_best(run)  # before the first epoch: never found wrong at the end
         if run.master:  # a kill between last.pt and history.csv left it an epoch behind
-            run.history.to_csv(os.path.join(plan.checkpoint_dir, HISTORY_NAME))
+            run.history.to_csv(join(plan.checkpoint_dir, HISTORY_NAME))
     run.schedule = OneCycleDriver(run.opt, run.curve, run.runner.device, run.opt_step)
     if run.master and plan.progress:
         print(run.history.summary)
@@ -426,7 +425,7 @@ def _save_epoch(run: _Run, state: dict[str, Any], improved: bool) -> None:
         run.saved_epoch = int(state["epoch"])
         if improved:
             save_atomic(state, run.paths["best"])
-        run.history.to_csv(os.path.join(run.plan.checkpoint_dir, HISTORY_NAME))
+        run.history.to_csv(join(run.plan.checkpoint_dir, HISTORY_NAME))
     except WriteError as error:
         then = "then continue this run with the same call and resume=True"
         message = error.strerror.replace("then run again", then)
@@ -589,7 +588,7 @@ def _check_monitor(path: str, watched: dict[str, Any], rule: StopRule) -> None:
 def _best_problem(run: _Run, epoch: int) -> tuple[str | None, dict[str, Any] | None]:
     """What is wrong with best.pt as this run's copy of epoch ``epoch`` (None if nothing), and its state."""
     path = run.paths["best"]
-    if not os.path.exists(path):
+    if not exists(path):
         return "is missing", None
     try:
         state = load_checkpoint(path)
@@ -619,7 +618,7 @@ def _check_best(run: _Run) -> None:
         return
     best, last, rule = run.watch.best_epoch, int(last_state["epoch"]), run.plan.stop
     if not best:
-        if os.path.exists(run.paths["best"]):
+        if exists(run.paths["best"]):
             raise ValueError(
                 f"{run.paths['best']} exists but {run.paths['last']} records no best epoch (no epoch had a finite "
                 f"{rule.monitor}), so it is not this run's. Move it away and resume, or start afresh in another "
