@@ -3,6 +3,7 @@ name has a docstring (functions with an Example), every page is in the nav, the 
 The pages' code blocks run in test_readme.py."""
 
 import inspect
+import json
 import os
 import subprocess
 import sys
@@ -39,6 +40,7 @@ def test_the_readme_is_short_and_links_every_user_guide_page():
 def test_the_site_builds_in_strict_mode(tmp_path):
     pytest.importorskip("mkdocs")
     pytest.importorskip("mkdocstrings_handlers.python")
+    pytest.importorskip("mkdocs_jupyter")
     r = subprocess.run(
         [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
         capture_output=True, text=True, cwd=ROOT, timeout=300,
@@ -46,6 +48,11 @@ def test_the_site_builds_in_strict_mode(tmp_path):
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     api = (tmp_path / "site" / "api" / "index.html").read_text()
     assert "one_cycle_fit" in api and "Seeds the random ops during training" in api  # made from the docstrings
+    notebook = (tmp_path / "site" / "kaggle_quickstart" / "index.html").read_text()
+    with open(os.path.join(ROOT, "notebooks", "kaggle_quickstart.ipynb")) as f:
+        cells = [c for c in json.load(f)["cells"] if c["cell_type"] == "code"]
+    assert len(cells) > 3 and notebook.count('class="jp-Cell jp-CodeCell') >= len(cells)  # every code cell, rendered
+    assert "one_cycle_fit" in notebook and "setup_tpu" in notebook
 
 
 def test_a_broken_link_fails_the_strict_build(tmp_path):
