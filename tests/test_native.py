@@ -167,6 +167,42 @@ if __name__ == "__main__":
     assert best in early_epochs and (len(early_epochs) == 4 or "early stop" in reason.lower())
 
 
+def test_callbacks_decide_alike_on_every_replica_and_the_master_alone_logs(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    run_script(tmp_path, "callbacks.py", COMMON + f"""
+from tpu_utility import EMA, Callback, TensorBoardLogger, launch, one_cycle_fit
+
+
+class StopAt(Callback):
+    def on_epoch_end(self, loop, record):
+        if record.epoch >= 2 and record.metrics["accuracy"] > 0.8:
+            loop.stop(f"accuracy {{record.metrics['accuracy']:.4f}} passed 0.8")
+
+
+def work(rank, out):
+    ema = EMA(0.9)
+    history = one_cycle_fit(mlp(), blobs(), valid_data=blobs(300, seed=1), epochs=6, max_lr=3e-2, batch_size=16,
+                            seed=3, progress=False, checkpoint_dir=os.path.join(out, "ckpt"),
+                            callbacks=[ema, StopAt(), TensorBoardLogger(os.path.join(out, "tb"))])
+    average = [t.tolist() for t in ema.averaged.module.state_dict().values()]
+    write(out, rank, epochs=[r.epoch for r in history.records], reason=history.stop_reason,
+          weights=[t.tolist() for t in history.model.state_dict().values()], average=average)
+
+
+if __name__ == "__main__":
+    launch(work, args=({str(out)!r},), nprocs=2)
+""", env=NATIVE)
+    ranks = _ranks(out, 2)
+    assert ranks[0] == ranks[1]  # the same stop, the same weights, the same average
+    first = ranks[0]
+    assert 2 <= len(first["epochs"]) < 6 and "passed 0.8" in first["reason"]
+    assert first["weights"] == first["average"]  # restore=True: the model ends holding the average
+    assert len(os.listdir(out / "tb")) == 1  # one event file: the master's
+    saved = torch.load(out / "ckpt" / "last.pt", weights_only=True)
+    assert saved["epoch"] == len(first["epochs"]) and "EMA" in saved["callbacks"]
+
+
 def test_one_cycle_fit_launches_its_own_replicas_and_learns(tmp_path):
     r = run_script(tmp_path, "fit.py", COMMON + """
 from tpu_utility import evaluate, one_cycle_fit

@@ -49,6 +49,16 @@ def block(marker: str) -> str:
     return found
 
 
+FAKE_WANDB = """
+import sys, types
+logged = []  # a stand-in for wandb (not installed): records what the block logs
+class _Run:
+    def log(self, figures, step):
+        logged.append((step, figures))
+    def finish(self):
+        logged.append("finished")
+sys.modules["wandb"] = types.SimpleNamespace(init=lambda **kwargs: _Run())
+"""
 ON_DEVICE = "device = get_device(); model = model.to(device)\n"
 TEXT = "train_ds = marker_sequences(512); device = get_device(); model = MarkerClassifier().to(device); optimizer = torch.optim.AdamW(model.parameters())\n"
 TEXT_STEP = """
@@ -113,6 +123,10 @@ def _cases():
         ("presize, cache, train", presize, 1),
         ("presize, cache, train", presize, 4),
         ("doctor", DOCTOR + block("report = doctor("), 1),
+        ("callbacks", FAKE_WANDB + block("class WandbLogger(Callback)")
+         + "\nassert [s for s, _ in logged[:-1]] == [1, 2, 3, 4, 5] and logged[-1] == 'finished', logged\n", 1),
+        ("callbacks", block("class StopAt(Callback)") + "\nassert history.records[-1].epoch >= 2 and"
+         " os.listdir('runs/digits')\n", 1),
         ("reload best.pt", "one_cycle_fit(small_cnn(), train_ds, epochs=1, max_lr=1e-3, checkpoint_dir='ckpt', progress=False)\n"
          + block('load_checkpoint("ckpt/best.pt"') + "\nassert preds.shape == (len(test_ds), 10)\n", 1),
     ]  # fmt: skip

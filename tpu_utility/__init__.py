@@ -26,8 +26,8 @@ from .data import (BucketBatchSampler, BucketCollate, CachedDataset, PresizeRepo
                    group_batches, make_sampler, padding_waste, presize_images)
 
 # the trainer: one call that trains, keeps the best epoch and predicts
-from .training import (EpochRecord, History, LRFinderResult, evaluate, find_lr, one_cycle, one_cycle_curve,
-                       one_cycle_fit, predict)
+from .training import (EMA, Callback, CSVLogger, EpochRecord, History, LRFinderResult, TensorBoardLogger, evaluate,
+                       find_lr, one_cycle, one_cycle_curve, one_cycle_fit, predict)
 
 # diagnosis: doctor() here; check() is loaded on first use (below)
 from .doctor import DoctorError, DoctorReport, doctor
@@ -50,6 +50,9 @@ except _PackageNotFoundError:  # a source tree that was never installed
 
 __all__ = [
     "autocast",
+    "Callback",
+    "CSVLogger",
+    "EMA",
     "BucketBatchSampler",
     "BucketCollate",
     "cache_dataset",
@@ -68,6 +71,7 @@ __all__ = [
     "group_batches",
     "History",
     "inference_mode",
+    "TensorBoardLogger",
     "launch",
     "load_checkpoint",
     "LRFinderResult",

@@ -6,11 +6,14 @@ Read it top down:
 - ``runner.py``: what one process needs to run a model on its share of the cores (topology, steps, loaders).
 - ``trainer.py``: the epoch loop each process runs: steps, validation, checkpoints, the stop rules.
 - ``schedule.py``, ``monitor.py``, ``metrics.py``: the one-cycle policy, the best-epoch and stop rules, exact metrics.
+- ``events.py``, ``callbacks.py``: the loop's events, the ``Callback`` base, and the shipped callbacks (EMA, loggers).
 - ``history.py``: ``History``, what ``one_cycle_fit`` returns.
 - ``inference.py``: ``predict()`` and ``evaluate()`` in dataset order on any number of cores.
 - ``lr_finder.py``: ``find_lr()``, a learning-rate sweep on the same runner.
 """
 
+from .callbacks import EMA, CSVLogger, TensorBoardLogger
+from .events import Callback
 from .fit import one_cycle_fit
 from .history import EpochRecord, History
 from .inference import evaluate, predict
@@ -18,6 +21,10 @@ from .lr_finder import LRFinderResult, find_lr
 from .schedule import one_cycle, one_cycle_curve
 
 __all__ = [
+    "Callback",
+    "CSVLogger",
+    "EMA",
+    "TensorBoardLogger",
     "EpochRecord",
     "evaluate",
     "find_lr",

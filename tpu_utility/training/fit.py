@@ -39,6 +39,7 @@ from ..checkpoint import save_atomic, to_cpu
 from ..data.loaders import LoaderSpec, unpack_loader
 from ..environment import choose_start_method, is_interactive
 from ..files import exists, join
+from .events import Events, check_callbacks
 from .history import History
 from .metrics import METRICS, accuracy, per_sample_loss, resolve_metrics
 from .monitor import Mode, StopRule, parse_duration, resolve_mode
@@ -189,6 +190,7 @@ def one_cycle_fit(
     num_workers: int | None = None,
     seed: int = 0,
     progress: bool = True,
+    callbacks: Sequence[Any] | None = None,
 ) -> History:
     """Trains ``model`` with the one-cycle policy on one core or all cores.
 
@@ -241,6 +243,10 @@ def one_cycle_fit(
         seed: Seeds the random ops during training (dropout, augmentation) and the data order
             (epoch-wise); not the weights of a model built before the call.
         progress: A progress bar per epoch (a widget in notebooks, none in logs) and a line per epoch (master only).
+        callbacks: Objects hooking into the loop's events (``events.py``): ``EMA``,
+            ``CSVLogger``, ``TensorBoardLogger``, or your own ``Callback`` (a
+            logger, a stop rule: ``loop.stop(reason)``). Their state is saved in
+            ``last.pt``; a resume needs the same stateful callbacks.
 
     Returns:
         History: per-epoch records (losses, metrics, lr, seconds, samples/s,
@@ -294,6 +300,7 @@ def one_cycle_fit(
     if loss_fn is not None and not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable, but given {loss_fn!r}")
     metric_table = resolve_metrics(metrics, loss_fn is None)
+    callbacks = check_callbacks(callbacks)
     stop = _stop_rule(monitor, mode, early_stopping, restore_best, time_limit, (valid_data is not None, metric_table))
     n_cores, run_mode = process_mode(cores, strategy)
     processes = n_cores if run_mode == "multiprocess" else 1
@@ -313,12 +320,14 @@ def one_cycle_fit(
     }  # fmt: skip
     if train_spec.batch_sampler is not None:
         fingerprint["batch_sampler"] = train_spec.batch_sampler.fingerprint()
+    if Events(callbacks).keys():  # a resume restores their state: the same ones, or a clear refusal
+        fingerprint["callbacks"] = Events(callbacks).keys()
     plan = FitPlan(
         epochs=epochs, train=train_spec, valid=valid_spec, schedule=schedule, steps=steps,
         optimizer=opt_factory, optimizer_name=opt_name, optimizer_args=_optimizer_args(optimizer, weight_decay),
         metrics=metric_table, stop=stop, checkpoint_dir=checkpoint_dir, resume=resume, overwrite=overwrite,
         precision=precision,
-        seed=seed, progress=progress, cores=n_cores, mode=run_mode, fingerprint=fingerprint,
+        seed=seed, progress=progress, cores=n_cores, mode=run_mode, fingerprint=fingerprint, callbacks=callbacks,
     )  # fmt: skip
     if run_mode != "multiprocess":
         trained, history = train(model if factory is None else factory(), plan)

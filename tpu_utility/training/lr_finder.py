@@ -15,7 +15,8 @@ from ..data.loaders import set_epoch, unpack_loader
 from .fit import check_number, check_seed, resolve_optimizer
 from .history import closed_figure
 from .runner import Runner
-from .trainer import OneCycleDriver, LossStep
+from .schedule import peak_ratios
+from .trainer import LossStep, OneCycleDriver, build_optimizer, lr_of
 
 
 @dataclass
@@ -142,7 +143,7 @@ def find_lr(
         xla_state = backend.rng_state() if runner.lazy else None
         saved = {k: v.detach().clone() for k, v in model.state_dict().items()}
         try:
-            opt = make_opt([p for p in model.parameters() if p.requires_grad])
+            opt = build_optimizer(make_opt, runner.model, {})
             sweep = _Sweep(start_lr, end_lr, num_steps, smooth, diverge_factor, read_every)
             result = _sweep(runner, runner.train_loader(spec, seed), opt, loss_fn, sweep)
         finally:
@@ -170,7 +171,8 @@ def _sweep(runner: Runner, loader: Any, opt: torch.optim.Optimizer, loss_fn: Cal
     group = opt.param_groups[0]
     momentum = group["betas"][0] if "betas" in group else group.get("momentum", 0.0)
     # the learning rates go in as the schedule's do: Python floats set every step would change the graph
-    driver = OneCycleDriver(opt, (lrs, [momentum] * len(lrs)), runner.device, 0)
+    ratios = peak_ratios([float(g["lr"]) for g in opt.param_groups], lr_of(opt))  # each group sweeps its share
+    driver = OneCycleDriver(opt, (lrs, [momentum] * len(lrs)), runner.device, 0, ratios)
     step_loss = LossStep(loss_fn)
     result = LRFinderResult()
     pending: list[tuple[float, torch.Tensor]] = []

@@ -133,3 +133,24 @@ def steps_per_epoch(num_samples: int, batch_size: int, replicas: int = 1) -> int
 def total_optimizer_steps(batches_per_epoch: int, epochs: int, accumulate_steps: int = 1) -> int:
     """Optimizer steps in the whole run: the schedule's length on every core."""
     return (batches_per_epoch // accumulate_steps) * epochs
+
+
+def peak_ratios(group_lrs: list[float], optimizer_lr: float | None) -> list[float]:
+    """Each parameter group's share of ``max_lr``: its own lr over the optimizer's ``lr``.
+
+    fastai's ``fit_one_cycle`` takes a peak per group; here the optimizer says it.
+    A group built with ``{"params": backbone, "lr": 1e-4}`` in an optimizer made
+    with ``lr=1e-3`` peaks at a tenth of ``max_lr``. One group always peaks at ``max_lr``.
+
+    Example:
+        >>> peak_ratios([1e-4, 1e-3], 1e-3)
+        [0.1, 1.0]
+        >>> peak_ratios([5e-4], 1e-3)
+        [1.0]
+    """
+    if len(group_lrs) == 1:
+        return [1.0]
+    if not optimizer_lr or not math.isfinite(optimizer_lr) or optimizer_lr < 0:
+        raise ValueError(f"the optimizer's lr must be a positive number to scale its {len(group_lrs)} parameter "
+                         f"groups' peaks by, but it is {optimizer_lr!r}")  # fmt: skip
+    return [lr / optimizer_lr for lr in group_lrs]

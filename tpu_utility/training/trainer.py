@@ -26,13 +26,14 @@ from ..checkpoint import (CHECKPOINT_NAME, DamagedCheckpointError, class_name, l
                          save_atomic, to_cpu)
 from ..data.loaders import LabelCheck, LoaderSpec, dropped_per_epoch, set_epoch
 from ..files import WriteError, exists, folder_lock, join, remove, remove_stale_temporaries
+from .events import Events
 from .history import EpochRecord, History
 from .metrics import MetricSet
 from .monitor import StopRule, Watch, out_of_time
 from ..optim import step_optimizer
 from ..progress import CompileNotice, format_duration, progress_bar, run_eta, write_line
 from .runner import CheckedEvalStep, Runner, call_model, default_eval_step, split_batch
-from .schedule import one_cycle_curve, total_optimizer_steps
+from .schedule import one_cycle_curve, peak_ratios, total_optimizer_steps
 
 BEST_NAME = "best.pt"
 HISTORY_NAME = "history.csv"
@@ -88,6 +89,7 @@ class FitPlan:
     cores: int = 1
     mode: str = "single"
     fingerprint: dict[str, Any] = field(default_factory=dict)
+    callbacks: list[Any] = field(default_factory=list)
 
 
 class OneCycleDriver:
@@ -102,11 +104,15 @@ class OneCycleDriver:
     (``1 - lr * wd == 1.0`` in float32 late in the schedule), because torch_xla
     uploads scalars by value. Other optimizers (SGD) take Python floats, the only
     form their step accepts without a host sync.
+
+    Each parameter group gets the curve's learning rate times its ``ratios`` entry
+    (``schedule.peak_ratios``); momentum is the same in every group.
     """
 
     def __init__(self, opt: torch.optim.Optimizer, curve: tuple[list[float], list[float]], device: torch.device,
-                 start_step: int) -> None:  # fmt: skip
+                 start_step: int, ratios: list[float] | None = None) -> None:  # fmt: skip
         self.lrs, self.moms = curve
+        self.ratios = ratios or [1.0] * len(opt.param_groups)
         self.total, self.step_index = len(self.lrs), start_step
         self.on_device = (
             backend.is_lazy(device)
@@ -118,9 +124,10 @@ class OneCycleDriver:
             self.device_index = torch.tensor([min(start_step, self.total - 1)], device=device)
             self.lr = torch.tensor(self.lrs[0], device=device)
             self.beta1 = torch.tensor(self.moms[0], device=device)
-            for group in opt.param_groups:
+            self.group_lrs = [self.lr if r == 1 else torch.tensor(self.lrs[0] * r, device=device) for r in self.ratios]
+            for group, lr in zip(opt.param_groups, self.group_lrs):
                 group["capturable"] = True
-                group["lr"] = self.lr
+                group["lr"] = lr
                 # beta2 stays constant; as a device tensor, Adam's addcmul_(value=1 - beta2) would
                 # .item() it every step, so it is a CPU tensor (torch requires both betas tensors).
                 group["betas"] = (self.beta1, torch.tensor(float(group["betas"][1])))
@@ -132,10 +139,13 @@ class OneCycleDriver:
             row = self.table.index_select(0, self.device_index).squeeze(0)
             self.lr.copy_(row[0])
             self.beta1.copy_(row[1])
+            for lr, ratio in zip(self.group_lrs, self.ratios):
+                if ratio != 1:
+                    lr.copy_(row[0] * ratio)
             self.device_index.add_(1).clamp_(max=self.total - 1)
             return self.lrs[i]
-        for group in opt.param_groups:
-            group["lr"] = self.lrs[i]
+        for group, ratio in zip(opt.param_groups, self.ratios):
+            group["lr"] = self.lrs[i] * ratio
             if "betas" in group:
                 group["betas"] = (self.moms[i], group["betas"][1])
             elif group.get("momentum", 0) > 0:
@@ -162,6 +172,7 @@ class _Run:
 
     def __init__(self, model: nn.Module, plan: FitPlan) -> None:
         self.plan = plan
+        self.events = Events(plan.callbacks)
         torch.manual_seed(plan.seed)
         random.seed(plan.seed)
         self.runner = runner = Runner(model, plan.precision, plan.mode)
@@ -192,6 +203,30 @@ class _Run:
         self.run_id = secrets.token_hex(8)  # this run's files carry it; a resume takes last.pt's
         folder = plan.checkpoint_dir
         self.paths = {"last": join(folder, CHECKPOINT_NAME), "best": join(folder, BEST_NAME)} if folder else {}
+        self.stop_request: str | None = None  # a callback's reason to end the run after this epoch
+
+    # what callbacks see of the loop (events.py lists it)
+    @property
+    def model(self) -> nn.Module:
+        return self.runner.model
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        return self.opt
+
+    @property
+    def device(self) -> torch.device:
+        return self.runner.device
+
+    @property
+    def epochs(self) -> int:
+        return self.plan.epochs
+
+    def stop(self, reason: str) -> None:
+        """Ends the run after the current epoch (which is saved first), with ``reason`` as its stop reason."""
+        if not isinstance(reason, str) or not reason:
+            raise TypeError(f"loop.stop takes the reason as a non-empty string, but given {reason!r}")
+        self.stop_request = self.stop_request or reason
 
     def _schedule(self) -> None:
         """The whole one-cycle curve: its length is what each core iterates."""
@@ -219,9 +254,38 @@ class _Run:
         params = [p for p in runner.model.parameters() if p.requires_grad]
         if not params:
             raise ValueError("the model has no trainable parameters (all have requires_grad=False); unfreeze some layers")
-        self.opt = (fused or plan.optimizer)(params, **plan.optimizer_args)
+        self.opt = fused(params, **plan.optimizer_args) if fused else build_optimizer(plan.optimizer, runner.model, plan.optimizer_args)
+        self.lr_ratios = peak_ratios([float(g["lr"]) for g in self.opt.param_groups], lr_of(self.opt))
         # torch_xla's sync-free optimizers skip the step when found_inf is 1 (never, here)
         self.step_args = {"found_inf": _device_values(runner.device, 0.0)[0]} if fused else {}
+
+
+def build_optimizer(factory: Callable[..., torch.optim.Optimizer], model: nn.Module,
+                    args: dict[str, Any]) -> torch.optim.Optimizer:  # fmt: skip
+    """``factory(model)`` if its first parameter is named ``model`` (it builds its own parameter groups),
+    else ``factory(trainable parameters)``; the result must be an optimizer over the model's parameters."""
+    import inspect
+
+    try:
+        first = next(iter(inspect.signature(factory).parameters), None)
+    except (TypeError, ValueError):  # a builtin or C callable: no signature, takes the parameters
+        first = None
+    opt = factory(model if first == "model" else [p for p in model.parameters() if p.requires_grad], **args)
+    if not isinstance(opt, torch.optim.Optimizer):
+        raise TypeError(f"the optimizer factory {getattr(factory, '__name__', factory)!r} returned "
+                        f"{type(opt).__name__}, not a torch.optim.Optimizer")  # fmt: skip
+    mine = {id(p) for p in model.parameters()}
+    strangers = sum(id(p) not in mine for g in opt.param_groups for p in g["params"])
+    if strangers:
+        raise ValueError(f"the optimizer from {getattr(factory, '__name__', factory)!r} holds {strangers} tensor(s) "
+                         f"that are not the model's parameters on its device; build the param groups from the "
+                         f"model the factory is given")  # fmt: skip
+    return opt
+
+
+def lr_of(opt: torch.optim.Optimizer) -> float | None:
+    lr = opt.defaults.get("lr")
+    return float(lr) if isinstance(lr, (int, float, torch.Tensor)) else None
 
 
 def train(model: nn.Module, plan: FitPlan) -> tuple[nn.Module, History]:
@@ -252,6 +316,7 @@ def _train(model: nn.Module, plan: FitPlan) -> tuple[nn.Module, History]:
     run = _Run(model, plan)
     if run.valid_loader is not None:
         run.runner.check_eval(run.valid_loader, run.metrics, run.eval_step)
+    run.events.fire("on_fit_start", run)
     if run.runner.lazy:
         backend.sync()  # set-up tensors become device data, not part of epoch 1's first graph
     if plan.resume and "last" in run.paths and exists(run.paths["last"]):
@@ -259,7 +324,7 @@ def _train(model: nn.Module, plan: FitPlan) -> tuple[nn.Module, History]:
         _check_best(run)  # before the first epoch: never found wrong at the end
         if run.master:  # a kill between last.pt and history.csv left it an epoch behind
             run.history.to_csv(join(plan.checkpoint_dir, HISTORY_NAME))
-    run.schedule = OneCycleDriver(run.opt, run.curve, run.runner.device, run.opt_step)
+    run.schedule = OneCycleDriver(run.opt, run.curve, run.runner.device, run.opt_step, run.lr_ratios)
     if run.master and plan.progress:
         print(run.history.summary)
         if run.start_epoch:
@@ -321,6 +386,7 @@ def _epoch(run: _Run, epoch: int, started: float) -> tuple[EpochRecord, float]:
 def _train_epoch(run: _Run, epoch: int) -> tuple[list[torch.Tensor], float, float]:
     """The epoch's training pass: its device sums, its last lr, and the seconds its steps spent compiling."""
     plan, runner, steps = run.plan, run.runner, run.plan.steps
+    run.events.fire("on_train_epoch_start", run, epoch)
     runner.model.train()
     run.opt.zero_grad(set_to_none=True)
     # bad_step: 1-based step of the first non-finite loss
@@ -349,11 +415,13 @@ def _train_epoch(run: _Run, epoch: int) -> tuple[list[torch.Tensor], float, floa
             step_optimizer(run.opt, barrier=False, max_grad_norm=steps.max_grad_norm, optimizer_args=run.step_args)
             run.opt.zero_grad(set_to_none=True)
             run.opt_step += 1
+            run.events.fire("on_step_end", run)
         bar.update(1)
         notice.after_step()
     notice.close()
     bar.close()
     run.opt.zero_grad(set_to_none=True)  # a partial accumulation at the epoch's end is dropped
+    run.events.fire("on_train_epoch_end", run)
     return [loss_sum, bad_step, n_batches], lr, notice.compile_seconds
 
 
@@ -400,6 +468,7 @@ def _after_epoch(run: _Run, record: EpochRecord) -> str | None:
     figures = _figures(record)
     improved = run.watch.update(plan.stop, record.epoch, figures)
     history.best_epoch = run.watch.best_epoch or None
+    run.events.fire("on_epoch_end", run, record)  # before the checkpoint, which holds the callbacks' state
     state = _state(run, record.epoch) if run.paths and run.master else None
     if improved and plan.stop.restore_best:  # the checkpoint's copy of the weights, else one of its own
         run.best_state = state["model"] if state is not None else to_cpu(run.runner.model.state_dict())
@@ -410,7 +479,7 @@ def _after_epoch(run: _Run, record: EpochRecord) -> str | None:
         if not math.isfinite(figures[plan.stop.monitor]):
             note = f"  ({plan.stop.monitor} is {figures[plan.stop.monitor]}: never the best epoch)"
         write_line(record.line(plan.epochs) + _timing(run, record) + note)
-    return run.watch.early_stop(plan.stop)
+    return run.watch.early_stop(plan.stop) or run.stop_request
 
 
 def _save_epoch(run: _Run, state: dict[str, Any], improved: bool) -> None:
@@ -464,6 +533,7 @@ def _stop(run: _Run, reason: str) -> None:
 
 
 def _finish(run: _Run) -> None:
+    run.events.fire("on_fit_end", run)
     done = run.history.records[-1].epoch if run.history.records else run.start_epoch
     run.history.step_lrs = run.curve[0][: run.opt_step]
     run.history.step_momenta = run.curve[1][: run.opt_step] if _uses_momentum(run.opt) else []
@@ -514,10 +584,17 @@ def _summary(run: _Run) -> str:
         f"one_cycle_fit: {plan.mode} on {cores} {kind} core(s) | batch {plan.train.batch_size} per core, "
         f"{runner.topology.global_batch(plan.train.batch_size)} global | {run.batches} batches/epoch per core "
         f"x {plan.epochs} epochs = {run.total} optimizer steps | max_lr {run.max_lr:.2e} ({scaled}) | "
-        f"{runner.precision.label} | {plan.optimizer_name}{' (torch_xla sync-free, fused)' if run.fused else ''} "
-        f"| {workers} loader worker(s)"
+        f"{runner.precision.label} | {plan.optimizer_name}{' (torch_xla sync-free, fused)' if run.fused else ''}"
+        + (f" | peak lr per param group x{[round(r, 6) for r in run.lr_ratios]}" if set(run.lr_ratios) != {1.0} else "")
+        + (f" | callbacks {', '.join(map(_named, run.events.callbacks))}" if run.events.callbacks else "")
+        + f" | {workers} loader worker(s)"
         + (f" | {dropped} sample(s) an epoch left out{where} to keep one batch shape" if dropped else "")
     )
+
+
+def _named(callback: Any) -> str:
+    """A callback's repr if it has one of its own (``EMA(decay=0.999, restore=True)``), else its class name."""
+    return repr(callback) if type(callback).__repr__ is not object.__repr__ else type(callback).__name__
 
 
 def _versions() -> dict[str, str]:
@@ -546,6 +623,7 @@ def _state(run: _Run, epoch: int) -> dict[str, Any]:
         "history": run.history.to_dicts(),
         "monitor": {**run.watch.as_dict(), "name": plan.stop.monitor, "mode": plan.stop.mode},
         "run": run.run_id,
+        "callbacks": run.events.state_dict(),
         "versions": _versions(),
         "config": {"epochs": plan.epochs, "max_lr": plan.schedule.max_lr, "batch_size": plan.train.batch_size,
                    "cores": plan.cores, "fingerprint": run.fingerprint},  # fmt: skip
@@ -558,6 +636,9 @@ def _restore(run: _Run) -> None:
     state = load_checkpoint(path)
     _check_fingerprint(path, state, run)
     load_state_into(state, path, run.runner.model, run.opt)
+    run.events.load_state_dict(state.get("callbacks", {}), path)
+    if run.runner.lazy:  # the callbacks' restored tensors become device data, not part of epoch 1's first graph;
+        backend.sync()  # before the RNG is restored: a sync advances torch_xla's seed
     torch.set_rng_state(state["rng"]["torch"])
     version, internal, gauss = state["rng"]["python"]
     random.setstate((version, tuple(internal), gauss))

@@ -1,0 +1,250 @@
+"""one_cycle_fit's events and callbacks on XLA:CPU: a user's callback, EMA, loggers,
+callback state across a resume, per-group learning rates; 1 device and 4 SPMD devices.
+(Several processes under gloo: tests/test_native.py.)"""
+
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+from conftest import flat_digits, run_python
+from test_fit import _StopAfter, _dropout_mlp
+from tpu_utility import EMA, Callback, CSVLogger, TensorBoardLogger, one_cycle_fit
+from tpu_utility.checkpoint import load_checkpoint
+from tpu_utility.demo import small_cnn
+
+pytestmark = pytest.mark.filterwarnings("ignore:dropping the last")
+
+
+def fit(model, train, **kwargs):
+    args = {"epochs": 4, "max_lr": 3e-3, "batch_size": 32, "progress": False, **kwargs}
+    return one_cycle_fit(model, train, **args)
+
+
+class Recorder(Callback):
+    """Records the events it sees and stops the run once accuracy passes a bar."""
+
+    def __init__(self, bar):
+        self.bar, self.seen = bar, []
+
+    def on_fit_start(self, loop):
+        self.seen.append("fit_start")
+
+    def on_train_epoch_start(self, loop, epoch):
+        self.seen.append(f"train{epoch + 1}")
+
+    def on_step_end(self, loop):
+        self.seen.append("step")
+
+    def on_train_epoch_end(self, loop):
+        self.seen.append("trained")
+
+    def on_epoch_end(self, loop, record):
+        self.seen.append(f"end{record.epoch}")
+        if record.metrics["accuracy"] > self.bar:
+            loop.stop(f"accuracy {record.metrics['accuracy']:.3f} passed {self.bar}")
+
+    def on_fit_end(self, loop):
+        self.seen.append("fit_end")
+
+
+def test_a_users_callback_sees_every_event_in_order_and_stops_the_run(digits, tmp_path):
+    train, valid = digits
+    torch.manual_seed(0)
+    recorder = Recorder(bar=0.9)
+    history = fit(small_cnn(), train, valid_data=valid, epochs=6, callbacks=[recorder], checkpoint_dir=str(tmp_path))
+    stopped_at = history.records[-1].epoch
+    assert 1 < stopped_at < 6, history.stop_reason  # epoch 1 is below the bar, a later one passes it
+    assert history.records[-2].metrics["accuracy"] <= 0.9 < history.records[-1].metrics["accuracy"]
+    assert history.stop_reason.startswith("accuracy 0.9") and "passed 0.9" in history.stop_reason
+    steps = len(train) // 32
+    expected = ["fit_start"]
+    for epoch in range(1, stopped_at + 1):
+        expected += [f"train{epoch}"] + ["step"] * steps + ["trained", f"end{epoch}"]
+    assert recorder.seen == expected + ["fit_end"]
+    assert load_checkpoint(str(tmp_path))["epoch"] == stopped_at  # the stopping epoch was saved first
+    assert all(r.host_syncs == 0 for r in history.records)
+    assert len({r.compiles for r in history.records}) == 1  # flat after epoch 1
+
+
+def test_ema_scores_at_least_as_well_as_a_plain_run_and_its_checkpoints_hold_the_average(digits, tmp_path):
+    train, valid = digits
+    torch.manual_seed(0)
+    plain = fit(small_cnn(), train, valid_data=valid)
+    torch.manual_seed(0)
+    ema = EMA(decay=0.9)
+    averaged = fit(small_cnn(), train, valid_data=valid, callbacks=[ema], checkpoint_dir=str(tmp_path))
+    assert averaged.records[-1].metrics["accuracy"] >= plain.records[-1].metrics["accuracy"]
+    assert averaged.records[-1].metrics["accuracy"] >= 0.95
+    assert plain.records[0].train_loss == averaged.records[0].train_loss  # the same training, only evaluated apart
+    saved = load_checkpoint(str(tmp_path))
+    average = {k: v.cpu() for k, v in ema.averaged.module.state_dict().items()}
+    for name, tensor in saved["model"].items():  # last.pt's "model" is the average, the model that was scored
+        assert torch.equal(tensor, average[name]), name
+    training = saved["callbacks"]["EMA"]["training_weights"]
+    assert any(not torch.equal(training[k], average[k]) for k in average)  # the training weights, kept for resume
+    assert saved["callbacks"]["EMA"]["n_averaged"] == 4 * (len(train) // 32)
+    for name, tensor in averaged.model.state_dict().items():  # restore=True: the model ends with the average
+        assert torch.equal(tensor.cpu(), average[name]), name
+
+
+def test_ema_and_tensorboard_make_no_host_syncs_and_log_every_epoch(digits, tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    train, valid = digits
+    torch.manual_seed(0)
+    history = fit(small_cnn(), train, valid_data=valid, epochs=3,
+                  callbacks=[EMA(0.95), TensorBoardLogger(tmp_path / "tb"), CSVLogger(tmp_path / "log.csv")])  # fmt: skip
+    assert all(r.host_syncs == 0 for r in history.records)
+    assert all(r.transfers == 1 for r in history.records)  # still one read per epoch
+    assert len({r.compiles for r in history.records}) == 1
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    logged = [(e.step, e.value) for e in events.Scalars("valid_loss")]
+    assert logged == [(r.epoch, pytest.approx(r.valid_loss)) for r in history.records]
+    assert {"train_loss", "accuracy", "lr", "samples_per_s"} <= set(events.Tags()["scalars"])
+    assert (tmp_path / "log.csv").read_text().count("\n") == 4  # a header and a row per epoch
+
+
+def test_ema_state_is_saved_and_a_resumed_run_matches_an_uninterrupted_one_bitwise(tmp_path):
+    data = flat_digits()
+    per_epoch = len(data) // 32
+    straight_ema = EMA(0.9, restore=False)
+    straight = fit(_dropout_mlp(), data, train_step=_StopAfter(10**9), seed=3, callbacks=[straight_ema])
+    with pytest.raises(KeyboardInterrupt):
+        fit(_dropout_mlp(), data, train_step=_StopAfter(2 * per_epoch + 5), seed=3, checkpoint_dir=str(tmp_path),
+            callbacks=[EMA(0.9, restore=False)])  # fmt: skip
+    resumed_ema = EMA(0.9, restore=False)
+    resumed = fit(_dropout_mlp(), data, train_step=_StopAfter(10**9), seed=3, checkpoint_dir=str(tmp_path),
+                  resume=True, callbacks=[resumed_ema])  # fmt: skip
+    assert [r.epoch for r in resumed.records] == [1, 2, 3, 4]
+    for a, b in zip(straight.model.state_dict().values(), resumed.model.state_dict().values()):
+        assert torch.equal(a.cpu(), b.cpu())  # restore=False: the training weights, bitwise
+    for a, b in zip(straight_ema.averaged.module.state_dict().values(), resumed_ema.averaged.module.state_dict().values()):
+        assert torch.equal(a.cpu(), b.cpu())  # and the average, bitwise
+    assert int(resumed_ema.averaged.n_averaged) == 4 * per_epoch
+
+
+def test_a_resume_with_other_stateful_callbacks_is_refused_naming_them(tmp_path):
+    data = flat_digits(320)
+    fit(small_cnn(), data, epochs=2, checkpoint_dir=str(tmp_path), callbacks=[EMA(0.9)])
+    with pytest.raises(ValueError, match=r"callbacks: checkpoint \['EMA'\], this run None"):
+        fit(small_cnn(), data, epochs=2, checkpoint_dir=str(tmp_path), resume=True)
+    history = fit(small_cnn(), data, epochs=2, checkpoint_dir=str(tmp_path), resume=True,
+                  callbacks=[EMA(0.9), CSVLogger(tmp_path / "again.csv")])  # a logger has no state: it may be added
+    assert [r.epoch for r in history.records] == [1, 2]
+
+
+@pytest.mark.parametrize(
+    "callbacks, error, words",
+    [
+        (EMA(), TypeError, "callbacks must be a list"),
+        ([EMA], TypeError, "holds the class EMA, not an instance: write EMA(...)"),
+        ([object()], TypeError, "which has none of the events on_fit_start"),
+        ("tensorboard", TypeError, "callbacks must be a list of callback objects, but given 'tensorboard'"),
+    ],
+)
+def test_bad_callbacks_are_refused_before_any_epoch(callbacks, error, words):
+    with pytest.raises(error, match=words.replace("(", r"\(").replace(")", r"\)").replace(".", r"\.")):
+        fit(small_mlp_factory(), flat_digits(64), callbacks=callbacks)
+
+
+def small_mlp_factory():
+    return nn.Sequential(nn.Flatten(), nn.Linear(64, 10))
+
+
+def test_bad_callback_arguments_name_the_value(monkeypatch):
+    with pytest.raises(ValueError, match=r"EMA decay must be a number in \(0, 1\), but given 1.5"):
+        EMA(decay=1.5)
+    with pytest.raises(TypeError, match="EMA restore must be True or False, but given 'yes'"):
+        EMA(restore="yes")
+    monkeypatch.setitem(sys.modules, "tensorboard", None)  # as on a machine without it
+    with pytest.raises(ModuleNotFoundError, match="pip install tensorboard"):
+        TensorBoardLogger("runs")
+
+
+class LrLog(Callback):
+    """Every group's lr after each step, kept on the device (read once, after the run)."""
+
+    def __init__(self):
+        self.lrs = []
+
+    def on_step_end(self, loop):
+        self.lrs.append([torch.as_tensor(g["lr"]).detach().clone() for g in loop.optimizer.param_groups])
+
+
+def _two_groups(model, lr=1e-3):
+    """A head at the optimizer's lr and a body at a tenth of it; no weight decay on biases (as timm does)."""
+    body, head = model[:-1], model[-1]
+    return torch.optim.AdamW([
+        {"params": [p for p in body.parameters() if p.ndim > 1], "lr": lr / 10},
+        {"params": [p for p in body.parameters() if p.ndim <= 1], "lr": lr / 10, "weight_decay": 0.0},
+        {"params": head.parameters()},
+    ], lr=lr)  # fmt: skip
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
+def test_each_param_group_peaks_at_its_own_share_of_max_lr(optimizer):
+    def factory(model):
+        if optimizer == "adamw":
+            return _two_groups(model)
+        return torch.optim.SGD([{"params": model[1].parameters(), "lr": 0.01}, {"params": model[3].parameters()}],
+                               lr=0.1, momentum=0.9)  # fmt: skip
+
+    model = nn.Sequential(nn.Flatten(), nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10))
+    log = LrLog()
+    history = fit(model, flat_digits(640), epochs=2, optimizer=factory, callbacks=[log])
+    assert "peak lr per param group x[0.1" in history.summary
+    lrs = torch.stack([torch.stack([t.float().cpu() for t in step]) for step in log.lrs])
+    curve = torch.tensor(history.step_lrs)
+    ratios = [0.1, 0.1, 1.0] if optimizer == "adamw" else [0.1, 1.0]
+    for group, ratio in enumerate(ratios):
+        assert torch.allclose(lrs[:, group], curve * ratio, rtol=1e-5), group
+    assert history.records[-1].train_loss < history.records[0].train_loss
+
+
+def test_an_optimizer_over_tensors_that_are_not_the_models_is_refused():
+    stray = nn.Linear(64, 10)
+    with pytest.raises(ValueError, match="holds 2 tensor\\(s\\) that are not the model's parameters"):
+        fit(small_mlp_factory(), flat_digits(64), optimizer=lambda model: torch.optim.AdamW(stray.parameters()))
+
+
+SPMD_CALLBACKS = """
+import torch
+from tpu_utility import EMA, Callback, TensorBoardLogger, one_cycle_fit, setup_tpu
+from tpu_utility.demo import digits_datasets, small_cnn
+
+setup_tpu(verbose=False)
+train, valid = digits_datasets()
+
+class StopAt(Callback):
+    def on_epoch_end(self, loop, record):
+        if record.epoch >= 3 and record.metrics["accuracy"] > 0.9:  # three epochs: compiles flat from epoch 2
+            loop.stop("accuracy passed 0.9")
+
+torch.manual_seed(0)
+history = one_cycle_fit(small_cnn(), train, valid_data=valid, epochs=6, max_lr=3e-3, batch_size=16, cores="all",
+                        progress=False, callbacks=[EMA(0.9), StopAt(), TensorBoardLogger({tb!r})])
+print(history.summary)
+print("epochs", [r.epoch for r in history.records])
+print("accuracy", [r.metrics["accuracy"] for r in history.records])
+print("syncs", [r.host_syncs for r in history.records])
+print("compiles", [r.compiles for r in history.records])
+print("reason", history.stop_reason)
+"""
+
+
+def test_callbacks_on_four_spmd_devices(tmp_path):
+    r = run_python(SPMD_CALLBACKS.format(tb=str(tmp_path / "tb")), env={"CPU_NUM_DEVICES": "4"}, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = dict(line.split(" ", 1) for line in r.stdout.splitlines() if line.split(" ")[0] in
+               ("epochs", "accuracy", "syncs", "compiles", "reason"))  # fmt: skip
+    assert "one_cycle_fit: spmd on 4 CPU core(s)" in r.stdout and "callbacks EMA(decay=0.9" in r.stdout
+    epochs, accuracy = eval(out["epochs"]), eval(out["accuracy"])
+    assert epochs == [1, 2, 3] and accuracy[-1] > 0.9
+    assert out["reason"] == "accuracy passed 0.9"
+    assert set(eval(out["syncs"])) == {0}
+    compiles = eval(out["compiles"])
+    assert compiles[1] == compiles[2]  # flat from epoch 2 (epoch 2 compiles putting the training weights back)
+    assert len(list((tmp_path / "tb").iterdir())) == 1  # one event file: the one process writes

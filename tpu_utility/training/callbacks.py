@@ -1,0 +1,187 @@
+"""Callbacks that ship with one_cycle_fit: EMA of the weights, and loggers.
+
+Give them as ``one_cycle_fit(..., callbacks=[EMA(), TensorBoardLogger("runs/exp1")])``.
+Any other logger is a few lines of your own (see ``Callback``): its
+``on_epoch_end(loop, record)`` gets the epoch's figures as Python floats.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any
+
+import torch
+from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+from .events import Callback
+
+
+class EMA(Callback):
+    """An exponential moving average of the weights, evaluated and checkpointed in their place.
+
+    The average is ``torch.optim.swa_utils.AveragedModel`` with
+    ``get_ema_multi_avg_fn(decay)``, updated on the device after every optimizer
+    step (buffers such as batch-norm statistics averaged too, as torchvision's
+    recipe does). After each epoch's training the averaged weights go into the
+    model, so validation, the monitored figure, the best epoch, ``best.pt`` and
+    ``last.pt``'s ``"model"`` are the averaged model's; the training weights are
+    put back before the next epoch (``last.pt`` keeps them too, for ``resume``).
+
+    Under ``precision="bf16"`` the average is kept in the model's bf16, which
+    rounds away updates smaller than 1/256 of a weight: prefer fp32 with EMA.
+
+    Args:
+        decay: Weight of the old average at each step, in (0, 1). The average
+            spans about ``1 / (1 - decay)`` steps: 0.999 suits a few thousand steps
+            or more; use less for a short run.
+        restore: At the end, leave the averaged weights in the model (True) or
+            the last training weights (False). ``restore_best=True`` loads the best
+            epoch's averaged weights either way.
+
+    Example:
+        >>> # was: ema = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(0.999)) and
+        >>> #      ema.update_parameters(model) after every opt.step(), evaluating ema.module
+        >>> history = one_cycle_fit(model, train_ds, valid_data=valid_ds, epochs=5,  # doctest: +SKIP
+        ...                         max_lr=3e-3, callbacks=[EMA(decay=0.999)])
+    """
+
+    def __init__(self, decay: float = 0.999, restore: bool = True) -> None:
+        ok = isinstance(decay, (int, float)) and not isinstance(decay, bool) and 0 < decay < 1
+        if not ok:
+            raise ValueError(f"EMA decay must be a number in (0, 1), but given {decay!r}")
+        if not isinstance(restore, bool):
+            raise TypeError(f"EMA restore must be True or False, but given {restore!r}")
+        self.decay, self.restore = float(decay), restore
+        self.model: torch.nn.Module | None = None
+        self.averaged: AveragedModel | None = None
+        self.training_weights: dict[str, torch.Tensor] | None = None  # while the average is in the model
+
+    def __repr__(self) -> str:
+        return f"EMA(decay={self.decay}, restore={self.restore})"
+
+    def on_fit_start(self, loop: Any) -> None:
+        self.model = loop.model
+        self.averaged = AveragedModel(self.model, multi_avg_fn=get_ema_multi_avg_fn(self.decay), use_buffers=True)
+        # AveragedModel tests `n_averaged == 0` in Python at every update: kept on the device, that
+        # test would wait for the device every step. On the host it costs nothing.
+        self.averaged.n_averaged = self.averaged.n_averaged.cpu()
+        self.training_weights = None
+
+    def on_step_end(self, loop: Any) -> None:
+        self.averaged.update_parameters(self.model)
+
+    def on_train_epoch_end(self, loop: Any) -> None:
+        self._average_in()
+
+    def on_train_epoch_start(self, loop: Any, epoch: int) -> None:
+        self._training_in()
+
+    def on_fit_end(self, loop: Any) -> None:
+        if self.restore:
+            self._average_in()
+        else:
+            self._training_in()
+
+    def state_dict(self) -> dict[str, Any]:
+        """The training weights (the model holds the average when a checkpoint is written) and the step count."""
+        held = self.training_weights if self.training_weights is not None else None
+        return {"training_weights": held, "n_averaged": int(self.averaged.n_averaged)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """After the checkpoint's ``"model"`` (the average) was loaded into the model: back to training weights."""
+        self.averaged.module.load_state_dict(self.model.state_dict())
+        self.averaged.n_averaged.fill_(int(state["n_averaged"]))
+        if state["training_weights"] is not None:
+            self.model.load_state_dict(state["training_weights"])
+
+    def _average_in(self) -> None:
+        if self.training_weights is None:
+            self.training_weights = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+            self.model.load_state_dict(self.averaged.module.state_dict())
+
+    def _training_in(self) -> None:
+        if self.training_weights is not None:
+            self.model.load_state_dict(self.training_weights)
+            self.training_weights = None
+
+
+def _figures(record: Any) -> dict[str, float]:
+    figures = {"train_loss": record.train_loss, **record.metrics, "lr": record.lr, "samples_per_s": record.samples_per_s}
+    if record.valid_loss is not None:
+        figures["valid_loss"] = record.valid_loss
+    return {k: v for k, v in figures.items() if isinstance(v, (int, float)) and math.isfinite(v)}
+
+
+class CSVLogger(Callback):
+    """Writes the history so far to a CSV file after every epoch (the master process only).
+
+    ``checkpoint_dir`` already gets a ``history.csv``; this one goes wherever you
+    like (a local path or a URL, written whole each epoch, never half-written).
+
+    Example:
+        >>> # was: rows.append(...); pd.DataFrame(rows).to_csv("log.csv") after each epoch
+        >>> one_cycle_fit(model, train_ds, epochs=5, max_lr=3e-3, callbacks=[CSVLogger("log.csv")])  # doctest: +SKIP
+    """
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        if not isinstance(path, (str, os.PathLike)):
+            raise TypeError(f"CSVLogger path must be a file path, but given {path!r}")
+        self.path = os.fspath(path)
+
+    def __repr__(self) -> str:
+        return f"CSVLogger({self.path!r})"
+
+    def on_epoch_end(self, loop: Any, record: Any) -> None:
+        if loop.master:
+            loop.history.to_csv(self.path)
+
+
+class TensorBoardLogger(Callback):
+    """Logs every epoch's figures (losses, metrics, lr, samples/s) to TensorBoard.
+
+    Uses ``torch.utils.tensorboard.SummaryWriter``, which needs the ``tensorboard``
+    package (``pip install tensorboard``); only the master process writes. The
+    figures are the epoch's, already read: logging adds no device read.
+
+    Example:
+        >>> # was: writer = SummaryWriter("runs/exp1"); writer.add_scalar("loss", loss.item(), step)
+        >>> one_cycle_fit(model, train_ds, epochs=5, max_lr=3e-3,          # doctest: +SKIP
+        ...               callbacks=[TensorBoardLogger("runs/exp1")])
+        >>> # then: tensorboard --logdir runs
+    """
+
+    def __init__(self, log_dir: str | os.PathLike) -> None:
+        try:
+            import tensorboard  # noqa: F401  (torch.utils.tensorboard imports it)
+        except ModuleNotFoundError:
+            raise ModuleNotFoundError(
+                "TensorBoardLogger needs the tensorboard package, which is not installed: pip install tensorboard"
+            ) from None
+        if not isinstance(log_dir, (str, os.PathLike)):
+            raise TypeError(f"TensorBoardLogger log_dir must be a folder path, but given {log_dir!r}")
+        self.log_dir = os.fspath(log_dir)
+        self.writer: Any = None
+
+    def __repr__(self) -> str:
+        return f"TensorBoardLogger({self.log_dir!r})"
+
+    def __getstate__(self) -> dict[str, Any]:  # a spawned launch pickles it before any writer exists
+        return {**self.__dict__, "writer": None}
+
+    def on_fit_start(self, loop: Any) -> None:
+        if loop.master:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(self.log_dir)
+
+    def on_epoch_end(self, loop: Any, record: Any) -> None:
+        if self.writer is not None:
+            for name, value in _figures(record).items():
+                self.writer.add_scalar(name, value, record.epoch)
+            self.writer.flush()
+
+    def on_fit_end(self, loop: Any) -> None:
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None

@@ -1,0 +1,126 @@
+"""The events of one_cycle_fit's loop, and how callbacks hook into them.
+
+A callback is any object with one or more of the methods below (subclassing
+``Callback`` is optional). The loop calls them in a fixed order: by each
+callback's ``order`` (default 0), then in the order given. Every replica calls
+the same hooks with the same figures, so a decision taken from them (stopping
+the run) is taken alike everywhere.
+
+The events, in the order they fire:
+
+* ``on_fit_start(loop)``: the model is on its device, the optimizer built; before
+  a checkpoint is resumed (its callback state is loaded after this).
+* ``on_train_epoch_start(loop, epoch)``: before the epoch's first batch (``epoch``
+  counts from 0).
+* ``on_step_end(loop)``: after every optimizer step. The tensors a hook sees here
+  live on the device: compute with them, never read them (``.item()``,
+  ``float()``, ``print``). A read waits for the device every step, and
+  ``EpochRecord.host_syncs`` shows it.
+* ``on_train_epoch_end(loop)``: the epoch's training is done; evaluation and the
+  checkpoint follow.
+* ``on_epoch_end(loop, record)``: ``record`` is the epoch's ``EpochRecord``, its
+  figures already all-reduced and read (Python floats). Call ``loop.stop(reason)``
+  to end the run after this epoch; the epoch is saved first.
+* ``on_fit_end(loop)``: after the last epoch, before ``restore_best`` loads the best weights.
+
+A callback with ``state_dict()`` and ``load_state_dict(state)`` has its state saved
+in ``last.pt`` and restored by ``resume=True``.
+
+What a hook may use of ``loop``: ``model``, ``optimizer``, ``device``, ``master``
+(True in the one process that writes files), ``epochs``, ``history`` and ``stop(reason)``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+EVENTS = ("on_fit_start", "on_train_epoch_start", "on_step_end", "on_train_epoch_end", "on_epoch_end", "on_fit_end")
+
+
+class Callback:
+    """A base class for callbacks: every event does nothing. Override the ones you need.
+
+    Example:
+        >>> # was: `if valid_acc > 0.99: break` inside a hand-written epoch loop
+        >>> class StopAt(Callback):
+        ...     def on_epoch_end(self, loop, record):
+        ...         if record.metrics["accuracy"] > 0.99:
+        ...             loop.stop("accuracy passed 0.99")
+        >>> history = one_cycle_fit(model, train_ds, valid_data=valid_ds, epochs=20, max_lr=3e-3,  # doctest: +SKIP
+        ...                         callbacks=[StopAt()])
+    """
+
+    order = 0
+
+    def on_fit_start(self, loop: Any) -> None:
+        """The model is on its device and the optimizer built."""
+
+    def on_train_epoch_start(self, loop: Any, epoch: int) -> None:
+        """Before the epoch's first batch (``epoch`` from 0)."""
+
+    def on_step_end(self, loop: Any) -> None:
+        """After an optimizer step: device tensors only, never read them."""
+
+    def on_train_epoch_end(self, loop: Any) -> None:
+        """After the epoch's training, before evaluation and the checkpoint."""
+
+    def on_epoch_end(self, loop: Any, record: Any) -> None:
+        """The epoch's figures, read and all-reduced; ``loop.stop(reason)`` ends the run."""
+
+    def on_fit_end(self, loop: Any) -> None:
+        """After the last epoch."""
+
+
+def check_callbacks(callbacks: Any) -> list[Any]:
+    """``callbacks`` as a list, each with at least one event method.
+
+    Raises:
+        TypeError: not a list or tuple, or an item with none of the events (named, with the events).
+    """
+    if callbacks is None:
+        return []
+    if not isinstance(callbacks, (list, tuple)):
+        raise TypeError(f"callbacks must be a list of callback objects, but given {callbacks!r}")
+    for item in callbacks:
+        if isinstance(item, type):
+            raise TypeError(f"callbacks holds the class {item.__name__}, not an instance: write {item.__name__}(...)")
+        if not any(callable(getattr(item, name, None)) for name in EVENTS):
+            raise TypeError(f"callbacks holds {item!r}, which has none of the events {', '.join(EVENTS)}")
+        order = getattr(item, "order", 0)
+        if isinstance(order, bool) or not isinstance(order, (int, float)):
+            raise TypeError(f"{type(item).__name__}.order must be a number, but is {order!r}")
+    return list(callbacks)
+
+
+class Events:
+    """Calls the callbacks' hooks for an event, in a fixed order; saves and restores their state."""
+
+    def __init__(self, callbacks: Sequence[Any]) -> None:
+        self.callbacks = sorted(callbacks, key=lambda c: getattr(c, "order", 0))  # stable: ties keep the given order
+
+    def fire(self, event: str, loop: Any, *args: Any) -> None:
+        for callback in self.callbacks:
+            hook = getattr(callback, event, None)
+            if hook is not None:
+                hook(loop, *args)
+
+    def keys(self) -> list[str]:
+        """The names their state is saved under: class names, numbered where a class repeats."""
+        names = [type(c).__name__ for c in self.callbacks if _stateful(c)]
+        return [name if names.count(name) == 1 else f"{name}#{names[:i].count(name) + 1}" for i, name in enumerate(names)]
+
+    def state_dict(self) -> dict[str, Any]:
+        return dict(zip(self.keys(), (c.state_dict() for c in self.callbacks if _stateful(c))))
+
+    def load_state_dict(self, states: dict[str, Any], path: str) -> None:
+        stateful = [c for c in self.callbacks if _stateful(c)]
+        missing = [k for k in self.keys() if k not in states]
+        if missing:
+            raise ValueError(f"{path} holds no state for the callback(s) {missing}; resume with the callbacks it was "
+                             f"written with ({sorted(states) or 'none with state'})")  # fmt: skip
+        for key, callback in zip(self.keys(), stateful):
+            callback.load_state_dict(states[key])
+
+
+def _stateful(callback: Any) -> bool:
+    return callable(getattr(callback, "state_dict", None)) and callable(getattr(callback, "load_state_dict", None))
