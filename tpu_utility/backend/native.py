@@ -15,6 +15,7 @@ Example:
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import datetime
 import os
@@ -190,12 +191,20 @@ class NativeBackend(Backend):
         return distributed_ready() or (env is not None and env[1] > 1)
 
     def join_job(self) -> None:
-        """Joins the torchrun job this process belongs to (its env:// rendezvous), once."""
+        """Joins the torchrun job this process belongs to (its env:// rendezvous), once.
+
+        The process group made here is the package's to end: it is destroyed at
+        interpreter exit, while Python is still alive. Left to the interpreter's
+        teardown, gloo's worker threads outlive it and the process aborts
+        ("terminate called without an active exception", SIGABRT) after a run that
+        succeeded. A group the user made stays theirs.
+        """
         if distributed_ready() or torchrun_env() is None:
             return
         if self.device_type != "cpu":
             torch.accelerator.set_device_index(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group(self.dist_backend, timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+        atexit.register(_leave_job)
 
     def launch(self, fn: Callable[..., Any], args: tuple, nprocs: int, start_method: str) -> None:
         """Runs ``fn(index, *args)`` in ``nprocs`` new processes, one replica each.
@@ -313,6 +322,12 @@ class NativeBackend(Backend):
 
     def autocast(self, device: torch.device, dtype: torch.dtype) -> Any:
         return torch.autocast(self.device_type, dtype=dtype)
+
+
+def _leave_job() -> None:
+    """Destroys the process group ``join_job`` made, if the user has not already."""
+    if distributed_ready():
+        dist.destroy_process_group()
 
 
 def _replica_main(index: int, job: tuple[str, str, int, str], fn: Callable[..., Any], args: tuple) -> None:
