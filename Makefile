@@ -26,7 +26,7 @@ TORCHTPU := .venv-torchtpu
 TORCHTPU_TESTS := tests/test_native.py tests/test_torchtpu.py
 PYTEST_ARGS ?= -q
 
-.PHONY: venv venv-kaggle venv-colab venv-torchtpu demo test test-pinned test-kaggle test-colab test-torchtpu docs bench dist clean
+.PHONY: venv venv-kaggle venv-colab venv-torchtpu demo test test-pinned test-kaggle test-colab test-torchtpu docs bench stress dist clean
 
 # $(call find-python,3.12,$(PYTHON312)): prints the first interpreter of that version.
 define find-python
@@ -120,6 +120,24 @@ bench: venv
 	$(PINNED)/bin/python bench/text_bench.py
 	$(PINNED)/bin/python bench/predict_bench.py
 	$(PINNED)/bin/python bench/cache_bench.py
+
+# The multi-device tests (pytest -m multidevice: 4 XLA:CPU devices, several gloo processes) STRESS_ROUNDS
+# times in a row on the pinned stack while `stress` keeps STRESS_CPUS cores busy: they must not flake on a
+# loaded host. Not part of make test (it is a soak, not a check of a change); needs `apt-get install stress`.
+STRESS_ROUNDS ?= 10
+STRESS_CPUS ?= 2
+STRESS_TESTS ?= tests
+
+stress: venv
+	@command -v stress >/dev/null || { echo "make stress needs the stress tool: apt-get install stress" >&2; exit 1; }
+	@stress --cpu $(STRESS_CPUS) --quiet & load=$$!; trap "kill $$load" EXIT; start=$$(date +%s); \
+	for i in $$(seq $(STRESS_ROUNDS)); do \
+		t0=$$(date +%s); \
+		$(PINNED)/bin/python -m pytest -q -p no:cacheprovider -m multidevice $(STRESS_TESTS) \
+			|| { echo "make stress: round $$i of $(STRESS_ROUNDS) FAILED"; exit 1; }; \
+		echo "make stress: round $$i of $(STRESS_ROUNDS) passed in $$(( $$(date +%s) - t0 )) s, load $$(cut -d' ' -f1-3 /proc/loadavg)"; \
+	done; \
+	echo "make stress: $(STRESS_ROUNDS) rounds in a row passed under stress --cpu $(STRESS_CPUS) in $$(( $$(date +%s) - start )) s"
 
 # The documentation site (mkdocs.yml, docs/) into site/; --strict: a broken link, a page left out
 # of the nav or a docstring griffe cannot parse fails the build.

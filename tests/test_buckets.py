@@ -444,6 +444,7 @@ for r in history.records:
 """
 
 
+@pytest.mark.multidevice
 def test_spmd_on_four_devices_with_buckets(text_task):
     _, _, cpu_accuracy = text_task
     r = run_python(SPMD_SCRIPT, env={"CPU_NUM_DEVICES": "4"})

@@ -235,6 +235,7 @@ print("reason", history.stop_reason)
 """
 
 
+@pytest.mark.multidevice
 def test_callbacks_on_four_spmd_devices(tmp_path):
     r = run_python(SPMD_CALLBACKS.format(tb=str(tmp_path / "tb")), env={"CPU_NUM_DEVICES": "4"}, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]

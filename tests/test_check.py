@@ -13,7 +13,7 @@ def _lines(stdout):
             if line.startswith(("ok ", "FAILED ", "skipped "))}  # fmt: skip
 
 
-@pytest.mark.parametrize("devices", [1, 4])
+@pytest.mark.parametrize("devices", [1, pytest.param(4, marks=pytest.mark.multidevice)])
 def test_the_check_passes_on_xla_cpu(devices):
     r = run_python(RUN, env={"CPU_NUM_DEVICES": str(devices)}, timeout=900)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]

@@ -44,6 +44,7 @@ def _values(stdout, key):
     return [line.split() for line in stdout.splitlines() if line.startswith(key)]
 
 
+@pytest.mark.multidevice
 def test_spmd_on_four_devices_trains_and_counts_1001_validation_samples_once():
     r = run_python(SPMD_SCRIPT, env={"CPU_NUM_DEVICES": "4"}, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]

@@ -17,6 +17,9 @@ import torch
 
 from conftest import ROOT, run_python, run_script
 
+# the replica tests: several processes (gloo here, nccl in the CUDA ones)
+pytestmark = pytest.mark.multidevice
+
 NATIVE = {"PJRT_DEVICE": None, "CPU_NUM_DEVICES": None, "TORCH_CPP_LOG_LEVEL": "ERROR"}
 
 COMMON = """

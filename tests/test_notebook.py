@@ -40,6 +40,7 @@ def _outputs_text(nb) -> str:
     )  # fmt: skip
 
 
+@pytest.mark.multidevice
 def test_notebook_runs_end_to_end(tmp_path, monkeypatch):
     from nbclient import NotebookClient
 

@@ -363,6 +363,7 @@ def _rows(stdout: str, key: str) -> list[list[str]]:
     return [line.split() for line in stdout.splitlines() if line.startswith(key)]
 
 
+@pytest.mark.multidevice
 def test_hand_loop_on_four_devices_with_spmd():
     # Edited lines: 3 beyond the two-line port (use_all_cores, device_loader, batch_size x cores).
     r = run_python(SPMD_HAND_LOOP, env={"CPU_NUM_DEVICES": "4"}, timeout=600)

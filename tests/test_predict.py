@@ -179,6 +179,7 @@ except OSError as e:
 """
 
 
+@pytest.mark.multidevice
 def test_predict_and_evaluate_on_four_spmd_devices():
     r = run_python(SPMD_SCRIPT, env={"CPU_NUM_DEVICES": "4"}, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -360,6 +361,7 @@ def test_predict_takes_batch_first_outputs_and_refuses_the_rest_by_name():
     _check_shape_cases(_shape_cases(cores=1), batch=16)
 
 
+@pytest.mark.multidevice
 def test_predict_takes_batch_first_outputs_and_refuses_the_rest_on_four_spmd_devices():
     import inspect
 

@@ -139,7 +139,8 @@ def test_every_block_runs_in_some_case():
     assert not unrun, "blocks no case runs:\n" + "\n---\n".join(unrun)
 
 
-@pytest.mark.parametrize("name, code, devices", _cases(), ids=[f"{n}-{d}dev" for n, _, d in _cases()])
+@pytest.mark.parametrize("name, code, devices", [
+    pytest.param(n, c, d, id=f"{n}-{d}dev", marks=[pytest.mark.multidevice] if d > 1 else []) for n, c, d in _cases()])
 def test_readme_block_runs_as_written(name, code, devices, tmp_path):
     r = run_python(PRELUDE.format(tmp=str(tmp_path)) + code + "\nprint('BLOCK OK')\n",
                    env={"CPU_NUM_DEVICES": str(devices)}, timeout=600)  # fmt: skip

@@ -235,6 +235,7 @@ model = small_cnn()
 """
 
 
+@pytest.mark.multidevice
 def test_the_readme_block_runs_as_written_on_four_devices(tmp_path):
     readme = open(__file__.replace("tests/test_user_input.py", "README.md")).read()
     section = readme.split("## Train with one call", 1)[1]
@@ -254,6 +255,7 @@ print("test accuracy", (preds.argmax(1) == valid_ds.tensors[1]).float().mean().i
     assert accuracy > 0.9
 
 
+@pytest.mark.multidevice
 def test_cores_all_after_the_device_was_touched_is_a_clear_error_not_a_crash():
     r = run_python("""
 import warnings; warnings.simplefilter("ignore")
