@@ -60,6 +60,15 @@ def mlp():
     return nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Dropout(0.2), nn.Linear(32, 3))
 
 
+def whole_set_metrics():
+    # EpochMetrics: the sample count (padding out) and a figure any reordering of outputs or targets changes
+    from tpu_utility import EpochMetric
+
+    place = lambda values: int((values * torch.arange(len(values))).sum())
+    return {"accuracy": "accuracy", "n": EpochMetric(lambda out, y: len(y)),
+            "placed": EpochMetric(lambda out, y: place(out.argmax(1)) + 7 * place(y))}
+
+
 def write(folder, rank, **figures):
     with open(os.path.join(folder, f"rank{rank}.json"), "w") as f:
         json.dump(figures, f)
@@ -83,7 +92,7 @@ from tpu_utility import backend, evaluate, launch, load_checkpoint, make_sampler
 def work(rank, out):
     preds = predict(Echo(), Index(), cores="all", batch_size=64, progress=False)
     model = mlp()
-    figures = evaluate(model, blobs(), batch_size=64)
+    figures = evaluate(model, blobs(), batch_size=64, metrics=whole_set_metrics())
     sampler = make_sampler(Index())
     path = os.path.join(out, "shared.pt")
     save_checkpoint(path, model=model, epoch=rank + 1)   # only the master writes; all meet after
@@ -94,13 +103,14 @@ def work(rank, out):
 
 
 if __name__ == "__main__":
-    plain = evaluate(mlp(), blobs(), batch_size=64)   # one process, plain CPU, before the launch
+    plain = evaluate(mlp(), blobs(), batch_size=64, metrics=whole_set_metrics())   # one process, plain CPU
     with open(os.path.join({str(out)!r}, "plain.json"), "w") as f:
         json.dump(plain, f)
     launch(work, args=({str(out)!r},), nprocs={nprocs})
 """, env=NATIVE)
     plain = json.load(open(out / "plain.json"))
     os.remove(out / "plain.json")
+    assert plain["n"] == 600  # the EpochMetric saw every sample once
     for rank, seen in enumerate(_ranks(out, nprocs)):
         assert seen["backend"] == "NativeBackend('cpu', 'gloo')" and seen["world"] == nprocs
         assert seen["shape"] == [1001, 1]

@@ -26,8 +26,8 @@ from .data import (BucketBatchSampler, BucketCollate, CachedDataset, PresizeRepo
                    group_batches, make_sampler, padding_waste, presize_images)
 
 # the trainer: one call that trains, keeps the best epoch and predicts
-from .training import (EMA, Callback, CSVLogger, EpochRecord, History, LRFinderResult, TensorBoardLogger, evaluate,
-                       find_lr, one_cycle, one_cycle_curve, one_cycle_fit, predict)
+from .training import (EMA, Callback, CSVLogger, EpochMetric, EpochRecord, History, LRFinderResult, TensorBoardLogger,
+                       evaluate, find_lr, one_cycle, one_cycle_curve, one_cycle_fit, predict)
 
 # diagnosis: doctor() here; check() is loaded on first use (below)
 from .doctor import DoctorError, DoctorReport, doctor
@@ -63,6 +63,7 @@ __all__ = [
     "doctor",
     "DoctorError",
     "DoctorReport",
+    "EpochMetric",
     "EpochRecord",
     "evaluate",
     "find_lr",

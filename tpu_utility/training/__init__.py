@@ -18,6 +18,7 @@ from .fit import one_cycle_fit
 from .history import EpochRecord, History
 from .inference import evaluate, predict
 from .lr_finder import LRFinderResult, find_lr
+from .metrics import EpochMetric
 from .schedule import one_cycle, one_cycle_curve
 
 __all__ = [
@@ -25,6 +26,7 @@ __all__ = [
     "CSVLogger",
     "EMA",
     "TensorBoardLogger",
+    "EpochMetric",
     "EpochRecord",
     "evaluate",
     "find_lr",

@@ -1,10 +1,13 @@
 """Validation metrics summed on the device, exact on any number of cores.
 
 A metric is a name ("accuracy"), a function ``(output, target) -> values`` that
-returns one value per sample or one value per batch (its mean), or a
-torchmetrics ``Metric`` (updated on the device, computed once per evaluation).
-Padded samples never count: per-sample values are masked, and per-batch
-functions and torchmetrics see only the real samples of a padded batch.
+returns one value per sample or one value per batch (its mean), a torchmetrics
+``Metric`` (updated on the device, computed once per evaluation), or an
+``EpochMetric``: a function of every output and target of the evaluation at once
+(quadratic weighted kappa, ROC AUC), run on the host once per evaluation.
+Padded samples never count: per-sample values are masked, per-batch functions
+and torchmetrics see only the real samples of a padded batch, and an
+``EpochMetric`` sees each sample once, in dataset order.
 """
 
 from __future__ import annotations
@@ -40,6 +43,60 @@ def metric_name(metric: Any) -> str:
     return getattr(metric, "__name__", type(metric).__name__)
 
 
+class EpochMetric:
+    """A metric of the whole evaluation at once: ``fn(outputs, targets)`` on the CPU.
+
+    Some figures are not a mean over batches: quadratic weighted kappa, ROC AUC, F1
+    over the set (the Kaggle metrics). ``fn`` gets every validation output and
+    target of the evaluation as CPU tensors, in dataset order, padding removed,
+    gathered from every core and replica, and returns a number. sklearn's and
+    torchmetrics' functional metrics take these as they are.
+
+    The outputs stay on the device during the evaluation and move to the host in
+    one transfer at its end (none per step); before training, ``fn`` is tried once
+    on the first validation batch, so a wrong signature fails at once.
+
+    Args:
+        fn: ``(outputs, targets) -> number``; ``outputs`` is ``(N, ...)`` float32,
+            ``targets`` ``(N, ...)`` as the loader gives them.
+        higher_is_better: Which way is better, for ``monitor`` with ``mode="auto"``;
+            None leaves it to the metric's name.
+
+    Example:
+        >>> # was: preds = np.concatenate(all_outputs).argmax(1); cohen_kappa_score(all_targets, preds, weights="quadratic")
+        >>> from sklearn.metrics import cohen_kappa_score
+        >>> qwk = EpochMetric(lambda out, y: cohen_kappa_score(y, out.argmax(1), weights="quadratic"),
+        ...                   higher_is_better=True)
+        >>> history = one_cycle_fit(model, train_ds, valid_data=valid_ds, epochs=5, max_lr=3e-3,  # doctest: +SKIP
+        ...                         metrics={"accuracy": "accuracy", "qwk": qwk}, monitor="qwk")
+    """
+
+    def __init__(self, fn: Callable[[torch.Tensor, torch.Tensor], Any], higher_is_better: bool | None = None) -> None:
+        if not callable(fn):
+            raise TypeError(f"EpochMetric takes a function (outputs, targets) -> number, but given {fn!r}")
+        if higher_is_better is not None and not isinstance(higher_is_better, bool):
+            raise TypeError(f"higher_is_better must be True, False or None, but given {higher_is_better!r}")
+        self.fn, self.higher_is_better = fn, higher_is_better
+        self.__name__ = getattr(fn, "__name__", type(fn).__name__)
+
+    def __repr__(self) -> str:
+        return f"EpochMetric({self.__name__})"
+
+    def __call__(self, outputs: torch.Tensor, targets: torch.Tensor) -> float:
+        """``fn`` on the whole evaluation; its value as a float.
+
+        Raises:
+            TypeError: ``fn`` returned something that is not one number.
+        """
+        value = self.fn(outputs, targets)
+        if isinstance(value, torch.Tensor) and value.numel() == 1:
+            value = value.item()
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            raise TypeError(f"{self!r} returned {value!r}; it must return one number") from None
+
+
 # the columns History and the monitor already use, and evaluate's "loss"
 RESERVED_NAMES = ("epoch", "train_loss", "valid_loss", "loss", "lr", "seconds", "samples_per_s", "compiles", "host_syncs",
                   "transfers")  # fmt: skip
@@ -63,8 +120,10 @@ def resolve_metrics(metrics: Any, default_loss: bool) -> dict[str, Any]:
             if metric not in METRICS:
                 raise ValueError(f"metric {metric!r} is unknown; allowed names: {sorted(METRICS)}, functions or torchmetrics")
             name, metric = name or metric, METRICS[metric]
-        elif not callable(metric):
-            raise TypeError(f"metrics must be names, functions or torchmetrics Metrics, but given {metric!r}")
+        elif not callable(metric) and not isinstance(metric, EpochMetric):
+            raise TypeError(
+                f"metrics must be names, functions, torchmetrics Metrics or EpochMetric(fn), but given {metric!r}"
+            )
         name = name or metric_name(metric)
         if name in RESERVED_NAMES:
             raise ValueError(f"a metric may not be named {name!r}: that is one of the run's own figures {RESERVED_NAMES}")
@@ -106,7 +165,11 @@ class MetricSet:
 
     def __init__(self, metrics: dict[str, Any], loss_fn: Callable | None, device: torch.device) -> None:
         self.loss = per_sample_loss(loss_fn) if loss_fn is not None else None
-        self.functions = {k: m for k, m in metrics.items() if not is_torchmetric(m)}
+        self.functions = {k: m for k, m in metrics.items() if not is_torchmetric(m) and not isinstance(m, EpochMetric)}
+        self.whole = {k: m for k, m in metrics.items() if isinstance(m, EpochMetric)}
+        # each batch's [output, target] and dataset index (-1: padding), kept on the device for the EpochMetrics
+        self.outputs: list[tuple[list[torch.Tensor], torch.Tensor]] = []
+        self.whole_values: dict[str, float] = {}
         self.torchmetrics = {k: copy.deepcopy(m).to(device) for k, m in metrics.items() if is_torchmetric(m)}
         self.names = list(metrics)
         self.device = device
@@ -122,6 +185,7 @@ class MetricSet:
         width = 1 + len(self.functions)
         self.sums = torch.zeros(width, device=self.device)
         self.count = torch.zeros((), device=self.device)
+        self.outputs, self.whole_values = [], {}
         for metric in self.torchmetrics.values():
             metric.reset()
 
@@ -138,6 +202,18 @@ class MetricSet:
                 metric.update(output, target)
             elif real:
                 metric.update(output[:real], _head(target, real))
+        if self.whole:
+            self.outputs.append(([output, target], index))
+
+    def finish(self, outputs: torch.Tensor, targets: torch.Tensor) -> None:
+        """The EpochMetrics on the evaluation's every output and target (on the host, in dataset order)."""
+        for name, metric in self.whole.items():
+            try:
+                self.whole_values[name] = metric(outputs, targets)
+            except Exception as error:
+                kind = type(error) if type(error) in (ValueError, TypeError, RuntimeError, IndexError) else RuntimeError
+                raise kind(f"metric {name!r} failed on the evaluation's outputs (shape {tuple(outputs.shape)}) "
+                           f"and targets ({_describe(targets)}): {error}") from error  # fmt: skip
 
     @staticmethod
     def _sum(what: str, fn: Callable, output: torch.Tensor, target: Any, weight: torch.Tensor, real: int) -> torch.Tensor:
@@ -168,6 +244,7 @@ class MetricSet:
         count = sums[-1]
         by_name = {k: v / count for k, v in zip(self.functions, sums[1:-1])}
         by_name.update(zip(self.torchmetrics, computed))
+        by_name.update(self.whole_values)
         loss = sums[0] / count if self.loss is not None else None
         return loss, {name: float(by_name[name]) for name in self.names}
 
@@ -184,6 +261,8 @@ class MetricSet:
             checks.append((f"metric {name!r}", partial(self._sum, f"metric {name!r}", fn, output, target, weight, batch)))
         for name, metric in self.torchmetrics.items():
             checks.append((f"metric {name!r}", partial(metric.update, output, target)))
+        for name, metric in self.whole.items():  # on the host: one transfer of the first batch, before training
+            checks.append((f"metric {name!r}", partial(_try_on_host, metric, output, target)))
         for what, run in checks:
             try:
                 run()
@@ -196,6 +275,13 @@ class MetricSet:
                 raise kind(message) from error
         for metric in self.torchmetrics.values():
             metric.reset()
+
+
+def _try_on_host(metric: EpochMetric, output: torch.Tensor, target: Any) -> None:
+    if not isinstance(target, torch.Tensor) or target.dim() == 0 or target.shape[0] != output.shape[0]:
+        raise TypeError(f"an EpochMetric needs a batch-first tensor target, but the target is {_describe(target)}")
+    cpu_output, cpu_target = backend.to_cpu([output, target])
+    metric(cpu_output, cpu_target)
 
 
 def _head(target: Any, n: int) -> Any:

@@ -369,6 +369,11 @@ class Runner:
             for (batch, index), real in zip(self.batches(loader), counts):
                 output, target = self.run(eval_step, batch)
                 metrics.update(output.float(), target, index, real)
+        if metrics.whole:  # every output and target, gathered to the host in one transfer
+            if self.lazy:
+                backend.sync()  # the last batch's graph runs as every other batch's did (no new compile)
+            parts, metrics.outputs = self._to_host(metrics.outputs), []
+            metrics.finish(*_in_order(parts, sum(int((index >= 0).sum()) for _, index in parts)))
         return metrics.figures()
 
     def check_eval(self, loader: Any, metrics: MetricSet, eval_step: Step) -> None:
