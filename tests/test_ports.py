@@ -303,6 +303,72 @@ def _train_digits(build_optimizer_first: bool) -> list[float]:
     return losses
 
 
+# ------------------------------------------- timm: create_model, create_optimizer_v2, its scheduler
+def upscaled_digits() -> TensorDataset:
+    """The digits at 32x32: a timm ResNet downsamples past 8x8."""
+    x, y = flat_digits().tensors
+    return TensorDataset(nn.functional.interpolate(x, size=32, mode="bilinear"), y)
+
+
+def test_timm_model_optimizer_factory_and_scheduler_port():
+    """timm's train.py loop as written: create_model, create_optimizer_v2 (norms and biases without weight
+    decay), a cosine scheduler with warm-up stepped per epoch. Edited lines: 3 (device, loader, step)."""
+    import timm
+    from timm.optim import create_optimizer_v2
+    from timm.scheduler import create_scheduler_v2
+
+    torch.manual_seed(0)
+    device = get_device()  # was: device = torch.device("cuda")
+    model = timm.create_model("test_resnet", num_classes=10, in_chans=1).to(device)
+    optimizer = create_optimizer_v2(model, opt="adamw", lr=3e-3, weight_decay=0.05)
+    scheduler, num_epochs = create_scheduler_v2(optimizer, sched="cosine", num_epochs=3, warmup_epochs=1, warmup_lr=1e-4)
+    loader = DataLoader(upscaled_digits(), batch_size=64, shuffle=True, drop_last=True)
+    loss_fn = nn.CrossEntropyLoss()
+    start, totals, losses, lrs = backend.compile_count(), [], [], []
+    for epoch in range(num_epochs):
+        lrs.append(optimizer.param_groups[0]["lr"])  # the lr this epoch trains with
+        model.train()
+        running = torch.zeros((), device=device)
+        for x, y in device_loader(loader):  # was: for x, y in loader: x, y = x.to(device), y.to(device)
+            loss = loss_fn(model(x), y)
+            optimizer.zero_grad()
+            loss.backward()
+            step_optimizer(optimizer)  # was: optimizer.step()
+            running += loss.detach()
+        scheduler.step(epoch + 1)
+        losses.append(running.item() / len(loader))
+        totals.append(backend.compile_count())
+    assert [g["weight_decay"] for g in optimizer.param_groups] == [0.0, 0.05]  # timm's groups, kept
+    assert lrs[0] == 1e-4 and lrs[1] > lrs[2] > lrs[0]  # warm-up, then the cosine: a new lr each epoch
+    assert losses[-1] < 0.3 * losses[0], losses
+    per_epoch = _per_epoch(start, totals)
+    assert per_epoch[-1] == 0, per_epoch  # a new lr every epoch compiles nothing (5, 2, 0 measured)
+
+
+def test_one_cycle_fit_gives_timms_optimizer_factory_the_model():
+    """create_optimizer_v2's first parameter is model_or_params: one_cycle_fit passes the model, so timm
+    builds its no-weight-decay groups (passed the bare parameters it would decay norms and biases too)."""
+    from functools import partial
+
+    import timm
+    from timm.optim import create_optimizer_v2
+
+    from tpu_utility import Callback, one_cycle_fit
+
+    class Groups(Callback):
+        def on_fit_start(self, loop):
+            self.seen = [(len(g["params"]), g["weight_decay"]) for g in loop.optimizer.param_groups]
+
+    torch.manual_seed(0)
+    model, groups = timm.create_model("test_resnet", num_classes=10, in_chans=1), Groups()
+    history = one_cycle_fit(model, upscaled_digits(), epochs=2, max_lr=3e-3, batch_size=64, progress=False,
+                            optimizer=partial(create_optimizer_v2, opt="adamw", weight_decay=0.05),
+                            callbacks=[groups])  # fmt: skip
+    assert [wd for _, wd in groups.seen] == [0.0, 0.05]
+    assert sum(n for n, _ in groups.seen) == len(list(model.parameters()))
+    assert history.records[-1].train_loss < 0.5 * history.records[0].train_loss, history.records
+
+
 def test_optimizer_built_before_the_move_is_refused_and_after_the_move_trains():
     # Edited lines: 2 (device line, step line), as in the README.
     with pytest.raises(RuntimeError, match=r"the optimizer was built before\s+model.to\(device\)") as err:

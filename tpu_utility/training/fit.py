@@ -204,7 +204,8 @@ def one_cycle_fit(
         max_lr: Peak learning rate (``OneCycleLR``'s name).
         valid_data: Dataset or DataLoader evaluated after every epoch.
         loss_fn: Default ``nn.CrossEntropyLoss()``. Reduced in fp32.
-        optimizer: "adamw", "adam", "sgd", or ``params -> Optimizer``.
+        optimizer: "adamw", "adam", "sgd", ``params -> Optimizer``, or ``model -> Optimizer``
+            (first parameter named ``model``, or timm's ``model_or_params``) building its own param groups.
         batch_size: Per-core batch size (default 64, or the DataLoader's own).
         cores: 1, "all", or the number of all cores.
         strategy: "auto" (SPMD for several cores), "spmd" or "multiprocess".

@@ -260,17 +260,23 @@ class _Run:
         self.step_args = {"found_inf": _device_values(runner.device, 0.0)[0]} if fused else {}
 
 
+# A factory whose first parameter has one of these names is given the model (it builds its own
+# parameter groups): ours, and timm's create_optimizer_v2(model_or_params, ...), which leaves norms
+# and biases out of weight decay only when it sees the model.
+TAKES_MODEL = ("model", "model_or_params")
+
+
 def build_optimizer(factory: Callable[..., torch.optim.Optimizer], model: nn.Module,
                     args: dict[str, Any]) -> torch.optim.Optimizer:  # fmt: skip
-    """``factory(model)`` if its first parameter is named ``model`` (it builds its own parameter groups),
-    else ``factory(trainable parameters)``; the result must be an optimizer over the model's parameters."""
+    """``factory(model)`` if its first parameter is named as in ``TAKES_MODEL`` (it builds its own parameter
+    groups), else ``factory(trainable parameters)``; the result must be an optimizer over the model's parameters."""
     import inspect
 
     try:
         first = next(iter(inspect.signature(factory).parameters), None)
     except (TypeError, ValueError):  # a builtin or C callable: no signature, takes the parameters
         first = None
-    opt = factory(model if first == "model" else [p for p in model.parameters() if p.requires_grad], **args)
+    opt = factory(model if first in TAKES_MODEL else [p for p in model.parameters() if p.requires_grad], **args)
     if not isinstance(opt, torch.optim.Optimizer):
         raise TypeError(f"the optimizer factory {getattr(factory, '__name__', factory)!r} returned "
                         f"{type(opt).__name__}, not a torch.optim.Optimizer")  # fmt: skip
