@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from conftest import flat_digits, small_mlp
+from test_fit import _StopAfter  # the default train_step, raising KeyboardInterrupt after `limit` calls
 from tpu_utility import History, load_checkpoint, one_cycle_fit, save_checkpoint
 
 fsspec = pytest.importorskip("fsspec")
@@ -21,20 +22,6 @@ def _url():
 def _fit(model, data, **kwargs):
     args = {"epochs": 3, "max_lr": 3e-3, "batch_size": 32, "progress": False, "seed": 3, **kwargs}
     return one_cycle_fit(model, data, **args)
-
-
-class _StopAfter:
-    """A train_step equal to the default that raises after `limit` calls (an interrupt)."""
-
-    def __init__(self, limit):
-        self.calls, self.limit = 0, limit
-
-    def __call__(self, model, batch):
-        self.calls += 1
-        if self.calls > self.limit:
-            raise KeyboardInterrupt("simulated interrupt")
-        x, y = batch
-        return nn.functional.cross_entropy(model(x).float(), y)
 
 
 def _mlp():
