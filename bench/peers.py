@@ -171,10 +171,11 @@ def accelerate_loop(w: Workload) -> list[float]:
     return seconds
 
 
-def fit(w: Workload) -> list[float]:
+def fit(w: Workload, callbacks: Callable[[], list] | None = None) -> list[float]:
+    """one_cycle_fit; ``callbacks`` makes a fresh list of callbacks for each run."""
     torch.manual_seed(0)
     history = one_cycle_fit(w.make_model(), w.dataset, epochs=w.epochs, max_lr=w.max_lr, batch_size=w.batch,
-                            progress=False)  # fmt: skip
+                            progress=False, callbacks=callbacks() if callbacks else None)  # fmt: skip
     return [r.seconds / w.steps for r in history.records]
 
 

@@ -78,7 +78,8 @@ from sklearn.metrics import cohen_kappa_score
 from tpu_utility import EpochMetric, evaluate, one_cycle_fit
 from tpu_utility.demo import digits_datasets
 
-small_mlp = lambda: torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10))
+nn = torch.nn
+small_mlp = lambda: nn.Sequential(nn.Flatten(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))  # conftest's
 train, valid = digits_datasets()
 qwk = EpochMetric(lambda out, y: cohen_kappa_score(y, out.argmax(1), weights="quadratic"), higher_is_better=True)
 torch.manual_seed(0)
