@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from conftest import BLOCK_TORCH_XLA, flat_digits, run_python, small_mlp
 from tpu_utility import find_lr, one_cycle_fit
@@ -213,8 +213,10 @@ def test_custom_steps_train_a_multi_input_model():
 
 
 def test_default_step_explains_an_unexpected_batch():
-    with pytest.raises(TypeError, match=r"expects batches of \(inputs, targets\) or \(\*inputs, targets\), but a batch is dict.*train_step"):
+    with pytest.raises(TypeError, match=r"a dict batch must hold them under 'labels'.*has \['label', 'left', 'right'\].*train_step"):
         fit(TwoTower(), _TwoInputs(), epochs=1)
+    with pytest.raises(TypeError, match=r"expects batches of \(inputs, targets\), \(\*inputs, targets\) or a dict .* batch is list of length 1"):
+        fit(TwoTower(), TensorDataset(torch.ones(64, 4)), epochs=1)
 
 
 def test_a_dataloader_is_accepted_and_its_batch_size_kept(digits):

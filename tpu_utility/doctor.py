@@ -49,6 +49,7 @@ from .data.buckets import choose_buckets
 from .device import move_to_device
 from .loop import INFERENCE_MODE_ERROR
 from .optim import step_optimizer
+from .training.runner import LossStep
 
 Kind = Literal[
     "not_on_xla", "not_on_device", "optimizer_params", "tied_weights", "batch_split", "graph_growth", "recompile",
@@ -417,7 +418,7 @@ def _tracing(run: _Run) -> Iterator[None]:
 
 
 # -------------------------------------------------------------- the running
-def _default_step(model: nn.Module, optimizer: torch.optim.Optimizer | None, loss_fn: Callable,
+def _default_step(model: nn.Module, optimizer: torch.optim.Optimizer | None, loss_fn: Callable | None,
                   mode: Mode) -> Callable:  # fmt: skip
     first = next(iter(model.parameters()), None)
     if first is None:
@@ -427,17 +428,18 @@ def _default_step(model: nn.Module, optimizer: torch.optim.Optimizer | None, los
         )
     device = first.device
     total: list[torch.Tensor] = []
+    step_loss = LossStep(loss_fn or nn.CrossEntropyLoss(), model_loss=loss_fn is None)  # dict batches too
 
     def train_step(batch: Any) -> None:
-        x, y = move_to_device(tuple(batch), device)
+        batch = move_to_device(batch, device)
         optimizer.zero_grad(set_to_none=True)
-        loss_fn(model(x), y).backward()
+        step_loss(model, batch).backward()
         step_optimizer(optimizer)
 
     def eval_step(batch: Any) -> None:
-        x, y = move_to_device(tuple(batch), device)
+        batch = move_to_device(batch, device)
         with torch.no_grad():
-            loss = loss_fn(model(x), y)
+            loss = step_loss(model, batch)
         total[:] = [total[0] + loss if total else loss]  # accumulated on the device
         backend.sync()  # what device_loader does at each batch
 
@@ -829,7 +831,7 @@ def doctor(
         model = step
         if optimizer is None and mode == "train":
             raise TypeError("doctor(model, ...) needs optimizer=...; or pass your own step(batch) callable")
-        step = _default_step(model, optimizer, loss_fn or nn.CrossEntropyLoss(), mode)
+        step = _default_step(model, optimizer, loss_fn, mode)
     elif not callable(step):
         raise TypeError(f"step must be a callable step(batch) or an nn.Module, but given {step!r}")
 

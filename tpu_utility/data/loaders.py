@@ -10,6 +10,7 @@ import os
 import sys
 import threading
 import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
@@ -86,6 +87,10 @@ def make_sampler(
     return DistributedSampler(
         dataset, num_replicas=replicas, rank=backend.rank(), shuffle=shuffle, seed=seed, drop_last=drop_last
     )
+
+
+# the key of a dict batch that holds the targets (a tokenized Hugging Face dataset's)
+LABELS = "labels"
 
 
 def padded_length(num_samples: int, batch_size: int, replicas: int) -> int:
@@ -452,8 +457,12 @@ class LabelCheck:
         return LabelCheckedLoader(loader, self, masked)
 
     def target(self, batch: Any) -> None:
-        """Checks (or keeps, before the class count is known) the target of a host batch ``(*inputs, target)``."""
-        target = batch[-1] if isinstance(batch, (list, tuple)) and len(batch) >= 2 else None
+        """Checks (or keeps, before the class count is known) the target of a host batch ``(*inputs, target)``
+        or a dict batch's ``labels``."""
+        if isinstance(batch, Mapping):
+            target = batch.get(LABELS)
+        else:
+            target = batch[-1] if isinstance(batch, (list, tuple)) and len(batch) >= 2 else None
         if not isinstance(target, torch.Tensor) or target.is_floating_point() or not target.numel():
             return
         with self._lock:

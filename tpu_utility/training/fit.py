@@ -197,9 +197,11 @@ def one_cycle_fit(
     Args:
         model: An ``nn.Module`` (trained in place), or a zero-argument factory
             (which ``strategy="multiprocess"`` with spawn needs).
-        train_data: A map-style Dataset or a DataLoader yielding ``(inputs, targets)``
-            or ``(*inputs, targets)`` (or anything ``train_step`` understands). A
-            DataLoader's own sampler and settings are kept.
+        train_data: A map-style Dataset or a DataLoader yielding ``(inputs, targets)``,
+            ``(*inputs, targets)``, or dicts of model arguments with ``labels`` (a
+            tokenized Hugging Face dataset: ``model(**batch)``, its ``output.loss``)
+            or anything ``train_step`` understands. A DataLoader's own sampler and
+            settings are kept.
         epochs: Passes over the training data.
         max_lr: Peak learning rate (``OneCycleLR``'s name).
         valid_data: Dataset or DataLoader evaluated after every epoch.

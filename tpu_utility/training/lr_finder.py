@@ -14,9 +14,9 @@ from .. import backend
 from ..data.loaders import set_epoch, unpack_loader
 from .fit import check_number, check_seed, resolve_optimizer
 from .history import closed_figure
-from .runner import Runner
+from .runner import LossStep, Runner
 from .schedule import peak_ratios
-from .trainer import LossStep, OneCycleDriver, build_optimizer, lr_of
+from .trainer import OneCycleDriver, build_optimizer, lr_of
 
 
 @dataclass
@@ -136,7 +136,8 @@ def find_lr(
         raise ValueError(f"read_every must be a positive int, but given {read_every!r}")
     check_seed(seed)
     spec = unpack_loader(train_data, batch_size, "train_data")
-    loss_fn = loss_fn or nn.CrossEntropyLoss()
+    # a dict batch with labels and the default loss: a Hugging Face model's own output.loss
+    step_loss = LossStep(loss_fn or nn.CrossEntropyLoss(), model_loss=loss_fn is None)
     make_opt, _ = resolve_optimizer(optimizer)
     with torch.random.fork_rng(devices=[]):
         runner = Runner(model)
@@ -145,7 +146,7 @@ def find_lr(
         try:
             opt = build_optimizer(make_opt, runner.model, {})
             sweep = _Sweep(start_lr, end_lr, num_steps, smooth, diverge_factor, read_every)
-            result = _sweep(runner, runner.train_loader(spec, seed), opt, loss_fn, sweep)
+            result = _sweep(runner, runner.train_loader(spec, seed), opt, step_loss, sweep)
         finally:
             model.load_state_dict(saved)
             runner.restore_model()
@@ -165,7 +166,7 @@ class _Sweep:
     read_every: int
 
 
-def _sweep(runner: Runner, loader: Any, opt: torch.optim.Optimizer, loss_fn: Callable, sweep: _Sweep) -> LRFinderResult:
+def _sweep(runner: Runner, loader: Any, opt: torch.optim.Optimizer, step_loss: LossStep, sweep: _Sweep) -> LRFinderResult:
     ratio = (sweep.end_lr / sweep.start_lr) ** (1 / (sweep.num_steps - 1))
     lrs = [sweep.start_lr * ratio**k for k in range(sweep.num_steps)]
     group = opt.param_groups[0]
@@ -173,7 +174,6 @@ def _sweep(runner: Runner, loader: Any, opt: torch.optim.Optimizer, loss_fn: Cal
     # the learning rates go in as the schedule's do: Python floats set every step would change the graph
     ratios = peak_ratios([float(g["lr"]) for g in opt.param_groups], lr_of(opt))  # each group sweeps its share
     driver = OneCycleDriver(opt, (lrs, [momentum] * len(lrs)), runner.device, 0, ratios)
-    step_loss = LossStep(loss_fn)
     result = LRFinderResult()
     pending: list[tuple[float, torch.Tensor]] = []
     tracker = _Smoother(sweep.smooth, sweep.diverge_factor)

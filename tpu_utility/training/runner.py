@@ -16,6 +16,7 @@ from __future__ import annotations
 import inspect
 
 import os
+from collections.abc import Mapping
 from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Literal, Sequence, get_args
@@ -25,7 +26,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from .. import backend
-from ..data.loaders import LabelCheck, LoaderSpec, eval_loader, real_counts, train_loader
+from ..data.loaders import LABELS, LabelCheck, LoaderSpec, eval_loader, real_counts, train_loader
 from ..device import get_device, move_model, move_to_device
 from .metrics import MetricSet
 from ..progress import progress_bar
@@ -163,20 +164,36 @@ def _cast_floats(batch: Batch, dtype: torch.dtype) -> Batch:
     )
 
 
-def split_batch(batch: Batch, what: str) -> tuple[tuple, Any]:
-    """``(*inputs, target)`` of a default batch: ``model(*inputs)`` is compared with ``target``."""
+def split_batch(batch: Batch, what: str) -> tuple[Any, Any]:
+    """``(inputs, target)`` of a default batch.
+
+    ``(*inputs, target)`` gives ``(inputs, target)``: ``model(*inputs)`` is compared with
+    ``target``. A dict batch (a tokenized Hugging Face dataset) is passed as keyword
+    arguments: ``(batch, batch["labels"])`` (None without labels), the labels left in
+    so that a Hugging Face model computes its own loss.
+    """
+    if isinstance(batch, Mapping):
+        return batch, batch.get(LABELS)
     if not isinstance(batch, (list, tuple)) or len(batch) < 2:
         size = f" of length {len(batch)}" if hasattr(batch, "__len__") else ""
         fix = "give find_lr a Dataset of (inputs, target) samples" if what == "find_lr" else f"pass {what}=... to handle this batch structure"
         raise TypeError(
-            f"the default {what} expects batches of (inputs, targets) or (*inputs, targets), but a "
-            f"batch is {type(batch).__name__}{size}; {fix}"
+            f"the default {what} expects batches of (inputs, targets), (*inputs, targets) or a dict of model "
+            f"arguments, but a batch is {type(batch).__name__}{size}; {fix}"
         )
     return tuple(batch[:-1]), batch[-1]
 
 
-def call_model(model: nn.Module, inputs: tuple, what: str) -> Any:
-    """``model(*inputs)``; a forward that cannot take that many inputs is named with the batch's layout."""
+def without_labels(inputs: Any) -> Any:
+    """A dict batch's model arguments less its labels (the model's own loss is not wanted); tuples as they are."""
+    return {k: v for k, v in inputs.items() if k != LABELS} if isinstance(inputs, Mapping) else inputs
+
+
+def call_model(model: nn.Module, inputs: Any, what: str) -> Any:
+    """``model(**inputs)`` for a dict, ``model(*inputs)`` for a tuple; a forward that cannot take
+    that many inputs is named with the batch's layout."""
+    if isinstance(inputs, Mapping):
+        return model(**inputs)
     try:
         return model(*inputs)
     except TypeError as error:
@@ -194,9 +211,52 @@ def call_model(model: nn.Module, inputs: tuple, what: str) -> Any:
         raise
 
 
+def logits_of(output: Any) -> Any:
+    """The scores in a model's output: the tensor itself, or the ``logits`` of a Hugging Face
+    ``ModelOutput`` or any dict that has them; other outputs as they are."""
+    if isinstance(output, Mapping) and output.get("logits") is not None:
+        return output["logits"]
+    return output
+
+
+def _no_labels(what: str, batch: Mapping) -> TypeError:
+    return TypeError(
+        f"the default {what} needs the targets: a dict batch must hold them under '{LABELS}' (as a tokenized "
+        f"Hugging Face dataset does), but this one has {sorted(batch)}; rename the key, or pass "
+        f"{what}=lambda model, batch: ..."
+    )
+
+
+class LossStep:
+    """The default train step: ``loss_fn(model(*inputs).float(), target)``.
+
+    A dict batch is passed as keyword arguments. With the default loss and a model
+    that computes its own (a Hugging Face model given ``labels``), the loss is its
+    ``output.loss``; otherwise ``loss_fn(logits, batch["labels"])``, the labels
+    kept out of the model's arguments. The scores are shown to ``labels`` (a
+    LabelCheck) first, so a bad label fails before the loss.
+    """
+
+    def __init__(self, loss_fn: Callable, labels: LabelCheck | None = None, model_loss: bool = False) -> None:
+        self.loss_fn, self.labels, self.model_loss = loss_fn, labels, model_loss
+
+    def __call__(self, model: nn.Module, batch: Any) -> torch.Tensor:
+        inputs, target = split_batch(batch, "train_step")
+        if isinstance(inputs, Mapping) and target is None:
+            raise _no_labels("train_step", inputs)
+        output = call_model(model, inputs if self.model_loss else without_labels(inputs), "train_step")
+        scores = logits_of(output)
+        if self.labels is not None:
+            self.labels.see(scores)
+        own = output.get("loss") if self.model_loss and isinstance(output, Mapping) else None
+        return own if own is not None else self.loss_fn(scores.float(), target)
+
+
 def default_eval_step(model: nn.Module, batch: Batch) -> tuple[Any, Any]:
     inputs, target = split_batch(batch, "eval_step")
-    return call_model(model, inputs, "eval_step"), target
+    if isinstance(inputs, Mapping) and target is None:
+        raise _no_labels("eval_step", inputs)
+    return logits_of(call_model(model, without_labels(inputs), "eval_step")), target
 
 
 class CheckedEvalStep:
@@ -212,14 +272,17 @@ class CheckedEvalStep:
 
 
 def default_predict_step(model: nn.Module, batch: Batch) -> Any:
-    """``model(x)`` for a tensor, ``model(*inputs)`` for ``(*inputs, target)`` (the target is ignored)."""
+    """``model(x)`` for a tensor, ``model(*inputs)`` for ``(*inputs, target)`` (the target is ignored),
+    ``model(**batch)`` less its labels for a dict; a ``ModelOutput``'s (or dict's) logits."""
     if isinstance(batch, torch.Tensor):
         return model(batch)
+    if isinstance(batch, Mapping):
+        return logits_of(model(**without_labels(batch)))
     if isinstance(batch, (list, tuple)) and batch:
-        return model(*batch[:-1]) if len(batch) > 1 else model(batch[0])
+        return logits_of(model(*batch[:-1]) if len(batch) > 1 else model(batch[0]))
     raise TypeError(
-        f"the default predict_step expects batches of inputs or (*inputs, target), but a batch is "
-        f"{type(batch).__name__}; pass predict_step=lambda model, batch: ... to handle it"
+        f"the default predict_step expects batches of inputs, (*inputs, target) or a dict of model arguments, "
+        f"but a batch is {type(batch).__name__}; pass predict_step=lambda model, batch: ... to handle it"
     )
 
 

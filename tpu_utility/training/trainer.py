@@ -32,7 +32,7 @@ from .metrics import MetricSet
 from .monitor import StopRule, Watch, out_of_time
 from ..optim import step_optimizer
 from ..progress import CompileNotice, format_duration, progress_bar, run_eta, write_line
-from .runner import CheckedEvalStep, Runner, call_model, default_eval_step, split_batch
+from .runner import CheckedEvalStep, LossStep, Runner, default_eval_step
 from .schedule import one_cycle_curve, peak_ratios, total_optimizer_steps
 
 BEST_NAME = "best.pt"
@@ -402,7 +402,7 @@ def _train_epoch(run: _Run, epoch: int) -> tuple[list[torch.Tensor], float, floa
     bar = progress_bar(run.batches, desc, enabled=speak)
     # the run's first epoch on XLA compiles: say so before the first batch's compile, not after
     notice = CompileNotice(bar, desc, backend.compile_count, expect=runner.lazy and epoch == run.start_epoch, speak=speak)
-    step = steps.train_step or LossStep(steps.loss_fn, run.labels)
+    step = steps.train_step or LossStep(steps.loss_fn, run.labels, model_loss=steps.default_loss)
     for i, batch in enumerate(runner.batches(run.train_loader)):
         loss = runner.run(step, batch, training=True)
         if not isinstance(loss, torch.Tensor):
@@ -429,21 +429,6 @@ def _train_epoch(run: _Run, epoch: int) -> tuple[list[torch.Tensor], float, floa
     run.opt.zero_grad(set_to_none=True)  # a partial accumulation at the epoch's end is dropped
     run.events.fire("on_train_epoch_end", run)
     return [loss_sum, bad_step, n_batches], lr, notice.compile_seconds
-
-
-class LossStep:
-    """The default train step: ``loss_fn(model(*inputs).float(), target)``; the output is shown to
-    ``labels`` (a LabelCheck) first, so a bad label fails before the loss."""
-
-    def __init__(self, loss_fn: Callable, labels: LabelCheck | None = None) -> None:
-        self.loss_fn, self.labels = loss_fn, labels
-
-    def __call__(self, model: nn.Module, batch: Any) -> torch.Tensor:
-        inputs, target = split_batch(batch, "train_step")
-        output = call_model(model, inputs, "train_step")
-        if self.labels is not None:
-            self.labels.see(output)
-        return self.loss_fn(output.float(), target)
 
 
 def _read_epoch(device: torch.device, train_sums: list[torch.Tensor], eval_sums: list[torch.Tensor],

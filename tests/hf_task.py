@@ -1,0 +1,48 @@
+"""A tokenized text task and a tiny BERT built from its config (no download), for test_huggingface.py.
+
+Samples are dicts, as a tokenized ``datasets`` split gives them: ``input_ids``,
+``attention_mask`` and ``labels``. The label says whether token 7 occurs among a
+sequence's real tokens (the rest is padding), so the model must read the mask.
+Kept apart from the test file so that a subprocess can import it without conftest.
+"""
+
+import torch
+from torch.utils.data import Dataset
+
+VOCAB, LENGTH = 30, 16
+
+
+class Tokens(Dataset):
+    def __init__(self, n: int, seed: int) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.ids = torch.randint(8, VOCAB, (n, LENGTH), generator=g)
+        lengths = torch.randint(6, LENGTH + 1, (n,), generator=g)
+        self.labels = torch.randint(0, 2, (n,), generator=g)
+        for i in range(n):
+            if self.labels[i]:
+                self.ids[i, torch.randint(1, int(lengths[i]), (1,), generator=g)] = 7
+            self.ids[i, 0] = 2  # [CLS]
+            self.ids[i, int(lengths[i]) :] = 0  # [PAD]
+        self.mask = (torch.arange(LENGTH) < lengths[:, None]).long()
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, i: int) -> dict:
+        return {"input_ids": self.ids[i], "attention_mask": self.mask[i], "labels": self.labels[i]}
+
+
+def bert(seed: int = 0):
+    from transformers import BertConfig, BertForSequenceClassification
+
+    torch.manual_seed(seed)
+    config = BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                        intermediate_size=64, max_position_embeddings=LENGTH, num_labels=2)  # fmt: skip
+    return BertForSequenceClassification(config)
+
+
+def cpu_logits(model, dataset: Tokens) -> torch.Tensor:
+    """The model's logits for every sample on the plain CPU, in one batch."""
+    model = model.cpu().eval()
+    with torch.no_grad():
+        return model(input_ids=dataset.ids, attention_mask=dataset.mask).logits

@@ -1,0 +1,132 @@
+"""Hugging Face models and dict batches without step functions: a tiny BERT (built from its config).
+
+A tokenized dataset gives dict samples; the batch goes to the model as keyword
+arguments, the loss is the model's own ``output.loss``, and metrics and
+predictions use ``output.logits``. Checked against the loop a user had before
+(transformers' run_glue_no_trainer.py style, on the plain CPU).
+"""
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+
+from conftest import run_python
+from hf_task import Tokens, bert, cpu_logits
+from tpu_utility import Callback, doctor, evaluate, find_lr, get_device, one_cycle_fit, predict
+
+EPOCHS, BATCH, LR = 3, 32, 1e-3
+
+
+def plain_cpu_accuracy(train, valid) -> float:
+    """The loop before the port: AdamW, a one-cycle schedule, model(**batch).loss, on the CPU."""
+    model = bert()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    loader = DataLoader(train, batch_size=BATCH, shuffle=True, drop_last=True, generator=torch.Generator().manual_seed(0))
+    schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=LR, total_steps=EPOCHS * len(loader))
+    for _ in range(EPOCHS):
+        model.train()
+        for batch in loader:
+            model(**batch).loss.backward()
+            optimizer.step()
+            schedule.step()
+            optimizer.zero_grad()
+    return (cpu_logits(model, valid).argmax(1) == valid.labels).float().mean().item()
+
+
+def test_one_cycle_fit_trains_a_bert_on_dict_batches_as_well_as_the_plain_cpu_loop():
+    train, valid = Tokens(1024, 0), Tokens(300, 1)
+    history = one_cycle_fit(bert(), train, valid_data=valid, epochs=EPOCHS, max_lr=LR, batch_size=BATCH, progress=False)
+    accuracy = history.records[-1].metrics["accuracy"]
+    assert accuracy == pytest.approx(plain_cpu_accuracy(train, valid), abs=0.05)
+    assert accuracy > 0.9 and history.records[-1].train_loss < 0.5 * history.records[0].train_loss
+    assert history.records[1].compiles == history.records[-1].compiles  # flat from epoch 2
+    # the validation loss is the mean cross-entropy of the logits over the 300 samples, padding left out
+    logits = cpu_logits(history.model, valid)
+    assert history.records[-1].valid_loss == pytest.approx(nn.functional.cross_entropy(logits, valid.labels).item(), abs=1e-4)
+
+    preds = predict(history.model, valid, batch_size=64, progress=False)  # the logits, in dataset order
+    assert preds.shape == (300, 2)
+    torch.testing.assert_close(preds, logits, atol=1e-4, rtol=1e-4)
+    figures = evaluate(history.model, valid, batch_size=64)
+    assert figures["accuracy"] == pytest.approx((logits.argmax(1) == valid.labels).float().mean().item(), abs=1e-6)
+
+
+class Recorder(nn.Module):
+    """A model of one's own with dict inputs and a dict output: notes whether it was given the labels."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed, self.head, self.given_labels = nn.Embedding(30, 16), nn.Linear(16, 2), []
+
+    def forward(self, input_ids, attention_mask, labels=None):
+        self.given_labels.append(labels is not None)
+        pooled = (self.embed(input_ids) * attention_mask[..., None]).sum(1) / attention_mask.sum(1, keepdim=True)
+        return {"logits": self.head(pooled)}
+
+
+def test_a_loss_fn_of_ones_own_gets_the_logits_and_the_labels_stay_out_of_the_model():
+    model = Recorder()
+    history = one_cycle_fit(model, Tokens(256, 0), valid_data=Tokens(64, 1), epochs=2, max_lr=1e-2, batch_size=32,
+                            loss_fn=nn.CrossEntropyLoss(label_smoothing=0.1), progress=False)  # fmt: skip
+    assert model.given_labels and not any(model.given_labels)
+    assert history.records[-1].valid_loss < history.records[0].valid_loss  # it learns from the logits
+    # without a loss_fn, a model whose output has no loss gets the default cross-entropy on its logits
+    history = one_cycle_fit(Recorder(), Tokens(256, 0), epochs=1, max_lr=1e-2, batch_size=32, progress=False)
+    assert history.records[0].train_loss == pytest.approx(0.69, abs=0.1)
+
+
+def test_a_dict_batch_without_labels_is_a_clear_error_before_training():
+    class NoLabels(Tokens):
+        def __getitem__(self, i):
+            return {k: v for k, v in super().__getitem__(i).items() if k != "labels"}
+
+    seen = []
+
+    class Count(Callback):
+        def on_train_epoch_start(self, loop, epoch):
+            seen.append(epoch)
+
+    with pytest.raises(TypeError, match="a dict batch must hold them under 'labels'"):
+        one_cycle_fit(bert(), Tokens(64, 0), valid_data=NoLabels(32, 1), epochs=1, max_lr=1e-3, batch_size=16,
+                      progress=False, callbacks=[Count()])  # fmt: skip
+    assert seen == []
+    preds = predict(bert(), NoLabels(40, 1), batch_size=16, progress=False)  # a test set has no labels: fine
+    assert preds.shape == (40, 2)
+
+
+def test_find_lr_and_doctor_take_dict_batches():
+    result = find_lr(bert(), Tokens(512, 0), batch_size=BATCH, num_steps=30)
+    assert len(result.lrs) == len(result.losses) > 0 and result.suggested_lr > 0
+    model = bert().to(get_device())
+    report = doctor(model, batches=DataLoader(Tokens(128, 0), batch_size=BATCH), steps=2,
+                    optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3))  # fmt: skip
+    assert report.steps == 2 and report.compiles_per_step == 0  # the model's own loss, the same graph each step
+
+
+SPMD = """
+import torch
+from hf_task import Tokens, bert, cpu_logits
+from tpu_utility import one_cycle_fit, predict
+
+train, valid = Tokens(1024, 0), Tokens(300, 1)
+history = one_cycle_fit(bert(), train, valid_data=valid, epochs=3, max_lr=1e-3, batch_size=8, cores="all",
+                        progress=False)
+print(history.summary)
+print("accuracy", history.records[-1].metrics["accuracy"])
+print("compiles", [r.compiles for r in history.records])
+preds = predict(history.model, valid, batch_size=16, cores="all", progress=False)
+print("same logits in order", torch.allclose(preds, cpu_logits(history.model, valid), atol=1e-4, rtol=1e-4))
+"""
+
+
+@pytest.mark.multidevice
+def test_a_bert_on_four_spmd_devices_learns_and_predicts_in_order():
+    r = run_python("import sys; sys.path.insert(0, 'tests')\n" + SPMD, env={"CPU_NUM_DEVICES": "4"}, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "spmd on 4 CPU core(s) | batch 8 per core, 32 global" in r.stdout, r.stdout
+    accuracy = float(r.stdout.split("accuracy ")[1].split()[0])
+    assert accuracy > 0.9, r.stdout  # the single-device run and the plain CPU loop reach the same
+    compiles = eval(r.stdout.split("compiles ")[1].splitlines()[0])
+    assert compiles[1] == compiles[-1], compiles
+    assert "same logits in order True" in r.stdout
