@@ -48,12 +48,13 @@ def predict(
     lists and dicts of them (nested), which come back in the same structure.
     Anything else is refused by name, since joining it along dim 0 would give
     wrong rows: a 0-d value, an output reduced over the batch, a transposed
-    ``(C, N)`` output, an LSTM's ``(h, c)`` (``(layers, N, H)``).
+    ``(C, N)`` output, an LSTM's ``(h, c)`` (``(layers, N, H)``). A Hugging Face
+    ``ModelOutput`` (or a dict) holding ``logits`` gives its logits.
 
     Args:
         model: The model (left on its device and in its mode afterwards).
-        data: A Dataset or DataLoader of inputs, or of ``(*inputs, target)``
-            (the target is ignored). A DataLoader's sampler may order the samples
+        data: A Dataset or DataLoader of inputs, of ``(*inputs, target)`` (the
+            target is ignored), or of dicts of model arguments (``labels`` ignored). A DataLoader's sampler may order the samples
             any way (rows still come back in dataset order), but it must draw
             each sample once: one that draws a subset or draws with replacement
             (``SubsetRandomSampler``, ``WeightedRandomSampler``,
