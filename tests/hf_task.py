@@ -32,6 +32,13 @@ class Tokens(Dataset):
         return {"input_ids": self.ids[i], "attention_mask": self.mask[i], "labels": self.labels[i]}
 
 
+def unpadded(dataset: Tokens) -> list[dict]:
+    """The same samples as a tokenizer gives them before padding: each sequence its own length."""
+    lengths = dataset.mask.sum(1).tolist()
+    return [{"input_ids": dataset.ids[i, :n], "attention_mask": dataset.mask[i, :n], "labels": dataset.labels[i]}
+            for i, n in enumerate(lengths)]  # fmt: skip
+
+
 def bert(seed: int = 0):
     from transformers import BertConfig, BertForSequenceClassification
 

@@ -81,6 +81,30 @@ def test_collate_takes_dict_samples_and_feature_dimensions():
         collate([{"input_ids": [1]}])
 
 
+def test_dict_batches_pad_every_sequence_with_its_own_value():
+    collate = BucketCollate([4, 8], pad_value=9, keys=None)  # 9: the tokenizer's pad_token_id
+    batch = collate([{"input_ids": [1, 2, 3], "attention_mask": [1, 1, 1], "labels": [5, 6, 7], "id": 3},
+                     {"input_ids": [4], "attention_mask": [1], "labels": [8], "id": 4}])  # fmt: skip
+    assert list(batch) == ["attention_mask", "id", "input_ids", "labels"]
+    assert batch["input_ids"].tolist() == [[1, 2, 3, 9], [4, 9, 9, 9]]
+    assert batch["attention_mask"].tolist() == [[1, 1, 1, 0], [1, 0, 0, 0]]
+    assert batch["labels"].tolist() == [[5, 6, 7, -100], [8, -100, -100, -100]]  # token labels: ignored padding
+    assert batch["id"].tolist() == [3, 4]  # scalars collated
+    assert collate.real_tokens == 4 and collate.padded_tokens == 4 and collate.bucket_batches == {4: 1, 8: 0}
+    # no attention_mask in the samples: one is added, since padding the model sees would change its outputs
+    batch = collate([{"input_ids": [1, 2, 3, 4, 5], "labels": 0}])
+    assert batch["attention_mask"].tolist() == [[1, 1, 1, 1, 1, 0, 0, 0]] and batch["labels"].tolist() == [0]
+    collate.check_fits([{"input_ids": [1] * 8, "labels": 0}], "valid_data")
+    with pytest.raises(ValueError, match="valid_data sample 0 has a sequence of length 9"):
+        collate.check_fits([{"input_ids": [1] * 9, "labels": 0}], "valid_data")
+    with pytest.raises(ValueError, match=r"sample 0's sequences differ in length \{'input_ids': 2, 'attention_mask': 1\}"):
+        collate([{"input_ids": [1, 2], "attention_mask": [1], "labels": 0}])
+    with pytest.raises(ValueError, match=r"sample 1 of the batch has the keys \['input_ids'\], sample 0 \['input_ids', 'labels'\]"):
+        collate([{"input_ids": [1], "labels": 0}, {"input_ids": [2]}])
+    with pytest.raises(TypeError, match=r"BucketCollate\(keys=None\) expects dict samples, but sample 0 .* is tuple"):
+        collate([([1, 2], 0)])
+
+
 def test_a_too_long_sequence_is_an_error_or_truncated_with_a_warning():
     with pytest.raises(ValueError, match=r"length 9 is longer than the largest bucket 8 \(buckets \[4, 8\]\)"):
         BucketCollate([4, 8])([(list(range(9)), 0)])

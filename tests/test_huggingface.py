@@ -12,8 +12,9 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from conftest import run_python
-from hf_task import Tokens, bert, cpu_logits
-from tpu_utility import Callback, doctor, evaluate, find_lr, get_device, one_cycle_fit, predict
+from hf_task import Tokens, bert, cpu_logits, unpadded
+from tpu_utility import (BucketBatchSampler, BucketCollate, Callback, doctor, evaluate, find_lr, get_device,
+                         one_cycle_fit, predict)
 
 EPOCHS, BATCH, LR = 3, 32, 1e-3
 
@@ -50,6 +51,22 @@ def test_one_cycle_fit_trains_a_bert_on_dict_batches_as_well_as_the_plain_cpu_lo
     torch.testing.assert_close(preds, logits, atol=1e-4, rtol=1e-4)
     figures = evaluate(history.model, valid, batch_size=64)
     assert figures["accuracy"] == pytest.approx((logits.argmax(1) == valid.labels).float().mean().item(), abs=1e-6)
+
+
+def test_dynamic_padding_through_fixed_buckets_keeps_one_graph_per_bucket():
+    """Unpadded tokenized samples (lengths 6 to 16), padded per batch to the bucket that fits: 8 or 16."""
+    train, valid = Tokens(1024, 0), Tokens(300, 1)
+    train_samples = unpadded(train)
+    collate = BucketCollate([8, 16], keys=None)  # was: DataCollatorWithPadding(tokenizer): a shape per batch
+    sampler = BucketBatchSampler([len(s["input_ids"]) for s in train_samples], collate.buckets, batch_size=BATCH)
+    history = one_cycle_fit(bert(), DataLoader(train_samples, batch_sampler=sampler, collate_fn=collate),
+                            valid_data=DataLoader(unpadded(valid), batch_size=BATCH, collate_fn=collate),
+                            epochs=EPOCHS, max_lr=LR, progress=False)  # fmt: skip
+    assert history.records[-1].metrics["accuracy"] > 0.9
+    assert history.records[1].compiles == history.records[-1].compiles  # both buckets compiled in epoch 1
+    # the padded positions change nothing: the same logits as the fixed-length batches give
+    preds = predict(history.model, DataLoader(unpadded(valid), batch_size=BATCH, collate_fn=collate), progress=False)
+    torch.testing.assert_close(preds, cpu_logits(history.model, valid), atol=1e-4, rtol=1e-4)
 
 
 class Recorder(nn.Module):

@@ -339,6 +339,11 @@ class BucketBatchSampler(Sampler[list[int]]):
 
 
 # ------------------------------------------------------------ the collate
+# What a dict batch's sequences are padded with, by key (others: pad_value): no attention on padding,
+# and -100, which cross_entropy and Hugging Face's losses ignore, for token labels.
+DICT_PAD_VALUES = {"attention_mask": 0, "labels": -100, "token_type_ids": 0}
+
+
 class BucketCollate:
     """Pads each batch of variable-length sequences to the smallest bucket that fits it.
 
@@ -352,7 +357,15 @@ class BucketCollate:
 
     Samples are ``(sequence, target)`` pairs (a sequence is a tensor, array or list
     whose first dimension is the length) or dicts holding both under ``keys``
-    (Hugging Face style: ``{"input_ids": [...], "label": 3}``).
+    (``{"input_ids": [...], "label": 3}``).
+
+    With ``keys=None`` a dict sample keeps all its keys and the batch is a dict
+    (a tokenized Hugging Face dataset, for ``model(**batch)``): every sequence
+    (a value with a first dimension; all of a sample's share one length) is
+    padded to the bucket with its own value: ``attention_mask`` with 0 (added,
+    all ones on real tokens, when the samples have none), ``labels`` with -100
+    (ignored by the loss) where they are sequences, the rest with ``pad_value``
+    (the tokenizer's ``pad_token_id`` for ``input_ids``); scalars are collated.
 
     Each bucket is one shape, so at most ``len(buckets)`` graphs are compiled
     when the batch size is fixed too: ``drop_last=True`` for training; for
@@ -368,7 +381,8 @@ class BucketCollate:
         pad_value: Fills the tokens after each sequence's end.
         overflow: "error" (default) or "truncate" for sequences longer than the
             largest bucket.
-        keys: The sequence's and the target's keys in dict samples.
+        keys: The sequence's and the target's keys in dict samples, or None for
+            dict batches with every key padded (see above).
 
     Example:
         >>> # was: DataLoader(train_ds, batch_size=32, shuffle=True, collate_fn=pad_to_longest)
@@ -378,17 +392,21 @@ class BucketCollate:
         >>> tokens, mask, target = collate([(torch.tensor([5, 6, 7]), 1), (torch.tensor([8]), 0)])
         >>> tokens.shape, mask.sum(1).tolist(), target.tolist()
         (torch.Size([2, 32]), [3, 1], [1, 0])
+        >>> # was: DataCollatorWithPadding(tokenizer), which pads to the longest: a new shape per batch
+        >>> batch = BucketCollate([8, 16], pad_value=0, keys=None)([{"input_ids": [101, 7, 102], "labels": 1}])
+        >>> batch["input_ids"].tolist(), batch["attention_mask"].tolist(), batch["labels"].tolist()
+        ([[101, 7, 102, 0, 0, 0, 0, 0]], [[1, 1, 1, 0, 0, 0, 0, 0]], [1])
     """
 
     def __init__(self, buckets: Sequence[int], pad_value: float = 0, *, overflow: Overflow = "error",
-                 keys: tuple[str, str] = ("input_ids", "label")) -> None:  # fmt: skip
+                 keys: tuple[str, str] | None = ("input_ids", "label")) -> None:  # fmt: skip
         self.buckets = _check_buckets(buckets)
         if isinstance(pad_value, bool) or not isinstance(pad_value, (int, float)):
             raise TypeError(f"pad_value must be a number, but given {pad_value!r}")
         if overflow not in get_args(Overflow):
             raise ValueError(f"overflow must be one of {get_args(Overflow)}, but given {overflow!r}")
-        if not (isinstance(keys, tuple) and len(keys) == 2):
-            raise TypeError(f"keys must be a (sequence_key, target_key) tuple, but given {keys!r}")
+        if keys is not None and not (isinstance(keys, tuple) and len(keys) == 2):
+            raise TypeError(f"keys must be a (sequence_key, target_key) tuple or None, but given {keys!r}")
         self.pad_value, self.overflow, self.keys = pad_value, overflow, keys
         self.data_waste: float | None = None
         self.real_tokens = self.padded_tokens = self.truncated_tokens = 0
@@ -430,7 +448,7 @@ class BucketCollate:
             return
         if lengths is None:
             chosen = range(len(dataset)) if indices is None else indices
-            lengths = {i: self._split(dataset[i], i)[0].shape[0] for i in chosen}
+            lengths = {i: self._length(dataset[i], i) for i in chosen}
         else:
             lengths = dict(enumerate(lengths))
         if not lengths:
@@ -445,6 +463,27 @@ class BucketCollate:
             )
 
     # -------------------------------------------------------------- collate
+    def _length(self, sample: Any, index: int) -> int:
+        if self.keys is None:
+            return next(iter(self._sequences(sample, index).values())).shape[0]
+        return self._split(sample, index)[0].shape[0]
+
+    @staticmethod
+    def _sequences(sample: Any, index: int) -> dict[str, torch.Tensor]:
+        """A dict sample's sequences (values with a first dimension), checked to share one length."""
+        if not isinstance(sample, Mapping):
+            raise TypeError(f"BucketCollate(keys=None) expects dict samples, but sample {index} of the batch is "
+                            f"{type(sample).__name__}; give keys=(sequence_key, target_key) for pairs")  # fmt: skip
+        seqs = {k: torch.as_tensor(v) for k, v in sample.items()}
+        seqs = {k: v for k, v in seqs.items() if v.dim() > 0}
+        if not seqs:
+            raise ValueError(f"sample {index} of the batch has no sequence among {sorted(sample)}")
+        lengths = {k: v.shape[0] for k, v in seqs.items()}
+        if len(set(lengths.values())) > 1:
+            raise ValueError(f"sample {index}'s sequences differ in length {lengths}; every sequence of a sample "
+                             f"is padded to one bucket, so they must have one length")  # fmt: skip
+        return seqs
+
     def _split(self, sample: Any, index: int) -> tuple[torch.Tensor, Any]:
         if isinstance(sample, Mapping):
             missing = [k for k in self.keys if k not in sample]
@@ -464,11 +503,35 @@ class BucketCollate:
             raise ValueError(f"sample {index}'s sequence is a scalar; it needs a length (first dimension)")
         return seq, target
 
-    def __call__(self, samples: Sequence[Any]) -> tuple[torch.Tensor, torch.Tensor, Any]:
+    def __call__(self, samples: Sequence[Any]) -> Any:
         if not samples:
             raise ValueError("BucketCollate got an empty batch")
+        if self.keys is None:
+            return self._dict_batch(samples)
         pairs = [self._split(s, i) for i, s in enumerate(samples)]
-        seqs = [seq for seq, _ in pairs]
+        tokens, mask = self._pad([seq for seq, _ in pairs], self.pad_value)
+        return tokens, mask, default_collate([t for _, t in pairs])
+
+    def _dict_batch(self, samples: Sequence[Any]) -> dict[str, Any]:
+        sequences = [self._sequences(s, i) for i, s in enumerate(samples)]
+        names = sorted(samples[0])
+        for i, sample in enumerate(samples):
+            if sorted(sample) != names or sorted(sequences[i]) != sorted(sequences[0]):
+                raise ValueError(f"sample {i} of the batch has the keys {sorted(sample)}, sample 0 {names} (sequences "
+                                 f"{sorted(sequences[i])} and {sorted(sequences[0])}); every sample needs the same")  # fmt: skip
+        batch: dict[str, Any] = {}
+        for key in sequences[0]:
+            value = DICT_PAD_VALUES.get(key, self.pad_value)
+            batch[key], mask = self._pad([s[key] for s in sequences], value, count=not batch)
+        batch.setdefault("attention_mask", mask.long())  # padding that the model does not see needs a mask
+        for key in names:
+            if key not in batch:
+                batch[key] = default_collate([s[key] for s in samples])
+        return {key: batch[key] for key in [*names, *(k for k in batch if k not in names)]}
+
+    def _pad(self, seqs: list[torch.Tensor], pad_value: float, count: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        """The sequences left-aligned in one ``(batch, bucket, ...)`` tensor filled with ``pad_value``, and
+        the mask of real tokens; ``count``: add them to the padding figures (once per batch)."""
         sizes = [seq.shape[0] for seq in seqs]
         longest = max(sizes)
         bucket = bucket_for(longest, self.buckets)
@@ -483,13 +546,13 @@ class BucketCollate:
                 warnings.warn(
                     f"truncating sequences longer than {self.buckets[-1]} tokens (one had {longest}); "
                     f"BucketCollate.truncated_tokens counts what is cut",
-                    stacklevel=2,
+                    stacklevel=3,  # the DataLoader's call of the collate
                 )
             bucket = self.buckets[-1]
         first = seqs[0]
-        if not (first.is_floating_point() or float(self.pad_value).is_integer()):
+        if not (first.is_floating_point() or float(pad_value).is_integer()):
             raise ValueError(
-                f"pad_value={self.pad_value!r} cannot fill {first.dtype} sequences without rounding; give an int"
+                f"pad_value={pad_value!r} cannot fill {first.dtype} sequences without rounding; give an int"
             )
         for i, seq in enumerate(seqs):
             if seq.shape[1:] != first.shape[1:]:
@@ -499,15 +562,16 @@ class BucketCollate:
                 )
         kept = seqs if longest <= bucket else [seq[:bucket] for seq in seqs]
         lengths = torch.tensor([min(n, bucket) for n in sizes])
-        tokens = torch.full((len(seqs), bucket, *first.shape[1:]), self.pad_value, dtype=first.dtype)
+        tokens = torch.full((len(seqs), bucket, *first.shape[1:]), pad_value, dtype=first.dtype)
         mask = torch.arange(bucket) < lengths[:, None]
         tokens[mask] = torch.cat(kept).to(first.dtype)  # row by row, in one copy rather than one per sequence
-        real = int(lengths.sum())
-        self.truncated_tokens += sum(sizes) - real
-        self.real_tokens += real
-        self.padded_tokens += mask.numel() - real
-        self.bucket_batches[bucket] += 1
-        return tokens, mask, default_collate([t for _, t in pairs])
+        if count:
+            real = int(lengths.sum())
+            self.truncated_tokens += sum(sizes) - real
+            self.real_tokens += real
+            self.padded_tokens += mask.numel() - real
+            self.bucket_batches[bucket] += 1
+        return tokens, mask
 
     # -------------------------------------------------------------- report
     @property
