@@ -359,7 +359,7 @@ def _build(dataset: Dataset, path: str, plan: dict[str, Any], num_workers: int, 
             start, stop = shard * per_shard, min((shard + 1) * per_shard, n)
             names = [_shard_name(copy, shard, j) for j in range(len(fields))]
             if not all(os.path.exists(os.path.join(path, name)) for name in names):
-                _build_shard(_Seeded(dataset, plan["seed"], copy), path, names, fields, start, stop, num_workers)
+                _build_shard(_Seeded(dataset, plan["seed"], copy), path, names, fields, range(start, stop), num_workers)
             shards.append({
                 "copy": copy, "start": start, "count": stop - start,
                 "files": [{"name": name, "sha256": _sha256(os.path.join(path, name))} for name in names],
@@ -370,10 +370,12 @@ def _build(dataset: Dataset, path: str, plan: dict[str, Any], num_workers: int, 
     os.unlink(plan_path)
 
 
-def _build_shard(seeded: Dataset, path: str, names: list[str], fields: list[_Field],
-                 start: int, stop: int, num_workers: int) -> None:  # fmt: skip
-    columns = [np.empty((stop - start, *f.shape), dtype=f.dtype) for f in fields]
-    subset = torch.utils.data.Subset(seeded, range(start, stop))
+def _build_shard(seeded: Dataset, path: str, names: list[str], fields: list[_Field], rows: range,
+                 num_workers: int) -> None:  # fmt: skip
+    """Samples ``rows`` of ``seeded``, one .npy file per part, each checked against sample 0's shape and dtype."""
+    start = rows.start
+    columns = [np.empty((len(rows), *f.shape), dtype=f.dtype) for f in fields]
+    subset = torch.utils.data.Subset(seeded, rows)
     loader = DataLoader(subset, batch_size=None, num_workers=num_workers, collate_fn=_keep)
     for offset, sample in enumerate(loader):
         index = start + offset

@@ -10,6 +10,7 @@ max_momentum``.
 from __future__ import annotations
 
 import math
+from dataclasses import asdict, dataclass
 from numbers import Real
 
 _MAX_STEPS = 2**53  # beyond this a step count is no longer exact as a float
@@ -89,21 +90,44 @@ def one_cycle(
         raise TypeError(f"step must be an int, but given {step!r} of type {type(step).__name__}")
     if not 0 <= step < total_steps:
         raise ValueError(f"step must be between 0 and {total_steps - 1}, but given {step}")
-    return _one_cycle(step, total_steps, max_lr, pct_start, div_factor, final_div_factor, base_momentum, max_momentum)
+    cycle = OneCycle(max_lr, pct_start, div_factor, final_div_factor, base_momentum, max_momentum)
+    return _one_cycle(step, total_steps, cycle)
 
 
-def _one_cycle(step: int, total_steps: int, max_lr: float, pct_start: float = 0.25, div_factor: float = 25.0,
-               final_div_factor: float = 1e4, base_momentum: float = 0.85,
-               max_momentum: float = 0.95) -> tuple[float, float]:  # fmt: skip
+@dataclass
+class OneCycle:
+    """The schedule's arguments, as in ``torch.optim.lr_scheduler.OneCycleLR``."""
+
+    max_lr: float
+    pct_start: float = 0.25
+    div_factor: float = 25.0
+    final_div_factor: float = 1e4
+    base_momentum: float = 0.85
+    max_momentum: float = 0.95
+    scale_lr_by_cores: bool = False
+
+    def check(self) -> None:
+        """Raises a ValueError/TypeError naming any argument outside its range."""
+        momenta = (self.base_momentum, self.max_momentum)
+        check_one_cycle(1, self.max_lr, self.pct_start, self.div_factor, self.final_div_factor, momenta)
+
+    def curve(self, total_steps: int, max_lr: float) -> tuple[list[float], list[float]]:
+        """Learning rates and momenta of ``total_steps`` steps peaking at ``max_lr`` (``self.max_lr``, maybe scaled)."""
+        shape = {k: v for k, v in asdict(self).items() if k not in ("max_lr", "scale_lr_by_cores")}
+        return one_cycle_curve(total_steps, max_lr, **shape)
+
+
+def _one_cycle(step: int, total_steps: int, cycle: OneCycle) -> tuple[float, float]:
     """``one_cycle`` without its checks, for a whole curve checked once."""
-    initial_lr = max_lr / div_factor
-    min_lr = initial_lr / final_div_factor
-    peak = float(pct_start * total_steps) - 1
+    initial_lr = cycle.max_lr / cycle.div_factor
+    min_lr = initial_lr / cycle.final_div_factor
+    peak = float(cycle.pct_start * total_steps) - 1
+    high, low = cycle.max_momentum, cycle.base_momentum
     if step <= peak:
         pct = step / peak if peak > 0 else 1.0
-        return _cos(initial_lr, max_lr, pct), _cos(max_momentum, base_momentum, pct)
+        return _cos(initial_lr, cycle.max_lr, pct), _cos(high, low, pct)
     pct = min(1.0, (step - peak) / max(total_steps - 1 - peak, 1e-300))  # no 0/0 when pct_start rounds to 1
-    return _cos(max_lr, min_lr, pct), _cos(base_momentum, max_momentum, pct)
+    return _cos(cycle.max_lr, min_lr, pct), _cos(low, high, pct)
 
 
 def one_cycle_curve(total_steps: int, max_lr: float, **kwargs: float) -> tuple[list[float], list[float]]:
@@ -116,7 +140,8 @@ def one_cycle_curve(total_steps: int, max_lr: float, **kwargs: float) -> tuple[l
         (100, 0.003)
     """
     one_cycle(0, total_steps, max_lr, **kwargs)  # checks the arguments once, even for total_steps=0
-    pairs = [_one_cycle(s, total_steps, max_lr, **kwargs) for s in range(total_steps)]
+    cycle = OneCycle(max_lr, **kwargs)
+    pairs = [_one_cycle(s, total_steps, cycle) for s in range(total_steps)]
     return [lr for lr, _ in pairs], [m for _, m in pairs]
 
 
