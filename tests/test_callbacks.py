@@ -10,7 +10,7 @@ from torch import nn
 
 from conftest import flat_digits, run_python
 from test_fit import _StopAfter, _dropout_mlp
-from tpu_utility import EMA, Callback, CSVLogger, TensorBoardLogger, one_cycle_fit
+from tpu_utility import EMA, Callback, CSVLogger, StopFit, TensorBoardLogger, one_cycle_fit
 from tpu_utility.checkpoint import load_checkpoint
 from tpu_utility.demo import small_cnn
 
@@ -66,6 +66,50 @@ def test_a_users_callback_sees_every_event_in_order_and_stops_the_run(digits, tm
     assert load_checkpoint(str(tmp_path))["epoch"] == stopped_at  # the stopping epoch was saved first
     assert all(r.host_syncs == 0 for r in history.records)
     assert len({r.compiles for r in history.records}) == 1  # flat after epoch 1
+
+
+class StepWatcher(Callback):
+    """Sees each optimizer step's learning rate, as a Python float, and the best epoch so far; raises StopFit."""
+
+    def __init__(self, stop_at_step=None):
+        self.lrs, self.best_seen, self.stop_at_step, self.ended = [], [], stop_at_step, False
+
+    def on_before_step(self, loop):
+        self.lrs.append(loop.lr)  # the schedule (order -40) has already set this step's
+
+    def on_step_end(self, loop):
+        if loop.step == self.stop_at_step:
+            raise StopFit(f"stopped at step {loop.step}")
+
+    def on_epoch_end(self, loop, record):
+        self.best_seen.append(loop.history.best_epoch)  # the best-epoch rule (order -20) has already run
+
+    def on_fit_end(self, loop):
+        self.ended = True
+
+
+def test_a_step_hook_sees_the_schedules_learning_rate_and_an_epoch_hook_the_best_epoch(digits):
+    train, valid = digits
+    watcher = StepWatcher()
+    history = fit(small_cnn(), train, valid_data=valid, epochs=3, callbacks=[watcher])
+    assert watcher.lrs == history.step_lrs and len(watcher.lrs) == 3 * (len(train) // 32)
+    losses = [r.valid_loss for r in history.records]
+    assert watcher.best_seen == [1 + losses.index(min(losses[: i + 1])) for i in range(3)]
+    assert watcher.best_seen[-1] == history.best_epoch
+    assert all(r.host_syncs == 0 for r in history.records)
+
+
+def test_stopfit_from_a_step_hook_ends_the_run_at_once_and_saves_no_half_epoch(digits, tmp_path):
+    train, valid = digits
+    per_epoch = len(train) // 32
+    watcher = StepWatcher(stop_at_step=per_epoch + 3)  # three steps into epoch 2
+    history = fit(small_cnn(), train, valid_data=valid, epochs=4, callbacks=[watcher], restore_best=True,
+                  checkpoint_dir=str(tmp_path))  # fmt: skip
+    assert [r.epoch for r in history.records] == [1]  # the unfinished epoch 2 is not recorded
+    assert history.stop_reason.startswith(f"stopped at step {per_epoch + 3}")
+    assert "restored the best weights (epoch 1)" in history.stop_reason and watcher.ended
+    assert load_checkpoint(str(tmp_path))["epoch"] == 1  # last.pt still holds epoch 1
+    assert len(history.step_lrs) == per_epoch + 3
 
 
 def test_ema_scores_at_least_as_well_as_a_plain_run_and_its_checkpoints_hold_the_average(digits, tmp_path):

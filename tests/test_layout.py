@@ -15,7 +15,7 @@ LAYERS = [
     {"remote", "files", "progress", "device", "environment"},
     {"optim", "amp", "checkpoint", "data.buckets", "data.cache", "data.presize", "training.schedule",
      "training.monitor", "training.history", "training.events"},
-    {"data.loaders", "training.metrics", "training.callbacks"},
+    {"data.loaders", "training.metrics", "training.callbacks", "training.builtins"},
     {"data", "loop"},
     {"training.runner"},
     {"training.trainer", "training.inference", "doctor"},
@@ -100,3 +100,29 @@ def test_the_backend_package_alone_imports_torch_xla_and_compares_device_types()
             ):
                 offenders.append(f"{path}:{node.lineno}: compares with a device type string")
     assert not offenders, "\n".join(offenders)
+
+
+def _parameter_counts(source):
+    """(class or None, function name, parameters besides self/cls) for every function of a module."""
+    tree = ast.parse(source)
+    owners = {id(f): c.name for c in ast.walk(tree) if isinstance(c, ast.ClassDef) for f in c.body}
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            a = node.args
+            names = [x.arg for x in a.posonlyargs + a.args + a.kwonlyargs] + [x.arg for x in (a.vararg, a.kwarg) if x]
+            yield owners.get(id(node)), node.name, len([n for n in names if n not in ("self", "cls")])
+
+
+def test_only_the_public_keyword_entries_take_more_than_six_parameters():
+    import tpu_utility
+
+    public = set(tpu_utility.__all__)
+    crowded = [
+        f"{os.path.relpath(path, ROOT)}: {owner + '.' if owner else ''}{name} takes {count}"
+        for path, _, _ in _modules()
+        for owner, name, count in _parameter_counts(open(path).read())
+        if count > 6 and not (name in public or (name == "__init__" and owner in public))
+    ]  # fmt: skip
+    assert not crowded, "group them in a dataclass or let the caller build the object:\n" + "\n".join(crowded)
+    source = "class Plan:\n    def __init__(self, a, b, c, d, e, f, g): pass\ndef _helper(a, b, *, c, d, e, f, g): pass\n"
+    assert [count for _, _, count in _parameter_counts(source)] == [7, 7]  # the check can fail

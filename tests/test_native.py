@@ -127,7 +127,7 @@ def test_replicas_decide_alike_and_a_time_limited_run_resumes_bitwise(tmp_path):
     out.mkdir()
     run_script(tmp_path, "decide.py", COMMON + f"""
 from tpu_utility import launch, one_cycle_fit
-from tpu_utility.training import trainer
+from tpu_utility.training import builtins, trainer
 
 
 class FakeClock:
@@ -147,8 +147,8 @@ def fit(**kwargs):
 
 def work(rank, out):
     if rank == 0:  # the master writes slowly: no replica may resume from a last.pt it has not finished
-        real_save = trainer.save_atomic
-        trainer.save_atomic = lambda *args: (__import__("time").sleep(2), real_save(*args))[1]
+        real_save = builtins.save_atomic
+        builtins.save_atomic = lambda *args: (__import__("time").sleep(2), real_save(*args))[1]
     straight = fit()
     early = fit(early_stopping=1, restore_best=True, max_lr=0.5)
     trainer._clock = FakeClock()

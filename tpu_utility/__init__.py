@@ -26,8 +26,8 @@ from .data import (BucketBatchSampler, BucketCollate, CachedDataset, PresizeRepo
                    group_batches, make_sampler, padding_waste, presize_images)
 
 # the trainer: one call that trains, keeps the best epoch and predicts
-from .training import (EMA, Callback, CSVLogger, EpochMetric, EpochRecord, History, LRFinderResult, TensorBoardLogger,
-                       evaluate, find_lr, one_cycle, one_cycle_curve, one_cycle_fit, predict)
+from .training import (EMA, Callback, CSVLogger, EpochMetric, EpochRecord, History, LRFinderResult, StopFit,
+                       TensorBoardLogger, evaluate, find_lr, one_cycle, one_cycle_curve, one_cycle_fit, predict)
 
 # diagnosis: doctor() here; check() is loaded on first use (below)
 from .doctor import DoctorError, DoctorReport, doctor
@@ -72,6 +72,7 @@ __all__ = [
     "group_batches",
     "History",
     "inference_mode",
+    "StopFit",
     "TensorBoardLogger",
     "launch",
     "load_checkpoint",

@@ -4,16 +4,17 @@ Read it top down:
 
 - ``fit.py``: ``one_cycle_fit()``, the public entry; checks every argument once and plans the run.
 - ``runner.py``: what one process needs to run a model on its share of the cores (topology, steps, loaders).
-- ``trainer.py``: the epoch loop each process runs: steps, validation, checkpoints, the stop rules.
+- ``trainer.py``: the epoch loop each process runs: the per-batch path, validation, one read per epoch; it fires events.
+- ``builtins.py``: the callbacks one_cycle_fit's arguments become: schedule, stop rules, checkpoints, progress line.
 - ``schedule.py``, ``monitor.py``, ``metrics.py``: the one-cycle policy, the best-epoch and stop rules, exact metrics.
 - ``events.py``, ``callbacks.py``: the loop's events, the ``Callback`` base, and the shipped callbacks (EMA, loggers).
 - ``history.py``: ``History``, what ``one_cycle_fit`` returns.
 - ``inference.py``: ``predict()`` and ``evaluate()`` in dataset order on any number of cores.
-- ``lr_finder.py``: ``find_lr()``, a learning-rate sweep on the same runner.
+- ``lr_finder.py``: ``find_lr()``, the same loop with a learning-rate sweep for its schedule.
 """
 
 from .callbacks import EMA, CSVLogger, TensorBoardLogger
-from .events import Callback
+from .events import Callback, StopFit
 from .fit import one_cycle_fit
 from .history import EpochRecord, History
 from .inference import evaluate, predict
@@ -36,4 +37,5 @@ __all__ = [
     "one_cycle_curve",
     "one_cycle_fit",
     "predict",
+    "StopFit",
 ]

@@ -12,6 +12,8 @@ The events, in the order they fire:
   a checkpoint is resumed (its callback state is loaded after this).
 * ``on_train_epoch_start(loop, epoch)``: before the epoch's first batch (``epoch``
   counts from 0).
+* ``on_before_step(loop)``: before every optimizer step, the gradients ready (the
+  schedule sets the learning rate here).
 * ``on_step_end(loop)``: after every optimizer step. The tensors a hook sees here
   live on the device: compute with them, never read them (``.item()``,
   ``float()``, ``print``). A read waits for the device every step, and
@@ -23,18 +25,41 @@ The events, in the order they fire:
   to end the run after this epoch; the epoch is saved first.
 * ``on_fit_end(loop)``: after the last epoch, before ``restore_best`` loads the best weights.
 
+To end the run at once, in the middle of an epoch, raise ``StopFit(reason)`` from
+any hook: the unfinished epoch is neither recorded nor saved, and ``on_fit_end`` runs.
+
 A callback with ``state_dict()`` and ``load_state_dict(state)`` has its state saved
 in ``last.pt`` and restored by ``resume=True``.
 
 What a hook may use of ``loop``: ``model``, ``optimizer``, ``device``, ``master``
-(True in the one process that writes files), ``epochs``, ``history`` and ``stop(reason)``.
+(True in the one process that writes files), ``epochs``, ``history`` and ``stop(reason)``;
+and, as the built-in callbacks do: ``step`` (optimizer steps done), ``total_steps``,
+``start_epoch`` (after a resume), ``lr`` (the latest step's), ``loss`` (the latest
+batch's, a device tensor), ``elapsed`` (seconds since the start, the same on every
+replica), ``cores`` and ``last_path`` (``last.pt``, or None).
 """
 
 from __future__ import annotations
 
 from typing import Any, Sequence
 
-EVENTS = ("on_fit_start", "on_train_epoch_start", "on_step_end", "on_train_epoch_end", "on_epoch_end", "on_fit_end")
+EVENTS = ("on_fit_start", "on_train_epoch_start", "on_before_step", "on_step_end", "on_train_epoch_end",
+          "on_epoch_end", "on_fit_end")  # fmt: skip
+
+
+class StopFit(Exception):
+    """Raised from a hook, ends the run at once with its message as the stop reason (fastai's CancelFitException).
+
+    The epoch under way is neither recorded nor saved; ``on_fit_end`` still runs.
+    ``find_lr``'s sweep ends this way when the loss diverges.
+
+    Example:
+        >>> # was: `break` out of the batch loop of a hand-written loop
+        >>> class StopAfter(Callback):
+        ...     def on_step_end(self, loop):
+        ...         if loop.step == 100:
+        ...             raise StopFit("100 steps are enough")
+    """
 
 
 class Callback:
@@ -57,6 +82,9 @@ class Callback:
 
     def on_train_epoch_start(self, loop: Any, epoch: int) -> None:
         """Before the epoch's first batch (``epoch`` from 0)."""
+
+    def on_before_step(self, loop: Any) -> None:
+        """Before an optimizer step, the gradients ready: device tensors only, never read them."""
 
     def on_step_end(self, loop: Any) -> None:
         """After an optimizer step: device tensors only, never read them."""

@@ -39,13 +39,14 @@ from ..checkpoint import save_atomic, to_cpu
 from ..data.loaders import LoaderSpec, unpack_loader
 from ..environment import choose_start_method, is_interactive
 from ..files import exists, join
+from .builtins import BestEpoch, Checkpoints, OneCycleSchedule, ProgressLine, RestoreBest, StopOnNaN, TimeLimit
 from .events import Events, check_callbacks
 from .history import History
 from .metrics import METRICS, accuracy, per_sample_loss, resolve_metrics
 from .monitor import Mode, StopRule, parse_duration, resolve_mode
 from .runner import Precision, Strategy, available_cores, choose_strategy, process_mode, resolve_cores
-from .schedule import check_one_cycle
-from .trainer import FitPlan, OneCycle, Steps, train
+from .schedule import OneCycle
+from .trainer import FitPlan, Steps, train
 
 __all__ = ["one_cycle_fit", "resolve_optimizer", "resolve_cores", "choose_strategy", "available_cores",
            "accuracy", "METRICS"]  # fmt: skip
@@ -96,11 +97,6 @@ def check_seed(seed: Any) -> int:
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
         raise ValueError(f"seed must be an int in [0, 2**63), but given {seed!r}")
     return seed
-
-
-def _check_schedule(schedule: OneCycle) -> None:
-    momenta = (schedule.base_momentum, schedule.max_momentum)
-    check_one_cycle(1, schedule.max_lr, schedule.pct_start, schedule.div_factor, schedule.final_div_factor, momenta)
 
 
 def _check_checkpoint_dir(folder: Any) -> None:
@@ -298,7 +294,7 @@ def one_cycle_fit(
     if resume and overwrite:
         raise ValueError("resume=True continues the run in checkpoint_dir and overwrite=True replaces it; give one")
     schedule = OneCycle(max_lr, pct_start, div_factor, final_div_factor, base_momentum, max_momentum, scale_lr_by_cores)
-    _check_schedule(schedule)
+    schedule.check()
     opt_factory, opt_name = resolve_optimizer(optimizer)
     if loss_fn is not None and not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable, but given {loss_fn!r}")
@@ -325,18 +321,36 @@ def one_cycle_fit(
         fingerprint["batch_sampler"] = train_spec.batch_sampler.fingerprint()
     if Events(callbacks).keys():  # a resume restores their state: the same ones, or a clear refusal
         fingerprint["callbacks"] = Events(callbacks).keys()
+    config = {"epochs": epochs, "max_lr": max_lr, "batch_size": train_spec.batch_size, "cores": n_cores}
+    checkpoints = {"folder": checkpoint_dir, "resume": resume, "fingerprint": fingerprint, "config": config}
     plan = FitPlan(
-        epochs=epochs, train=train_spec, valid=valid_spec, schedule=schedule, steps=steps,
+        epochs=epochs, train=train_spec, valid=valid_spec, steps=steps,
         optimizer=opt_factory, optimizer_name=opt_name, optimizer_args=_optimizer_args(optimizer, weight_decay),
-        metrics=metric_table, stop=stop, checkpoint_dir=checkpoint_dir, resume=resume, overwrite=overwrite,
-        precision=precision,
-        seed=seed, progress=progress, cores=n_cores, mode=run_mode, fingerprint=fingerprint, callbacks=callbacks,
+        metrics=metric_table, checkpoint_dir=checkpoint_dir, overwrite=overwrite, precision=precision,
+        seed=seed, progress=progress, cores=n_cores, mode=run_mode, callbacks=callbacks,
+        builtins=builtin_callbacks(schedule, stop, checkpoints, progress),
     )  # fmt: skip
     if run_mode != "multiprocess":
         trained, history = train(model if factory is None else factory(), plan)
         history.model = trained
         return history
     return _fit_multiprocess(model, factory, plan)
+
+
+def builtin_callbacks(schedule: OneCycle, stop: StopRule, checkpoints: dict[str, Any], progress: bool) -> list[Any]:
+    """The callbacks that do what one_cycle_fit's arguments ask (``builtins.py``), from the checked values."""
+    best = BestEpoch(stop)
+    chosen = [OneCycleSchedule(schedule), StopOnNaN(), best]
+    if checkpoints["folder"] is not None:
+        identity = {"fingerprint": checkpoints["fingerprint"], "config": checkpoints["config"]}
+        chosen.append(Checkpoints(str(checkpoints["folder"]), best, checkpoints["resume"], identity))
+    if stop.time_limit is not None:
+        chosen.append(TimeLimit(stop.time_limit))
+    if progress:
+        chosen.append(ProgressLine(best))
+    if stop.restore_best:
+        chosen.append(RestoreBest(best))
+    return chosen
 
 
 def _stop_rule(monitor: str | None, mode: str, patience: int | None, restore_best: bool, time_limit: Any,

@@ -1,9 +1,14 @@
 """find_lr(): an exponential learning-rate sweep that leaves the model as it was
-(weights, device, train/eval mode) and the global random state untouched."""
+(weights, device, train/eval mode) and the global random state untouched.
+
+It is one_cycle_fit's loop (``trainer.py``) with a sweep in place of the one-cycle
+schedule: a ``LearningRates`` callback whose curve rises exponentially and which ends
+the run (``StopFit``) when the loss diverges."""
 
 from __future__ import annotations
 
 import math
+import random
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -11,12 +16,13 @@ import torch
 from torch import nn
 
 from .. import backend
-from ..data.loaders import set_epoch, unpack_loader
+from ..data.loaders import unpack_loader
+from .builtins import LearningRates
+from .events import StopFit
 from .fit import check_number, check_seed, resolve_optimizer
 from .history import closed_figure
-from .runner import LossStep, Runner
-from .schedule import peak_ratios
-from .trainer import OneCycleDriver, build_optimizer, lr_of
+from .runner import Placement
+from .trainer import FitPlan, Steps, train
 
 
 @dataclass
@@ -134,30 +140,32 @@ def find_lr(
     _check_sweep(start_lr, end_lr, num_steps, smooth, diverge_factor)
     if isinstance(read_every, bool) or not isinstance(read_every, int) or read_every < 1:
         raise ValueError(f"read_every must be a positive int, but given {read_every!r}")
-    check_seed(seed)
-    spec = unpack_loader(train_data, batch_size, "train_data")
-    # a dict batch with labels and the default loss: a Hugging Face model's own output.loss
-    step_loss = LossStep(loss_fn or nn.CrossEntropyLoss(), model_loss=loss_fn is None)
-    make_opt, _ = resolve_optimizer(optimizer)
+    make_opt, name = resolve_optimizer(optimizer)
+    sweep = _Sweep(_SweepArgs(start_lr, end_lr, num_steps, smooth, diverge_factor, read_every))
+    # the one_cycle_fit loop with the sweep as its schedule; a dict batch with labels and the default
+    # loss trains on a Hugging Face model's own output.loss
+    plan = FitPlan(
+        epochs=num_steps, train=unpack_loader(train_data, batch_size, "train_data"), valid=None,
+        steps=Steps(loss_fn or nn.CrossEntropyLoss(), default_loss=loss_fn is None), optimizer=make_opt,
+        optimizer_name=name, optimizer_args={}, metrics={}, seed=check_seed(seed), progress=False, builtins=[sweep],
+    )  # fmt: skip
+    found, saved = Placement.of(model), {k: v.detach().clone() for k, v in model.state_dict().items()}
+    python_state, xla_state = random.getstate(), backend.rng_state() if backend.current().lazy else None
     with torch.random.fork_rng(devices=[]):
-        runner = Runner(model)
-        xla_state = backend.rng_state() if runner.lazy else None
-        saved = {k: v.detach().clone() for k, v in model.state_dict().items()}
         try:
-            opt = build_optimizer(make_opt, runner.model, {})
-            sweep = _Sweep(start_lr, end_lr, num_steps, smooth, diverge_factor, read_every)
-            result = _sweep(runner, runner.train_loader(spec, seed), opt, step_loss, sweep)
+            train(model, plan)
         finally:
+            found.restore(model)
             model.load_state_dict(saved)
-            runner.restore_model()
+            random.setstate(python_state)
             if xla_state is not None:
                 backend.set_rng_state(xla_state)
-    result.suggested_lr = suggest_lr(result.lrs, result.losses)
-    return result
+    sweep.result.suggested_lr = suggest_lr(sweep.result.lrs, sweep.result.losses)
+    return sweep.result
 
 
 @dataclass
-class _Sweep:
+class _SweepArgs:
     start_lr: float
     end_lr: float
     num_steps: int
@@ -166,37 +174,36 @@ class _Sweep:
     read_every: int
 
 
-def _sweep(runner: Runner, loader: Any, opt: torch.optim.Optimizer, step_loss: LossStep, sweep: _Sweep) -> LRFinderResult:
-    ratio = (sweep.end_lr / sweep.start_lr) ** (1 / (sweep.num_steps - 1))
-    lrs = [sweep.start_lr * ratio**k for k in range(sweep.num_steps)]
-    group = opt.param_groups[0]
-    momentum = group["betas"][0] if "betas" in group else group.get("momentum", 0.0)
-    # the learning rates go in as the schedule's do: Python floats set every step would change the graph
-    ratios = peak_ratios([float(g["lr"]) for g in opt.param_groups], lr_of(opt))  # each group sweeps its share
-    driver = OneCycleDriver(opt, (lrs, [momentum] * len(lrs)), runner.device, 0, ratios)
-    result = LRFinderResult()
-    pending: list[tuple[float, torch.Tensor]] = []
-    tracker = _Smoother(sweep.smooth, sweep.diverge_factor)
-    step, model = 0, runner.model
-    model.train()
-    while step < sweep.num_steps and not result.diverged:
-        set_epoch(loader, step)
-        for batch in runner.batches(loader):
-            lr = driver.before_step(opt)
-            loss = runner.run(step_loss, batch)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            pending.append((lr, loss.detach()))
-            step += 1
-            if len(pending) == sweep.read_every or step == sweep.num_steps:
-                values = backend.to_cpu([torch.stack([t for _, t in pending])])[0].tolist()
-                result.diverged = tracker.add(result, [lr_i for lr_i, _ in pending], values)
-                pending.clear()
-            if step >= sweep.num_steps or result.diverged:
-                break
-    opt.zero_grad(set_to_none=True)
-    return result
+class _Sweep(LearningRates):
+    """find_lr's schedule: learning rates rising exponentially, the losses read every ``read_every`` steps,
+    and ``StopFit`` after ``num_steps`` steps or once the loss diverges."""
+
+    def __init__(self, args: _SweepArgs) -> None:
+        self.args = args
+
+    def curve(self, loop: Any) -> tuple[list[float], list[float]]:
+        a = self.args
+        ratio = (a.end_lr / a.start_lr) ** (1 / (a.num_steps - 1))
+        group = loop.optimizer.param_groups[0]
+        momentum = group["betas"][0] if "betas" in group else group.get("momentum", 0.0)
+        return [a.start_lr * ratio**k for k in range(a.num_steps)], [float(momentum)] * a.num_steps
+
+    def on_fit_start(self, loop: Any) -> None:
+        super().on_fit_start(loop)
+        self.result, self.pending = LRFinderResult(), []
+        self.smoother = _Smoother(self.args.smooth, self.args.diverge_factor)
+
+    def on_step_end(self, loop: Any) -> None:
+        self.pending.append((loop.lr, loop.loss))
+        done = loop.step >= self.args.num_steps
+        if len(self.pending) == self.args.read_every or done:
+            values = backend.to_cpu([torch.stack([loss for _, loss in self.pending])])[0].tolist()
+            self.result.diverged = self.smoother.add(self.result, [lr for lr, _ in self.pending], values)
+            self.pending.clear()
+        if self.result.diverged:
+            raise StopFit(f"the loss diverged at lr {self.result.lrs[-1] if self.result.lrs else loop.lr:.2e}")
+        if done:
+            raise StopFit(f"swept {self.args.num_steps} learning rates")
 
 
 class _Smoother:

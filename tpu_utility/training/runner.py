@@ -14,8 +14,6 @@ simulated process counts; the runner only asks torch_xla for the numbers.
 from __future__ import annotations
 
 import inspect
-
-import os
 from collections.abc import Mapping
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -319,7 +317,7 @@ class PrecisionMode:
 
 
 @dataclass(frozen=True)
-class _Placement:
+class Placement:
     """Where and how a model was found: device, train/eval mode, each tensor's dtype."""
 
     device: torch.device
@@ -327,7 +325,7 @@ class _Placement:
     dtypes: dict[str, torch.dtype]
 
     @classmethod
-    def of(cls, model: nn.Module) -> _Placement:
+    def of(cls, model: nn.Module) -> Placement:
         params = [p for p in model.parameters()]
         device = params[0].device if params else torch.device("cpu")
         return cls(device, model.training, {name: t.dtype for name, t in _tensors(model)})
@@ -363,7 +361,7 @@ class Runner:
     def __init__(self, model: nn.Module, precision: str = "fp32", mode: str = "single") -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be an nn.Module, but given {model!r}")
-        self.found = _Placement.of(model)
+        self.found = Placement.of(model)
         self.topology = current_topology(mode)
         self.device = get_device()
         self.model = model

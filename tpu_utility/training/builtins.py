@@ -1,0 +1,481 @@
+"""The callbacks a one_cycle_fit run is made of: what its keyword arguments ask for.
+
+``one_cycle_fit`` builds them from its arguments (``fit.builtin_callbacks``); the loop
+(``trainer.py``) knows none of them and only fires events. Each has an ``order``, so
+at every event they act in this sequence, your callbacks (order 0) in between:
+
+========================  =====  ==========================================================
+callback                  order  from
+========================  =====  ==========================================================
+``LearningRates``          -40   ``max_lr``, ``pct_start``, ... (``OneCycleSchedule``);
+                                 ``find_lr``'s sweep is another curve
+``StopOnNaN``              -30   always: a non-finite training loss ends the run
+``BestEpoch``              -20   ``monitor``, ``mode``, ``early_stopping``
+(yours)                      0
+``Checkpoints``             10   ``checkpoint_dir``, ``resume``: ``last.pt``, ``best.pt``,
+                                 ``history.csv``, and the resume checks
+``TimeLimit``               20   ``time_limit``
+``ProgressLine``            30   ``progress``: the summary, a line per epoch, why it stopped
+``RestoreBest``             50   ``restore_best``: after every other ``on_fit_end``
+========================  =====  ==========================================================
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import random
+import secrets
+import warnings
+from typing import Any
+
+import torch
+
+from .. import backend
+from ..checkpoint import (CHECKPOINT_NAME, DamagedCheckpointError, class_name, load_checkpoint, load_state_into,
+                         save_atomic, to_cpu)  # fmt: skip
+from ..files import WriteError, exists, join
+from ..progress import format_duration, run_eta, write_line
+from .events import Callback
+from .history import History
+from .monitor import StopRule, Watch, out_of_time
+from .schedule import OneCycle
+
+BEST_NAME = "best.pt"
+HISTORY_NAME = "history.csv"
+
+
+# ------------------------------------------------------------ the schedule
+class _Driver:
+    """Writes a curve of learning rates and momenta into the optimizer before every step.
+
+    The named optimizers "adam" and "adamw" are torch_xla's fused sync-free ones
+    on XLA and take Python floats. A user's own torch Adam-family optimizer gets
+    ``lr`` and ``betas`` as device tensors (``capturable=True``) copied from a
+    table of the whole curve, uploaded once: Python-float hyperparameters would
+    change the graph whenever a value rounds to a special constant
+    (``1 - lr * wd == 1.0`` in float32 late in the schedule), because torch_xla
+    uploads scalars by value. Other optimizers (SGD) take Python floats, the only
+    form their step accepts without a host sync.
+
+    Each parameter group gets the curve's learning rate times its ``ratios`` entry
+    (``schedule.peak_ratios``); momentum is the same in every group.
+    """
+
+    def __init__(self, loop: Any, curve: tuple[list[float], list[float]]) -> None:
+        opt, device = loop.optimizer, loop.device
+        self.lrs, self.moms = curve
+        self.ratios = loop.lr_ratios
+        self.total, self.step_index = len(self.lrs), loop.step
+        self.on_device = (
+            backend.is_lazy(device)
+            and not backend.is_fused_optimizer(opt)  # they take Python floats without syncing or recompiling
+            and all("betas" in g and "capturable" in g for g in opt.param_groups)
+        )
+        if self.on_device:
+            self.table = torch.tensor([self.lrs, self.moms], dtype=torch.float32).T.contiguous().to(device)
+            self.device_index = torch.tensor([min(loop.step, self.total - 1)], device=device)
+            self.lr = torch.tensor(self.lrs[0], device=device)
+            self.beta1 = torch.tensor(self.moms[0], device=device)
+            self.group_lrs = [self.lr if r == 1 else torch.tensor(self.lrs[0] * r, device=device) for r in self.ratios]
+            for group, lr in zip(opt.param_groups, self.group_lrs):
+                group["capturable"] = True
+                group["lr"] = lr
+                # beta2 stays constant; as a device tensor, Adam's addcmul_(value=1 - beta2) would
+                # .item() it every step, so it is a CPU tensor (torch requires both betas tensors).
+                group["betas"] = (self.beta1, torch.tensor(float(group["betas"][1])))
+
+    def before_step(self, opt: torch.optim.Optimizer) -> float:
+        i = min(self.step_index, self.total - 1)
+        self.step_index += 1
+        if self.on_device:
+            row = self.table.index_select(0, self.device_index).squeeze(0)
+            self.lr.copy_(row[0])
+            self.beta1.copy_(row[1])
+            for lr, ratio in zip(self.group_lrs, self.ratios):
+                if ratio != 1:
+                    lr.copy_(row[0] * ratio)
+            self.device_index.add_(1).clamp_(max=self.total - 1)
+            return self.lrs[i]
+        for group, ratio in zip(opt.param_groups, self.ratios):
+            group["lr"] = self.lrs[i] * ratio
+            if "betas" in group:
+                group["betas"] = (self.moms[i], group["betas"][1])
+            elif group.get("momentum", 0) > 0:
+                group["momentum"] = self.moms[i]
+        return self.lrs[i]
+
+
+class LearningRates(Callback):
+    """Sets each optimizer step's learning rate and momentum from a curve (``curve(loop)``).
+
+    The one-cycle schedule and ``find_lr``'s sweep are both this with their own
+    curve; the values reach the optimizer without a host sync or a new graph.
+    """
+
+    order = -40
+
+    def curve(self, loop: Any) -> tuple[list[float], list[float]]:
+        raise NotImplementedError
+
+    def on_fit_start(self, loop: Any) -> None:
+        self.lrs, self.moms = self.curve(loop)
+        self.driver: _Driver | None = None  # built at the first epoch, from the step a resume restored
+
+    def on_train_epoch_start(self, loop: Any, epoch: int) -> None:
+        if self.driver is None:
+            self.driver = _Driver(loop, (self.lrs, self.moms))
+        loop.lr = self.lrs[min(loop.step, len(self.lrs) - 1)]
+
+    def on_before_step(self, loop: Any) -> None:
+        loop.lr = self.driver.before_step(loop.optimizer)
+
+    def on_fit_end(self, loop: Any) -> None:
+        opt, history, done = loop.optimizer, loop.history, loop.step
+        momentum = all("betas" in g or g.get("momentum", 0) > 0 for g in opt.param_groups)
+        history.step_lrs = self.lrs[:done]
+        history.step_momenta = self.moms[:done] if momentum else []
+        history.momentum_name = "beta1" if "betas" in opt.param_groups[0] else "momentum"
+
+
+class OneCycleSchedule(LearningRates):
+    """The one-cycle policy over the run's optimizer steps (``max_lr``, ``pct_start``, ... of one_cycle_fit)."""
+
+    def __init__(self, cycle: OneCycle) -> None:
+        self.cycle = cycle
+
+    def max_lr(self, loop: Any) -> float:
+        return self.cycle.max_lr * (loop.cores if self.cycle.scale_lr_by_cores else 1)
+
+    def curve(self, loop: Any) -> tuple[list[float], list[float]]:
+        return self.cycle.curve(loop.total_steps, self.max_lr(loop))
+
+    def describe(self, loop: Any) -> str:
+        """The summary line's part: the peak and whether it was scaled."""
+        scaled = f"scaled x{loop.cores} by cores" if self.cycle.scale_lr_by_cores else "not scaled by cores"
+        return f"max_lr {self.max_lr(loop):.2e} ({scaled})"
+
+
+# ------------------------------------------------------- stop rules, best epoch
+class StopOnNaN(Callback):
+    """A NaN or inf training loss ends the run with ``FloatingPointError``, naming the epoch and step."""
+
+    order = -30
+
+    def on_epoch_end(self, loop: Any, record: Any) -> None:
+        if loop.first_bad_step is None and math.isfinite(record.train_loss):
+            return
+        where = f"step {loop.first_bad_step}" if loop.first_bad_step is not None else "a step"
+        raise FloatingPointError(
+            f"the training loss became NaN or inf in epoch {record.epoch} at {where} of {loop.batches}; "
+            f"stopped. The last good checkpoint (if any) is {loop.last_path or 'not kept (no checkpoint_dir)'}. "
+            f"Try a lower max_lr, max_grad_norm=1.0 or precision='fp32'."
+        )
+
+
+def figures(record: Any) -> dict[str, float]:
+    """The figures a monitor may watch: losses and metrics."""
+    found = {"train_loss": record.train_loss, **record.metrics}
+    if record.valid_loss is not None:
+        found["valid_loss"] = record.valid_loss
+    return found
+
+
+class BestEpoch(Callback):
+    """Watches ``rule.monitor``: the best epoch so far, and ``early_stopping``'s patience.
+
+    ``improved`` says whether the latest epoch was the best; ``best_state`` holds
+    its weights on the CPU when ``restore_best`` asks for them (``Checkpoints``
+    shares its copy where it writes one).
+    """
+
+    order = -20
+
+    def __init__(self, rule: StopRule) -> None:
+        self.rule = rule
+        self.watch, self.improved = Watch(), False
+        self.best_state: dict[str, torch.Tensor] | None = None
+        self.copied_by_checkpoint = False
+
+    def on_epoch_end(self, loop: Any, record: Any) -> None:
+        self.improved = self.watch.update(self.rule, record.epoch, figures(record))
+        loop.history.best_epoch = self.watch.best_epoch or None
+        if self.improved and self.rule.restore_best and not self.copied_by_checkpoint:
+            self.best_state = to_cpu(loop.model.state_dict())
+        reason = self.watch.early_stop(self.rule)
+        if reason:
+            loop.stop(reason)
+
+
+class RestoreBest(Callback):
+    """``restore_best=True``: the best epoch's weights go into the model at the end, after every other callback."""
+
+    order = 50
+
+    def __init__(self, best: BestEpoch) -> None:
+        self.best = best
+
+    def on_fit_end(self, loop: Any) -> None:
+        history, watch = loop.history, self.best.watch
+        if not watch.best_epoch:
+            never = f"no epoch had a finite {self.best.rule.monitor}"
+            why = "" if never in history.stop_reason else f"{never}, so "
+            history.stop_reason += f"; {why}no best weights were restored (the model holds the last epoch's)"
+            return
+        loop.model.load_state_dict(self.best.best_state)
+        history.stop_reason += f"; restored the best weights (epoch {watch.best_epoch})"
+
+
+class TimeLimit(Callback):
+    """``time_limit``: no epoch starts that would not end in time (from the all-reduced time, alike on every replica)."""
+
+    order = 20
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds, self.previous = seconds, 0.0
+
+    def on_epoch_end(self, loop: Any, record: Any) -> None:
+        if loop.stop_request or record.epoch >= loop.epochs:
+            return
+        reason = out_of_time(self.seconds, loop.elapsed, record.epoch - loop.start_epoch, loop.elapsed - self.previous)
+        self.previous = loop.elapsed
+        if reason:
+            if loop.last_path:
+                reason += f"; resume with the same call and resume=True (checkpoint {loop.last_path})"
+            else:
+                reason += "; no checkpoint_dir was given, so this run cannot be resumed"
+            loop.stop(reason)
+
+
+# ------------------------------------------------------------------ the line
+class ProgressLine(Callback):
+    """The run's summary, a line per epoch (figures, compile time, ETA, ``*best``), and why it stopped (master only)."""
+
+    order = 30
+
+    def __init__(self, best: BestEpoch) -> None:
+        self.best, self.paces = best, []  # paces: each epoch's seconds, compile left out
+
+    def on_fit_start(self, loop: Any) -> None:
+        if loop.master:
+            print(loop.history.summary)
+            if loop.start_epoch:
+                print(f"resumed from {loop.last_path} after epoch {loop.start_epoch}")
+
+    def on_epoch_end(self, loop: Any, record: Any) -> None:
+        self.paces.append(max(record.seconds - loop.compile_seconds, 1e-9))
+        if not loop.master:
+            return
+        rule, value = self.best.rule, figures(record)[self.best.rule.monitor]
+        note = "  *best" if self.best.improved and rule.patience is not None else ""
+        if not math.isfinite(value):
+            note = f"  ({rule.monitor} is {value}: never the best epoch)"
+        timing = f"  (compiling {format_duration(loop.compile_seconds)})" if loop.compile_seconds >= 0.5 else ""
+        left = loop.epochs - record.epoch
+        timing += f"  ETA {format_duration(run_eta(self.paces, left))}" if left else ""
+        write_line(record.line(loop.epochs) + timing + note)
+        if loop.stop_request:
+            print(f"stopped: {loop.stop_request}")
+
+
+# ------------------------------------------------------------- checkpoints
+class Checkpoints(Callback):
+    """``checkpoint_dir`` and ``resume``: ``last.pt``, ``best.pt`` and ``history.csv`` after every epoch.
+
+    Written by the master. A resume loads ``last.pt`` (weights, optimizer, the
+    callbacks' state, history, best epoch; the random state just before the first
+    batch) after every ``on_fit_start``, and checks ``best.pt`` before any epoch.
+
+    Args:
+        folder: ``checkpoint_dir``.
+        best: The run's ``BestEpoch``, whose watch is saved and restored.
+        resume: Continue from ``last.pt`` if it exists.
+        identity: What makes a run the same run: ``{"fingerprint": {...}, "config": {...}}``.
+    """
+
+    order = 10
+
+    def __init__(self, folder: str, best: BestEpoch, resume: bool, identity: dict[str, Any]) -> None:
+        self.folder, self.best, self.resume = folder, best, resume
+        self.paths = {"last": join(folder, CHECKPOINT_NAME), "best": join(folder, BEST_NAME)}
+        self.config = dict(identity["config"])
+        self.fingerprint = dict(identity["fingerprint"])
+        self.run_id = secrets.token_hex(8)  # this run's files carry it; a resume takes last.pt's
+        self.rng: dict[str, Any] | None = None  # a resumed run's random state, set before its first batch
+
+    def on_fit_start(self, loop: Any) -> None:
+        self.fingerprint["parameters"] = _parameter_digest(loop.model)
+        self.best.copied_by_checkpoint = loop.master  # the master's best weights are the checkpoint's copy
+        if not (self.resume and exists(self.paths["last"])):
+            return
+        state = load_checkpoint(self.paths["last"])
+        self._restore(loop, state)
+        self._check_best(loop, state)  # before the first epoch: never found wrong at the end
+        if loop.master:  # a kill between last.pt and history.csv left it an epoch behind
+            loop.history.to_csv(join(self.folder, HISTORY_NAME))
+
+    def on_train_epoch_start(self, loop: Any, epoch: int) -> None:
+        if self.rng is None:
+            return
+        # here, after the loop's set-up sync (a sync advances torch_xla's seed), as an uninterrupted run has it
+        rng, self.rng = self.rng, None
+        torch.set_rng_state(rng["torch"])
+        version, internal, gauss = rng["python"]
+        random.setstate((version, tuple(internal), gauss))
+        if backend.is_lazy(loop.device):
+            backend.set_rng_state(int(rng["xla"]))
+
+    def on_epoch_end(self, loop: Any, record: Any) -> None:
+        if not loop.master:
+            return
+        state = self._state(loop, record.epoch)
+        if self.best.improved and self.best.rule.restore_best:
+            self.best.best_state = state["model"]
+        try:
+            save_atomic(state, self.paths["last"])  # first: it records the new best epoch and holds its weights,
+            loop.saved_epoch = record.epoch  # so a kill before best.pt is written leaves what resume repairs it from
+            if self.best.improved:
+                save_atomic(state, self.paths["best"])
+            loop.history.to_csv(join(self.folder, HISTORY_NAME))
+        except WriteError as error:
+            then = "then continue this run with the same call and resume=True"
+            message = error.strerror.replace("then run again", then)
+            raise WriteError(error.errno, message if then in message else f"{message}; {then}") from error
+
+    def _state(self, loop: Any, epoch: int) -> dict[str, Any]:
+        rule = self.best.rule
+        state = {
+            "format": 1, "epoch": epoch, "step": loop.step, "total_steps": loop.total_steps,
+            "model": loop.model.state_dict(), "optimizer": loop.optimizer.state_dict(),
+            "optimizer_class": class_name(loop.optimizer),
+            "rng": {"torch": torch.get_rng_state(), "python": random.getstate(),
+                    "xla": backend.rng_state() if backend.is_lazy(loop.device) else 0},
+            "history": loop.history.to_dicts(),
+            "monitor": {**self.best.watch.as_dict(), "name": rule.monitor, "mode": rule.mode},
+            "run": self.run_id, "callbacks": loop.events.state_dict(), "versions": _versions(),
+            "config": {**self.config, "fingerprint": self.fingerprint},
+        }  # fmt: skip
+        return to_cpu(state)
+
+    def _restore(self, loop: Any, state: dict[str, Any]) -> None:
+        path = self.paths["last"]
+        self._check_fingerprint(loop, state)
+        watched = state.get("monitor", {})
+        _check_monitor(path, watched, self.best.rule)
+        load_state_into(state, path, loop.model, loop.optimizer)
+        loop.events.load_state_dict(state.get("callbacks", {}), path)
+        if backend.is_lazy(loop.device):  # the restored tensors become device data, not part of epoch 1's first graph
+            backend.sync()
+        self.rng = state["rng"]
+        loop.start_epoch = loop.saved_epoch = int(state["epoch"])
+        loop.step = int(state["step"])
+        loop.history.records = History.from_dicts(state["history"]).records
+        self.best.watch = Watch(**{k: watched[k] for k in ("best", "best_epoch", "waited") if k in watched})
+        loop.history.best_epoch = self.best.watch.best_epoch or None
+        self.run_id = state.get("run", self.run_id)
+
+    def _check_fingerprint(self, loop: Any, state: dict[str, Any]) -> None:
+        """Refuses a checkpoint written by a different run, naming every difference."""
+        saved = state.get("config", {}).get("fingerprint", {})
+        mine = self.fingerprint if saved else {}  # a checkpoint from before fingerprints: steps only
+        differences = [
+            f"{key}: checkpoint {saved.get(key)!r}, this run {mine.get(key)!r}"
+            for key in sorted(set(saved) | set(mine))
+            if saved.get(key) != mine.get(key)
+        ]
+        if state.get("total_steps") != loop.total_steps:
+            differences.append(f"optimizer steps: checkpoint {state.get('total_steps')}, this run {loop.total_steps}")
+        if differences:
+            raise ValueError(
+                f"{self.paths['last']} was written by a different run, so resume=True refuses it:\n  "
+                + "\n  ".join(differences)
+                + "\nResume with the same arguments (changing epochs changes the one-cycle schedule too, "
+                "so it cannot extend a run), or give another checkpoint_dir to start afresh."
+            )
+
+    def _best_problem(self, epoch: int) -> tuple[str | None, dict[str, Any] | None]:
+        """What is wrong with best.pt as this run's copy of epoch ``epoch`` (None if nothing), and its state."""
+        path = self.paths["best"]
+        if not exists(path):
+            return "is missing", None
+        try:
+            state = load_checkpoint(path)
+        except DamagedCheckpointError as error:
+            return f"is damaged ({error.why})", None
+        if not isinstance(state, dict) or "epoch" not in state or "model" not in state:
+            return "is not a one_cycle_fit checkpoint", None
+        saved = state.get("config", {}).get("fingerprint", {})
+        if saved and saved != self.fingerprint:
+            keys = sorted(k for k in set(saved) | set(self.fingerprint) if saved.get(k) != self.fingerprint.get(k))
+            return f"was written by a run with other arguments (they differ in {', '.join(keys)})", None
+        if state.get("run", self.run_id) != self.run_id:
+            return f"was written by another run (run {state.get('run')}, this run {self.run_id})", None
+        if int(state["epoch"]) != epoch:
+            return f"holds epoch {int(state['epoch'])}, not epoch {epoch}", None
+        return None, state
+
+    def _check_best(self, loop: Any, last_state: dict[str, Any]) -> None:
+        """On resume, best.pt must be this run's copy of the best epoch that last.pt records.
+
+        If last.pt holds the best epoch itself (a kill between the two writes), best.pt
+        is rewritten from it; otherwise a wrong best.pt is an error with the choices.
+        The best weights are kept for ``restore_best``.
+        """
+        best, last, rule = self.best.watch.best_epoch, int(last_state["epoch"]), self.best.rule
+        paths, figure = self.paths, f"{rule.monitor} {self.best.watch.best or 0:.4g}"
+        if not best:
+            if exists(paths["best"]):
+                raise ValueError(
+                    f"{paths['best']} exists but {paths['last']} records no best epoch (no epoch had a finite "
+                    f"{rule.monitor}), so it is not this run's. Move it away and resume, or start afresh in another "
+                    f"checkpoint_dir"
+                )
+            return
+        problem, state = self._best_problem(best)
+        if problem is not None and best == last:
+            if loop.master:
+                save_atomic(last_state, paths["best"])
+                warnings.warn(f"repaired {paths['best']}: it {problem}; rewritten from {paths['last']}, which "
+                              f"holds the best epoch ({best})", stacklevel=2)  # fmt: skip
+            problem, state = None, last_state
+        if problem is None:
+            self.best.best_state = state["model"] if rule.restore_best else None
+            return
+        if problem == "is missing" and not rule.restore_best:
+            if loop.master:
+                warnings.warn(f"{paths['best']} is missing, so epoch {best}'s weights are lost; it is written again "
+                              f"when an epoch beats {figure}", stacklevel=2)  # fmt: skip
+            return
+        raise ValueError(
+            f"{paths['best']} {problem}, but {paths['last']} records epoch {best} as the best ({figure}); "
+            f"resume=True stops now rather than restore wrong weights at the end. Either put back this run's "
+            f"best.pt (epoch {best}); or move best.pt away and resume with restore_best=False (epoch {best}'s "
+            f"weights are then lost; best.pt is written again when an epoch beats it); or start afresh in another "
+            f"checkpoint_dir"
+        )
+
+
+def _check_monitor(path: str, watched: dict[str, Any], rule: StopRule) -> None:
+    """Refuses to resume watching another figure: its best would be compared against the old one's."""
+    saved = (watched.get("name"), watched.get("mode"))
+    if saved[0] is None or saved == (rule.monitor, rule.mode):
+        return  # a checkpoint from before the name was recorded: nothing to compare
+    raise ValueError(
+        f"{path} was written watching monitor={saved[0]!r} (mode={saved[1]!r}), but this call watches "
+        f"monitor={rule.monitor!r} (mode={rule.mode!r}); its best epoch and best.pt were chosen by the old "
+        f"figure. Resume with monitor={saved[0]!r}, mode={saved[1]!r}, or start afresh in another checkpoint_dir"
+    )
+
+
+def _parameter_digest(model: torch.nn.Module) -> str:
+    """Parameter names and shapes, as a short digest (the same model class gives the same)."""
+    text = ";".join(f"{k}:{tuple(v.shape)}" for k, v in model.state_dict().items())
+    return f"{len(model.state_dict())} tensors, {hashlib.sha1(text.encode()).hexdigest()[:12]}"
+
+
+def _versions() -> dict[str, str]:
+    return {
+        "torch": str(torch.__version__),
+        "torch_xla": backend.installed_version("torch_xla") or "",
+        "tpu_utility": backend.installed_version("tpu_utility") or "",
+    }
