@@ -99,17 +99,41 @@ def test_a_step_hook_sees_the_schedules_learning_rate_and_an_epoch_hook_the_best
     assert all(r.host_syncs == 0 for r in history.records)
 
 
-def test_stopfit_from_a_step_hook_ends_the_run_at_once_and_saves_no_half_epoch(digits, tmp_path):
+def test_stopfit_from_a_step_hook_ends_the_run_at_once_and_saves_no_half_epoch(digits, tmp_path, capsys):
     train, valid = digits
     per_epoch = len(train) // 32
     watcher = StepWatcher(stop_at_step=per_epoch + 3)  # three steps into epoch 2
     history = fit(small_cnn(), train, valid_data=valid, epochs=4, callbacks=[watcher], restore_best=True,
-                  checkpoint_dir=str(tmp_path))  # fmt: skip
+                  checkpoint_dir=str(tmp_path), progress=True)  # fmt: skip
+    assert f"stopped: stopped at step {per_epoch + 3}" in capsys.readouterr().out  # the progress line says why
     assert [r.epoch for r in history.records] == [1]  # the unfinished epoch 2 is not recorded
     assert history.stop_reason.startswith(f"stopped at step {per_epoch + 3}")
     assert "restored the best weights (epoch 1)" in history.stop_reason and watcher.ended
     assert load_checkpoint(str(tmp_path))["epoch"] == 1  # last.pt still holds epoch 1
     assert len(history.step_lrs) == per_epoch + 3
+
+
+class StopAtEpochEnd(Callback):
+    def on_epoch_end(self, loop, record):
+        if record.epoch == 2:
+            raise StopFit("two epochs are enough")
+
+
+@pytest.mark.parametrize("checkpoint", [True, False], ids=["checkpoint_dir", "no-checkpoint"])
+def test_stopfit_from_an_epoch_hook_ends_the_run_as_loop_stop_does(digits, tmp_path, checkpoint):
+    # the epoch is whole: it is saved, and restore_best finds the weights of the best epoch, this one included
+    train, valid = digits
+    folder = {"checkpoint_dir": str(tmp_path)} if checkpoint else {}
+    torch.manual_seed(0)
+    history = fit(small_cnn(), train, valid_data=valid, epochs=4, callbacks=[StopAtEpochEnd()], restore_best=True,
+                  **folder)  # fmt: skip
+    assert [r.epoch for r in history.records] == [1, 2]
+    assert history.stop_reason.startswith("two epochs are enough; restored the best weights (epoch 2)")
+    if checkpoint:
+        saved = load_checkpoint(str(tmp_path))
+        assert saved["epoch"] == 2
+        for name, tensor in history.model.state_dict().items():  # the best epoch (2) is last.pt's
+            assert torch.equal(tensor.cpu(), saved["model"][name]), name
 
 
 def test_ema_scores_at_least_as_well_as_a_plain_run_and_its_checkpoints_hold_the_average(digits, tmp_path):

@@ -16,7 +16,8 @@ callback                  order  from
                                  ``history.csv``, and the resume checks
 ``TimeLimit``               20   ``time_limit``
 ``ProgressLine``            30   ``progress``: the summary, a line per epoch, why it stopped
-``RestoreBest``             50   ``restore_best``: after every other ``on_fit_end``
+``RestoreBest``             50   ``restore_best``: keeps the best weights (where no checkpoint
+                                 does), loads them after every other ``on_fit_end``
 ========================  =====  ==========================================================
 """
 
@@ -184,9 +185,10 @@ def figures(record: Any) -> dict[str, float]:
 class BestEpoch(Callback):
     """Watches ``rule.monitor``: the best epoch so far, and ``early_stopping``'s patience.
 
-    ``improved`` says whether the latest epoch was the best; ``best_state`` holds
-    its weights on the CPU when ``restore_best`` asks for them (``Checkpoints``
-    shares its copy where it writes one).
+    ``improved`` says whether the latest epoch was the best. For ``restore_best``,
+    ``best_state`` holds the best epoch's weights on the CPU (epoch ``state_epoch``):
+    ``Checkpoints``' copy where it writes one, else ``RestoreBest``'s own; both
+    are taken after the user's ``on_epoch_end``.
     """
 
     order = -20
@@ -195,13 +197,11 @@ class BestEpoch(Callback):
         self.rule = rule
         self.watch, self.improved = Watch(), False
         self.best_state: dict[str, torch.Tensor] | None = None
-        self.copied_by_checkpoint = False
+        self.state_epoch = 0
 
     def on_epoch_end(self, loop: Any, record: Any) -> None:
         self.improved = self.watch.update(self.rule, record.epoch, figures(record))
         loop.history.best_epoch = self.watch.best_epoch or None
-        if self.improved and self.rule.restore_best and not self.copied_by_checkpoint:
-            self.best_state = to_cpu(loop.model.state_dict())
         reason = self.watch.early_stop(self.rule)
         if reason:
             loop.stop(reason)
@@ -214,6 +214,10 @@ class RestoreBest(Callback):
 
     def __init__(self, best: BestEpoch) -> None:
         self.best = best
+
+    def on_epoch_end(self, loop: Any, record: Any) -> None:
+        if self.best.improved and self.best.state_epoch != record.epoch:  # no checkpoint's copy to share
+            self.best.best_state, self.best.state_epoch = to_cpu(loop.model.state_dict()), record.epoch
 
     def on_fit_end(self, loop: Any) -> None:
         history, watch = loop.history, self.best.watch
@@ -255,6 +259,7 @@ class ProgressLine(Callback):
 
     def __init__(self, best: BestEpoch) -> None:
         self.best, self.paces = best, []  # paces: each epoch's seconds, compile left out
+        self.said_why = False
 
     def on_fit_start(self, loop: Any) -> None:
         if loop.master:
@@ -276,6 +281,12 @@ class ProgressLine(Callback):
         write_line(record.line(loop.epochs) + timing + note)
         if loop.stop_request:
             print(f"stopped: {loop.stop_request}")
+            self.said_why = True
+
+    def on_fit_end(self, loop: Any) -> None:
+        reason = loop.history.stop_reason
+        if loop.master and not self.said_why and not reason.startswith("completed"):  # a StopFit: no epoch end said it
+            print(f"stopped: {reason}")
 
 
 # ------------------------------------------------------------- checkpoints
@@ -283,8 +294,8 @@ class Checkpoints(Callback):
     """``checkpoint_dir`` and ``resume``: ``last.pt``, ``best.pt`` and ``history.csv`` after every epoch.
 
     Written by the master. A resume loads ``last.pt`` (weights, optimizer, the
-    callbacks' state, history, best epoch; the random state just before the first
-    batch) after every ``on_fit_start``, and checks ``best.pt`` before any epoch.
+    callbacks' state, history, best epoch, the random state) after the user's
+    ``on_fit_start``, and checks ``best.pt`` before any epoch.
 
     Args:
         folder: ``checkpoint_dir``.
@@ -301,11 +312,9 @@ class Checkpoints(Callback):
         self.config = dict(identity["config"])
         self.fingerprint = dict(identity["fingerprint"])
         self.run_id = secrets.token_hex(8)  # this run's files carry it; a resume takes last.pt's
-        self.rng: dict[str, Any] | None = None  # a resumed run's random state, set before its first batch
 
     def on_fit_start(self, loop: Any) -> None:
         self.fingerprint["parameters"] = _parameter_digest(loop.model)
-        self.best.copied_by_checkpoint = loop.master  # the master's best weights are the checkpoint's copy
         if not (self.resume and exists(self.paths["last"])):
             return
         state = load_checkpoint(self.paths["last"])
@@ -314,23 +323,12 @@ class Checkpoints(Callback):
         if loop.master:  # a kill between last.pt and history.csv left it an epoch behind
             loop.history.to_csv(join(self.folder, HISTORY_NAME))
 
-    def on_train_epoch_start(self, loop: Any, epoch: int) -> None:
-        if self.rng is None:
-            return
-        # here, after the loop's set-up sync (a sync advances torch_xla's seed), as an uninterrupted run has it
-        rng, self.rng = self.rng, None
-        torch.set_rng_state(rng["torch"])
-        version, internal, gauss = rng["python"]
-        random.setstate((version, tuple(internal), gauss))
-        if backend.is_lazy(loop.device):
-            backend.set_rng_state(int(rng["xla"]))
-
     def on_epoch_end(self, loop: Any, record: Any) -> None:
         if not loop.master:
             return
         state = self._state(loop, record.epoch)
         if self.best.improved and self.best.rule.restore_best:
-            self.best.best_state = state["model"]
+            self.best.best_state, self.best.state_epoch = state["model"], record.epoch
         try:
             save_atomic(state, self.paths["last"])  # first: it records the new best epoch and holds its weights,
             loop.saved_epoch = record.epoch  # so a kill before best.pt is written leaves what resume repairs it from
@@ -364,9 +362,14 @@ class Checkpoints(Callback):
         _check_monitor(path, watched, self.best.rule)
         load_state_into(state, path, loop.model, loop.optimizer)
         loop.events.load_state_dict(state.get("callbacks", {}), path)
-        if backend.is_lazy(loop.device):  # the restored tensors become device data, not part of epoch 1's first graph
-            backend.sync()
-        self.rng = state["rng"]
+        if backend.is_lazy(loop.device):  # the restored tensors become device data, not part of epoch 1's first graph;
+            backend.sync()  # before the random state is restored: a sync advances torch_xla's seed
+        rng = state["rng"]
+        torch.set_rng_state(rng["torch"])
+        version, internal, gauss = rng["python"]
+        random.setstate((version, tuple(internal), gauss))
+        if backend.is_lazy(loop.device):
+            backend.set_rng_state(int(rng["xla"]))
         loop.start_epoch = loop.saved_epoch = int(state["epoch"])
         loop.step = int(state["step"])
         loop.history.records = History.from_dicts(state["history"]).records
@@ -439,7 +442,8 @@ class Checkpoints(Callback):
                               f"holds the best epoch ({best})", stacklevel=2)  # fmt: skip
             problem, state = None, last_state
         if problem is None:
-            self.best.best_state = state["model"] if rule.restore_best else None
+            if rule.restore_best:
+                self.best.best_state, self.best.state_epoch = state["model"], best
             return
         if problem == "is missing" and not rule.restore_best:
             if loop.master:

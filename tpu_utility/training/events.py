@@ -26,7 +26,9 @@ The events, in the order they fire:
 * ``on_fit_end(loop)``: after the last epoch, before ``restore_best`` loads the best weights.
 
 To end the run at once, in the middle of an epoch, raise ``StopFit(reason)`` from
-any hook: the unfinished epoch is neither recorded nor saved, and ``on_fit_end`` runs.
+``on_fit_start`` or a hook within the epoch: the unfinished epoch is neither recorded
+nor saved, and ``on_fit_end`` runs. Raised from ``on_epoch_end``, where the epoch is
+whole, it acts as ``loop.stop(reason)``: the other callbacks see the epoch and it is saved.
 
 A callback with ``state_dict()`` and ``load_state_dict(state)`` has its state saved
 in ``last.pt`` and restored by ``resume=True``.
@@ -51,6 +53,7 @@ class StopFit(Exception):
     """Raised from a hook, ends the run at once with its message as the stop reason (fastai's CancelFitException).
 
     The epoch under way is neither recorded nor saved; ``on_fit_end`` still runs.
+    From ``on_epoch_end`` (the epoch is whole) it acts as ``loop.stop(reason)``.
     ``find_lr``'s sweep ends this way when the loss diverges.
 
     Example:
@@ -129,8 +132,15 @@ class Events:
     def fire(self, event: str, loop: Any, *args: Any) -> None:
         for callback in self.callbacks:
             hook = getattr(callback, event, None)
-            if hook is not None:
+            if hook is None:
+                continue
+            if event != "on_epoch_end":
                 hook(loop, *args)
+                continue
+            try:
+                hook(loop, *args)
+            except StopFit as stop:  # the epoch is whole: it ends the run as loop.stop does, every callback seeing it
+                loop.stop(str(stop) or f"stopped by {type(callback).__name__}")
 
     def keys(self) -> list[str]:
         """The names their state is saved under: class names, numbered where a class repeats."""

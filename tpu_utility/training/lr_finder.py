@@ -124,7 +124,8 @@ def find_lr(
     transfer; the sweep stops once the smoothed loss exceeds ``diverge_factor``
     times its minimum. Afterwards the model has its weights, device and
     train/eval mode as before, and the global random state is as it was
-    (``seed`` only orders the data).
+    (``seed`` orders the data and seeds the sweep's own random ops, as in
+    ``one_cycle_fit``, whose loop the sweep runs).
 
     Returns:
         LRFinderResult with ``lrs``, smoothed ``losses``, ``suggested_lr`` and ``plot()``.
@@ -151,7 +152,8 @@ def find_lr(
     )  # fmt: skip
     found, saved = Placement.of(model), {k: v.detach().clone() for k, v in model.state_dict().items()}
     python_state, xla_state = random.getstate(), backend.rng_state() if backend.current().lazy else None
-    with torch.random.fork_rng(devices=[]):
+    cuda = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
+    with torch.random.fork_rng(devices=cuda):  # the loop seeds torch (every device) with `seed`
         try:
             train(model, plan)
         finally:

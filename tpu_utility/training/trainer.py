@@ -100,6 +100,9 @@ class Loop:
         self.step_args = {"found_inf": _device_values(runner.device, 0.0)[0]} if self.fused else {}
         self._loaders()
         per_epoch = self.batches // plan.steps.accumulate_steps
+        if not self.batches:
+            raise ValueError(f"train_data gives no full batch of {plan.train.batch_size} on each core "
+                             f"({len(plan.train)} samples); give more data or a smaller batch_size")  # fmt: skip
         if per_epoch < 1:
             raise ValueError(
                 f"accumulate_steps={plan.steps.accumulate_steps} exceeds the {self.batches} batches per epoch on each core"
@@ -216,11 +219,14 @@ def _train(model: nn.Module, plan: FitPlan) -> tuple[nn.Module, History]:
     loop = Loop(model, plan)
     if loop.valid_loader is not None:
         loop.runner.check_eval(loop.valid_loader, loop.metrics, loop.eval_step)
-    loop.events.fire("on_fit_start", loop)  # a resume happens here (Checkpoints)
-    if loop.runner.lazy:
-        backend.sync()  # set-up tensors become device data, not part of epoch 1's first graph
-    started, epoch, history = _clock(), loop.start_epoch, loop.history
+    epoch, history = loop.start_epoch, loop.history
     try:
+        loop.events.fire("on_fit_start", loop)  # a resume happens here (Checkpoints)
+        if loop.runner.lazy:  # set-up tensors become device data, not part of epoch 1's first graph; a sync
+            seed = backend.rng_state()  # advances torch_xla's seed, so the seed is kept as it was
+            backend.sync()
+            backend.set_rng_state(seed)
+        started = _clock()
         for epoch in range(loop.start_epoch, plan.epochs):
             history.records.append(_epoch(loop, epoch, started))
             loop.events.fire("on_epoch_end", loop, history.records[-1])
@@ -271,8 +277,8 @@ def _epoch(loop: Loop, epoch: int, started: float) -> EpochRecord:
 def _train_epoch(loop: Loop, epoch: int) -> tuple[list[torch.Tensor], float]:
     """The epoch's training pass: its device sums, and the seconds its steps spent compiling."""
     plan, runner = loop.plan, loop.runner
-    loop.events.fire("on_train_epoch_start", loop, epoch)
     set_epoch(loop.train_loader, epoch)  # its sampler's order, and a CachedDataset's augmented copy
+    loop.events.fire("on_train_epoch_start", loop, epoch)
     runner.model.train()
     loop.optimizer.zero_grad(set_to_none=True)
     sums = _device_values(runner.device, 0.0, 0.0, _NO_BAD_STEP)  # loss sum, batches, first bad step (1-based)
@@ -364,6 +370,7 @@ def _summary(loop: Loop) -> str:
     loaders = runner.topology.loaders[0]
     where = f" by each of {loaders} loaders" if dropped and loaders > 1 else ""
     schedule = [c.describe(loop) for c in loop.events.callbacks if callable(getattr(c, "describe", None))]
+    users = [c for c in loop.events.callbacks if any(c is given for given in plan.callbacks)]  # in their order
     return (
         f"one_cycle_fit: {plan.mode} on {loop.cores} {kind} core(s) | batch {plan.train.batch_size} per core, "
         f"{runner.topology.global_batch(plan.train.batch_size)} global | {loop.batches} batches/epoch per core "
@@ -371,7 +378,7 @@ def _summary(loop: Loop) -> str:
         + "".join(f"{part} | " for part in schedule)
         + f"{runner.precision.label} | {plan.optimizer_name}{' (torch_xla sync-free, fused)' if loop.fused else ''}"
         + (f" | peak lr per param group x{[round(r, 6) for r in loop.lr_ratios]}" if set(loop.lr_ratios) != {1.0} else "")
-        + (f" | callbacks {', '.join(map(_named, plan.callbacks))}" if plan.callbacks else "")
+        + (f" | callbacks {', '.join(map(_named, users))}" if users else "")
         + f" | {workers} loader worker(s)"
         + (f" | {dropped} sample(s) an epoch left out{where} to keep one batch shape" if dropped else "")
     )
