@@ -157,6 +157,9 @@ def find_lr(
         try:
             train(model, plan)
         finally:
+            # the sweep stops inside a step, so its last update is still a pending graph; run it whole now,
+            # or moving each parameter back compiles a graph of its own (about one per parameter: 40 for BERT)
+            backend.sync()
             found.restore(model)
             model.load_state_dict(saved)
             random.setstate(python_state)
