@@ -1,14 +1,19 @@
-"""The code blocks of the README and of the documentation (docs/*.md), run as a new user would: each in a fresh interpreter, with the
-names a notebook would already hold (a prelude), the "after" side of each diff, and on 4
-XLA:CPU devices where a block uses all cores. A block that stops working is a broken promise.
+"""The code blocks of the README and of the documentation (docs/*.md), run as a new user would: one after
+another in one fresh interpreter, as cells of one notebook (each block in its own namespace and folder,
+with the names a notebook would already hold: a prelude), the "after" side of each diff, and on 4
+XLA:CPU devices where a block uses all cores. A block that starts processes has an interpreter of its
+own. A block that stops working is a broken promise.
 
 The "Train with one call" block on 4 devices, with its outputs checked, is in test_user_input.py.
 """
 
 import glob
+import json
+import os
 import re
 
 import pytest
+from filelock import FileLock
 
 from conftest import ROOT, run_python
 
@@ -139,9 +144,73 @@ def test_every_block_runs_in_some_case():
     assert not unrun, "blocks no case runs:\n" + "\n---\n".join(unrun)
 
 
-@pytest.mark.parametrize("name, code, devices", [
-    pytest.param(n, c, d, id=f"{n}-{d}dev", marks=[pytest.mark.multidevice] if d > 1 else []) for n, c, d in _cases()])
-def test_readme_block_runs_as_written(name, code, devices, tmp_path):
-    r = run_python(PRELUDE.format(tmp=str(tmp_path)) + code + "\nprint('BLOCK OK')\n",
-                   env={"CPU_NUM_DEVICES": str(devices)}, timeout=600)  # fmt: skip
-    assert r.returncode == 0 and "BLOCK OK" in r.stdout, f"README block {name!r} failed:\n{r.stderr[-3000:]}"
+OWN_INTERPRETER = {"launch"}  # starts processes from __main__
+
+# Runs every block of one device count in this interpreter, each from its own folder and namespace;
+# after each block one line "BLOCK <index> OK", or "BLOCK <index> FAILED" followed by its traceback.
+NOTEBOOK = """
+import json, os, sys, traceback
+prelude, cases = json.load(open(sys.argv[1]))
+for index, (folder, code) in enumerate(cases):
+    try:
+        os.makedirs(folder)
+        exec(compile(prelude.format(tmp=folder) + code, f"<block {index}>", "exec"), {"__name__": "__main__"})
+        print(f"BLOCK {index} OK", flush=True)
+    except BaseException:
+        print(f"BLOCK {index} FAILED", flush=True)
+        print(traceback.format_exc(), flush=True)
+"""
+
+
+def _ids() -> list[str]:
+    """test ids: name-<devices>dev, with a number after it where one name and device count recur."""
+    ids = [f"{n}-{d}dev" for n, _, d in _cases()]
+    return [f"{i}{ids[:k].count(i)}" if ids.count(i) > 1 else i for k, i in enumerate(ids)]
+
+
+def _run_shared(devices: int, folder) -> dict[int, tuple[bool, str]]:
+    """{case index: (passed, what the block printed or raised)} for the blocks of this device count that share an interpreter."""
+    chosen = [k for k, (name, _, d) in enumerate(_cases()) if d == devices and name not in OWN_INTERPRETER]
+    (folder / "cases.json").write_text(json.dumps([PRELUDE, [(str(folder / f"block{k}"), _cases()[k][1]) for k in chosen]]))
+    (folder / "notebook.py").write_text(NOTEBOOK)
+    r = run_python(f"import sys, runpy; sys.argv = ['notebook.py', {str(folder / 'cases.json')!r}]; "
+                   f"runpy.run_path({str(folder / 'notebook.py')!r}, run_name='__main__')",
+                   env={"CPU_NUM_DEVICES": str(devices)}, timeout=900)  # fmt: skip
+    said = re.split(r"^BLOCK (\d+) (OK|FAILED)$", r.stdout, flags=re.M)  # printed, index, verdict, printed, ...
+    ends = {int(said[i]): (said[i + 1] == "OK", said[i - 1][-2000:] + said[i + 2][:3000]) for i in range(1, len(said), 3)}
+    stopped = (False, f"the interpreter stopped before this block:\n{r.stderr[-3000:]}")
+    return {k: ends.get(position, stopped) for position, k in enumerate(chosen)}
+
+
+@pytest.fixture(scope="module")
+def shared_runs(tmp_path_factory):
+    """devices -> the results of _run_shared, run once per test run and device count, when a test first asks.
+
+    Under pytest-xdist the workers share the run's temporary folder: the first to ask runs the blocks
+    under a lock and leaves the results there, and the others read them.
+    """
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base  # this run's, never an earlier run's
+
+    def get(devices: int) -> dict[int, tuple[bool, str]]:
+        folder = shared / f"readme-notebook{devices}"
+        with FileLock(f"{folder}.lock"):
+            if not (folder / "results.json").exists():
+                folder.mkdir(exist_ok=True)
+                (folder / "results.json").write_text(json.dumps(_run_shared(devices, folder)))
+            return {int(k): tuple(v) for k, v in json.loads((folder / "results.json").read_text()).items()}
+
+    return get
+
+
+@pytest.mark.parametrize("index", [
+    pytest.param(k, id=i, marks=[pytest.mark.multidevice] if d > 1 else []) for k, ((n, c, d), i) in enumerate(zip(_cases(), _ids()))])
+def test_readme_block_runs_as_written(index, shared_runs, tmp_path):
+    name, code, devices = _cases()[index]
+    if name in OWN_INTERPRETER:
+        r = run_python(PRELUDE.format(tmp=str(tmp_path)) + code + "\nprint('BLOCK OK')\n",
+                       env={"CPU_NUM_DEVICES": str(devices)}, timeout=600)  # fmt: skip
+        assert r.returncode == 0 and "BLOCK OK" in r.stdout, f"README block {name!r} failed:\n{r.stderr[-3000:]}"
+    else:
+        passed, said = shared_runs(devices)[index]
+        assert passed, f"README block {name!r} on {devices} device(s) failed:\n{said}"
