@@ -126,3 +126,13 @@ def test_only_the_public_keyword_entries_take_more_than_six_parameters():
     assert not crowded, "group them in a dataclass or let the caller build the object:\n" + "\n".join(crowded)
     source = "class Plan:\n    def __init__(self, a, b, c, d, e, f, g): pass\ndef _helper(a, b, *, c, d, e, f, g): pass\n"
     assert [count for _, _, count in _parameter_counts(source)] == [7, 7]  # the check can fail
+
+
+def test_the_lanes_lists_name_test_files_that_exist():
+    """A renamed or deleted file in conftest's lists would drop out of the Kaggle and Colab lanes unseen."""
+    from conftest import PYTHON_RELEASE, TORCH_RELEASE
+
+    tests = {name for name in os.listdir(os.path.join(ROOT, "tests")) if name.startswith("test_")}
+    listed = set(TORCH_RELEASE) | set(PYTHON_RELEASE)
+    assert listed <= tests, f"listed but not in tests/: {sorted(listed - tests)}"
+    assert all(TORCH_RELEASE.values()) and all(PYTHON_RELEASE.values()), "each file says why its lane runs it"
