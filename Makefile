@@ -14,22 +14,23 @@
 #   .venv-torchtpu  TorchTPU: Python 3.11, torch 2.13 + torch-tpu 0.2.0 + libtpu, no torch_xla
 #                   (requirements-torchtpu.txt)
 # What each lane runs, and why (the files and a reason for each are listed in tests/conftest.py):
-#   test-kaggle     -m "torch_release or python_release": Kaggle differs from the pinned stack in both
-#                   torch/torch_xla (2.8) and Python (3.12), so every test whose result can move with
-#                   either: the backend and setup, compile counts and host syncs, SPMD and launch,
-#                   autocast, checkpoint formats, gloo on torch 2.8, transformers' and timm's
-#                   torch-version branches, the README/docs blocks and the notebook.
+#   test-kaggle     -m torch_release: torch/torch_xla 2.8, so every test whose result can move with the
+#                   release: the backend and setup, compile counts and host syncs, SPMD and launch,
+#                   autocast, checkpoint formats, transformers' torch-version branches, the README/docs
+#                   blocks and the notebook. Its Python 3.12 lies between the pinned 3.11 and Colab's 3.13.
 #   test-colab      -m python_release: the pinned trio on Python 3.13, so what the Python version can
 #                   change: imports, packaging, the notebook's kernel, progress bars, spawned and forked
 #                   processes, file writes, the README/docs blocks.
 #   test-torchtpu   tests/test_native.py and tests/test_torchtpu.py: the code that lane has (no
 #                   torch_xla there), the native multi-process suite on torch 2.13 with torch-tpu.
-#   Left to the pinned stack alone: pure logic on the host (schedule, data, buckets' host side, monitor
-#   decisions, errors, cache/presize formats, disk-full, remote files, layout, docs).
+#   Left to the pinned stack alone: logic on the host and over the backend (schedule, data, buckets,
+#   monitor, epoch metrics, errors, disk-full, remote files, layout, docs), the
+#   hand-loop ports and the platform check (their backend calls are in the lanes), and gloo on torch 2.8
+#   (torch 2.9 here, 2.13 in the TorchTPU lane). tests/conftest.py gives each listed file's reason.
 # A venv is rebuilt from scratch when its requirements change (the stamp holds their
 # checksum); a change to pyproject.toml or setup.py only re-runs the editable install.
 #
-# One stack, one file or one test: make test-pinned (the suite without the docs), test-kaggle,
+# One stack, one file or one test: make test-pinned (the suite alone), test-kaggle,
 # test-colab, test-torchtpu, docs; .venv/bin/python -m pytest tests/test_fit.py -k find_lr.
 # PYTEST_ARGS adds pytest options (PYTEST_ARGS="-x -k fit"), PYTEST_JOBS sets the workers (0: none, the suite in one process).
 # The interpreters are found on PATH, in pyenv or in uv;
@@ -43,7 +44,7 @@ COLAB := .venv-colab
 TORCHTPU := .venv-torchtpu
 # what the TorchTPU lane runs: the code that lane has (no torch_xla there)
 TORCHTPU_TESTS := tests/test_native.py tests/test_torchtpu.py
-KAGGLE_TESTS := -m "torch_release or python_release" tests
+KAGGLE_TESTS := -m torch_release tests
 COLAB_TESTS := -m python_release tests
 PYTEST_ARGS ?= -q
 # pytest-xdist workers: a test spends much of its time in one-threaded XLA compiles, starting
@@ -65,7 +66,9 @@ comma := ,
 
 # $(call build-venv,DIR,PYTHON_VERSION,REQUIREMENTS,OVERRIDE): (re)builds DIR when needed. uv installs the
 # requirements: 31 s for the pinned stack's 7.6 GB where pip took 3 min 26 s (both with nothing cached);
-# pip's find-links (wheels on this disk, such as a CPU torch) are passed on to it.
+# pip's find-links (wheels on this disk, such as a CPU torch) are passed on to it. --compile-bytecode, as pip
+# does: without .pyc files the first import compiles each module, and on Python 3.12+ a library's invalid
+# escape then prints a SyntaxWarning into a notebook's output (test_progress's kernel caught one).
 UV_FIND_LINKS := $(if $(PIP_FIND_LINKS),--find-links $(PIP_FIND_LINKS))
 define build-venv
 	@set -e; \
@@ -83,7 +86,7 @@ define build-venv
 		rm -rf $(1); \
 		"$$py" -m venv $(1); \
 		$(1)/bin/python -m pip install -q --upgrade pip uv; \
-		$(1)/bin/python -m uv pip install -q --python $(1)/bin/python $(UV_FIND_LINKS) -r $(3); \
+		$(1)/bin/python -m uv pip install -q --compile-bytecode --python $(1)/bin/python $(UV_FIND_LINKS) -r $(3); \
 		echo "$$req_sum" > $(1)/.requirements.sha256; \
 	fi; \
 	if [ "$$(cat $(1)/.package.sha256 2>/dev/null)" != "$$pkg_sum" ]; then \
