@@ -20,6 +20,8 @@ def test_the_check_passes_on_xla_cpu(devices):
     lines = _lines(r.stdout)
     assert "result: 4 ok, 0 failed, 2 skipped" in r.stdout
     assert f"CPU XLA:CPU x {devices} via XLA" in r.stdout and "torch_xla 2." in r.stdout  # the platform lines
+    # the rules table's 1.x names that raise on this release, with the tool that rewrites them
+    assert "refuses these 1.x calls: xm.xrt_world_size(), xm.get_ordinal(), xmp.spawn(..., nprocs=8)" in r.stdout
     assert lines["one-core one_cycle_fit"].startswith("ok ")
     assert "host syncs in each epoch [0, 0, 0]" in lines["one-core one_cycle_fit"]
     assert lines["all-core one_cycle_fit"].startswith(f"ok       all-core one_cycle_fit: {devices} core(s)")
@@ -46,7 +48,7 @@ def test_a_failed_check_gives_exit_code_1_and_its_traceback(monkeypatch, capsys)
     import tpu_utility
     from tpu_utility import check as check_module  # the function, re-exported
 
-    module = __import__("sys").modules["tpu_utility.check"]
+    module = __import__("sys").modules["tpu_utility.diagnostics.check"]
 
     def predict_out_of_order():
         raise module.CheckFailed("3 of 1001 rows are not model(sample i), the first at [7, 8, 9]")

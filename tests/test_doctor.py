@@ -390,7 +390,7 @@ def test_predictions_read_every_step_get_the_accumulate_on_device_fix():
 
 
 def test_a_model_without_parameters_is_a_clear_error_or_finding_not_stop_iteration():
-    from tpu_utility.doctor import check_optimizer
+    from tpu_utility.diagnostics.doctor import check_optimizer
 
     with pytest.raises(ValueError, match=r"the Flatten given has none; pass your own step\(batch\)"):
         doctor(nn.Flatten(), batches=batches(), mode="eval")  # was: StopIteration from next(model.parameters())
@@ -412,3 +412,14 @@ def test_an_evaluation_under_inference_mode_is_named_with_its_fix():
     assert "inference_mode" in e.value.report.kinds()
     (finding,) = [f for f in e.value.report.findings if f.kind == "inference_mode"]
     assert "tpu_utility.inference_mode()" in finding.fix and "torch.no_grad()" in finding.fix
+
+
+def test_every_finding_kind_is_a_rule_of_the_shared_table():
+    from typing import get_args
+
+    from tpu_utility.diagnostics.doctor import Kind
+    from tpu_utility.diagnostics.rules import RULES, for_tool
+
+    assert set(get_args(Kind)) <= set(RULES)
+    doctor_rules = {rule.id for rule in for_tool("doctor")}
+    assert set(get_args(Kind)) == doctor_rules, "a rule doctor never reports, or a finding with no rule"

@@ -11,17 +11,17 @@ PACKAGE = os.path.join(ROOT, "tpu_utility")
 # lower ones, so the backend never learns about training, the kit never about the trainer, and data
 # preparation never about the loop that consumes it. "data" and "training" are those packages' __init__.
 LAYERS = [
-    {"backend"},
-    {"remote", "files", "progress", "device", "environment"},
+    {"backend", "diagnostics.rules"},
+    {"remote", "files", "progress", "device", "environment", "diagnostics.port"},
     {"optim", "amp", "checkpoint", "data.buckets", "data.cache", "data.presize", "training.schedule",
      "training.monitor", "training.history", "training.events"},
     {"data.loaders", "training.metrics", "training.callbacks", "training.builtins"},
     {"data", "loop"},
     {"training.runner"},
-    {"training.trainer", "training.inference", "doctor"},
+    {"training.trainer", "training.inference", "diagnostics.doctor"},
     {"training.fit"},
-    {"training.lr_finder", "training", "check"},
-    {"demo", "__init__"},
+    {"training.lr_finder", "training", "diagnostics.check", "diagnostics"},
+    {"demo", "check", "port", "__init__"},
 ]  # fmt: skip
 LAYER_OF = {name: i for i, names in enumerate(LAYERS) for name in names}
 

@@ -29,18 +29,9 @@ from .data import (BucketBatchSampler, BucketCollate, CachedDataset, PresizeRepo
 from .training import (EMA, Callback, CSVLogger, EpochMetric, EpochRecord, History, LRFinderResult, StopFit,
                        TensorBoardLogger, evaluate, find_lr, one_cycle, one_cycle_curve, one_cycle_fit, predict)
 
-# diagnosis: doctor() here; check() is loaded on first use (below)
-from .doctor import DoctorError, DoctorReport, doctor
-
-
-def __getattr__(name: str):  # noqa: ANN202
-    # check() is imported on first use, so `python -m tpu_utility.check` runs a module not imported yet
-    if name == "check":
-        from .check import check
-
-        globals()["check"] = check  # the function, not the submodule the import just bound
-        return check
-    raise AttributeError(f"module 'tpu_utility' has no attribute {name!r}")
+# diagnosis: doctor (run time), check (this machine); `python -m tpu_utility.port` (your source)
+from .diagnostics import DoctorError, DoctorReport, doctor
+from .diagnostics.check import check
 
 
 try:

@@ -44,12 +44,13 @@ from torch import nn
 from torch.utils import _pytree as pytree
 from torch.utils.data import DataLoader
 
-from . import backend
-from .data.buckets import choose_buckets
-from .device import move_to_device
-from .loop import INFERENCE_MODE_ERROR
-from .optim import step_optimizer
-from .training.runner import LossStep
+from .. import backend
+from ..data.buckets import choose_buckets
+from ..device import move_to_device
+from ..loop import INFERENCE_MODE_ERROR
+from ..optim import step_optimizer
+from ..training.runner import LossStep
+from .rules import NO_DYNAMIC_SHAPE, LOWERED_REPLACEMENTS, RULES
 
 Kind = Literal[
     "not_on_xla", "not_on_device", "optimizer_params", "tied_weights", "batch_split", "graph_growth", "recompile",
@@ -58,29 +59,12 @@ Kind = Literal[
 Mode = Literal["train", "eval"]
 _OWN_DIRS = tuple(
     os.path.dirname(m.__file__) + os.sep
-    for m in (torch, sys.modules[__name__.rpartition(".")[0]])
+    for m in (torch, sys.modules[__name__.split(".")[0]])
     if getattr(m, "__file__", None)
 )
 _READS = ("item", "tolist", "cpu", "numpy", "__bool__", "__float__", "__int__", "__index__", "__repr__", "__format__")
-_EMBEDDING_BAG = (
-    "nn.EmbeddingBag -> nn.Embedding and a masked sum/mean: e = emb(tokens) * mask[..., None]; "
-    "e.sum(1) (mean: / mask.sum(1, keepdim=True)), with tokens padded to a fixed length"
-)
-_NO_DYNAMIC_SHAPE = "it has a data-dependent shape: keep the shape fixed with torch.where(mask, x, 0) and a mask"
 _RECOMPILED_ELSEWHERE = ("under torch.compile(dynamic=False) (TorchTPU's way) and on XLA, though this eager backend "
                          "runs it uncompiled")  # fmt: skip
-# Ops that XLA cannot lower, and a replacement it can lower.
-LOWERED_REPLACEMENTS: dict[str, str] = {
-    "aten::_embedding_bag": _EMBEDDING_BAG,
-    "aten::_embedding_bag_backward": _EMBEDDING_BAG,
-    "aten::histc": "torch.histc -> F.one_hot(((x - lo) / (hi - lo) * bins).long().clamp(0, bins - 1), bins).sum(0)",
-    "aten::bincount": "torch.bincount -> F.one_hot(x, num_classes).sum(0)",
-    "aten::nonzero": f"nonzero: {_NO_DYNAMIC_SHAPE}",
-    "aten::masked_select": f"masked_select: {_NO_DYNAMIC_SHAPE}",
-    "aten::_unique2": f"unique: {_NO_DYNAMIC_SHAPE} (or compute it on the host once per epoch)",
-}
-
-
 @dataclass
 class Finding:
     """One problem: what it is, where it comes from, and what to change."""
@@ -186,21 +170,15 @@ class DoctorError(RuntimeError):
 def check_error(error: BaseException) -> Finding | None:
     """Names the cause and fix of an error your step raised, where one is known."""
     if isinstance(error, RuntimeError) and INFERENCE_MODE_ERROR in str(error):
-        return Finding(
-            "inference_mode",
-            "the step runs under torch.inference_mode(), which XLA cannot run: a layer that views a weight "
-            "made outside inference mode (nn.Linear transposes its weight) stops with 'Cannot set "
-            "version_counter for inference tensor'",
-            "with tpu_utility.inference_mode(): (torch.no_grad() on XLA, the same speed there; "
-            "torch.inference_mode() elsewhere), or torch.no_grad() directly",
-        )
+        rule = RULES["inference_mode"]
+        return Finding("inference_mode", f"the step runs under torch.inference_mode(): {rule.cost}", rule.fix)
     return None
 
 
 
 def check_xla(model: nn.Module | None) -> Finding | None:
     """XLA must be in use and the model on it, else doctor has nothing to measure."""
-    fix = "device = get_device(); model.to(device) before building the optimizer; move each batch with .to(device)"
+    fix = RULES["not_on_xla"].fix
     if not backend.xla_requested():
         wanted = backend.pjrt_device()
         if not backend.XLA_INSTALLED:
@@ -230,7 +208,7 @@ def check_device(model: nn.Module | None) -> Finding | None:
         "not_on_device",
         f"the model's parameters are on {', '.join(devices)}, not on the {backend.current().name} device "
         f"({backend.device()}): the step runs on the host CPU, so doctor measured nothing",
-        "device = get_device(); model.to(device) before building the optimizer; move each batch with .to(device)",
+        RULES["not_on_device"].fix,
     )
 
 
@@ -248,7 +226,7 @@ def check_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer) -> Findi
         f"{len(stray)} of the optimizer's {len(params)} parameters are not the model's (they are on "
         f"{stray[0].device}, {model_place}): optimizer.step() updates copies and the model "
         f"does not learn. The optimizer was built before model.to(device).",
-        "build the optimizer after the move: model.to(device); optimizer = AdamW(model.parameters())",
+        RULES["optimizer_params"].fix,
     )
 
 
@@ -270,8 +248,7 @@ def check_ties(model: nn.Module) -> Finding | None:
         "tied_weights",
         f"{len(pairs)} pair(s) of parameters hold identical values but are separate tensors: tied weights "
         f"that model.to(device) split apart, so they will now train independently",
-        "re-tie after the move (model.out.weight = model.emb.weight), or move with "
-        "tpu_utility.device.move_model(model, device), which keeps ties",
+        RULES["tied_weights"].fix,
         where=pairs,
     )
 
@@ -650,12 +627,12 @@ def _host_syncs(run: _Run) -> Finding | None:
     where = [f"{n}x .{name}() {line}" for (name, line), n in sorted(run.reads.items(), key=lambda kv: -kv[1])]
     where += [f"{n}x {op} {line}" for (_, op, line), n in sorted(run.syncs.items(), key=lambda kv: -kv[1])]
     kinds = {kind for kind, _, _ in run.syncs}
-    fix = "keep values on the device (running_loss += loss.detach()) and read them once per epoch"
+    fix = RULES["host_sync"].fix
     if any(name in ("cpu", "numpy", "tolist") for name, _ in run.reads) or "copy" in kinds:
         fix += ("; collect predictions on the device (preds.append(logits.argmax(1))) and move them once after "
                 "the loop: torch.cat(preds).cpu().numpy()")  # fmt: skip
     shaped = dict.fromkeys(op for kind, op, _ in run.syncs if kind == "shape")
-    fix += "".join(f"; {LOWERED_REPLACEMENTS.get(op, f'{op}: {_NO_DYNAMIC_SHAPE}')}" for op in shaped)
+    fix += "".join(f"; {LOWERED_REPLACEMENTS.get(op, f'{op}: {NO_DYNAMIC_SHAPE}')}" for op in shaped)
     return Finding(
         "host_sync",
         f"{syncs / len(run.measured):.2f} host sync(s) per step: each read of a device value waits for the "

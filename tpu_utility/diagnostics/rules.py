@@ -1,0 +1,169 @@
+"""The pitfalls of PyTorch on TPUs, one table: what each costs, the fix, the API it replaces.
+
+``doctor`` (at run time), ``check`` (the platform) and ``port`` (the source) read
+their texts from here, so a new pitfall is one entry. Pure data: no torch, no
+torch_xla.
+
+Example:
+    >>> from tpu_utility.diagnostics.rules import RULES
+    >>> RULES["host_sync"].fix
+    'keep values on the device (running_loss += loss.detach()) and read them once per epoch'
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+Tool = Literal["doctor", "check", "port"]
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One pitfall.
+
+    Attributes:
+        id: Short name; ``doctor``'s findings carry it as their ``kind``.
+        cost: What it costs on XLA (speed, a wrong result, an error).
+        fix: What to write instead.
+        replaces: The API or pattern it replaces ("" when it is not an API).
+        removed_in: The torch_xla release from which a replaced API is gone (it raises),
+            "" when it still works or the rule is not about an API.
+        deprecated_in: The release from which it warns, where known.
+        tools: Which of doctor, check and port know it.
+    """
+
+    id: str
+    cost: str
+    fix: str
+    replaces: str = ""
+    removed_in: str = ""
+    deprecated_in: str = ""
+    tools: tuple[Tool, ...] = ("doctor",)
+
+
+NO_DYNAMIC_SHAPE = "it has a data-dependent shape: keep the shape fixed with torch.where(mask, x, 0) and a mask"
+_EMBEDDING_BAG = (
+    "nn.EmbeddingBag -> nn.Embedding and a masked sum/mean: e = emb(tokens) * mask[..., None]; "
+    "e.sum(1) (mean: / mask.sum(1, keepdim=True)), with tokens padded to a fixed length"
+)
+# Ops that XLA cannot lower (aten name), and a replacement it can lower.
+LOWERED_REPLACEMENTS: dict[str, str] = {
+    "aten::_embedding_bag": _EMBEDDING_BAG,
+    "aten::_embedding_bag_backward": _EMBEDDING_BAG,
+    "aten::histc": "torch.histc -> F.one_hot(((x - lo) / (hi - lo) * bins).long().clamp(0, bins - 1), bins).sum(0)",
+    "aten::bincount": "torch.bincount -> F.one_hot(x, num_classes).sum(0)",
+    "aten::nonzero": f"nonzero: {NO_DYNAMIC_SHAPE}",
+    "aten::masked_select": f"masked_select: {NO_DYNAMIC_SHAPE}",
+    "aten::_unique2": f"unique: {NO_DYNAMIC_SHAPE} (or compute it on the host once per epoch)",
+}
+# The same ops as a source file calls them (function or method name -> aten name).
+SOURCE_FALLBACKS: dict[str, str] = {
+    "EmbeddingBag": "aten::_embedding_bag",
+    "embedding_bag": "aten::_embedding_bag",
+    "histc": "aten::histc",
+    "bincount": "aten::bincount",
+    "nonzero": "aten::nonzero",
+    "masked_select": "aten::masked_select",
+    "unique": "aten::_unique2",
+}
+
+_MOVE_FIX = "device = get_device(); model.to(device) before building the optimizer; move each batch with .to(device)"
+_BOTH = ("doctor", "port")
+_PORT = ("port",)
+
+RULES_LIST: tuple[Rule, ...] = (
+    # ---------------------------------------------------------- what doctor measures, port sees in the source
+    Rule("not_on_xla", "nothing runs on XLA: the step runs on the host CPU", _MOVE_FIX),
+    Rule("not_on_device", "the model is not on the backend's device: the step runs on the host CPU", _MOVE_FIX),
+    Rule("optimizer_params", "the optimizer was built before model.to(device), so on XLA it holds the CPU copies: "
+         "optimizer.step() updates them and the model does not learn",
+         "build the optimizer after the move: model.to(device); optimizer = AdamW(model.parameters())",
+         replaces="optimizer = AdamW(model.parameters()) before model.to(device)", tools=_BOTH),
+    Rule("tied_weights", "tied weights that model.to(device) split apart train independently",
+         "re-tie after the move (model.out.weight = model.emb.weight), or move with "
+         "tpu_utility.device.move_model(model, device), which keeps ties"),
+    Rule("batch_split", "a batch that does not divide across the cores", "use a batch size that is a multiple of the cores"),
+    Rule("graph_growth", "a graph that grows every step: nothing cuts it, so each step compiles and runs more",
+         "end each step with step_optimizer(optimizer) (or torch_xla.sync())"),
+    Rule("recompile", "a new input shape compiles a new graph", "keep every batch the same shape: "
+         "DataLoader(..., drop_last=True) in training, tpu_utility.masked_loader in evaluation, BucketCollate for "
+         "variable lengths"),
+    Rule("device_slicing", "slicing a device-resident dataset with Python integers bakes them into the graph: "
+         "a compile per step", "index with a device tensor of indices, or serve batches from a DataLoader"),
+    Rule("host_sync", "each read of a device value (.item(), .cpu(), .numpy(), .tolist(), print) waits for the "
+         "device: a host sync per step stops the host from tracing the next step while the device runs this one",
+         "keep values on the device (running_loss += loss.detach()) and read them once per epoch", tools=_BOTH),
+    Rule("cpu_fallback", "an op with no XLA lowering runs on the host CPU, copying tensors each way",
+         "replace it with ops XLA lowers (tpu_utility.diagnostics.rules.LOWERED_REPLACEMENTS), or compute it "
+         "outside the step, once per epoch", tools=_BOTH),
+    Rule("inference_mode", "XLA cannot run it: a layer that views a weight made outside "
+         "inference mode (nn.Linear transposes its weight) stops with 'Cannot set version_counter for inference tensor'",
+         "with tpu_utility.inference_mode(): (torch.no_grad() on XLA, the same speed there; torch.inference_mode() "
+         "elsewhere), or torch.no_grad() directly", replaces="torch.inference_mode()", tools=_BOTH),
+    # ------------------------------------------------------------------------ CUDA lines (port)
+    Rule("cuda_device", "the device is CUDA or the CPU: never the TPU", "device = get_device()",
+         replaces='torch.device("cuda" if torch.cuda.is_available() else "cpu")', tools=_PORT),
+    Rule("cuda_move", ".cuda() raises where there is no CUDA", "x.to(device)", replaces="x.cuda()", tools=_PORT),
+    Rule("optimizer_step", "on XLA the step must cut the graph, and with several cores average the gradients; "
+         "optimizer.step() does neither", "step_optimizer(optimizer)", replaces="optimizer.step()", tools=_PORT),
+    Rule("cuda_amp", "CUDA's autocast and GradScaler do nothing on a TPU (or raise); TPUs need bfloat16 and no "
+         "loss scaling", "autocast(dtype=...) and grad_scaler() from tpu_utility: bfloat16 on TPU, your dtype on CUDA",
+         replaces="torch.autocast('cuda') / torch.cuda.amp.autocast / torch.amp.GradScaler('cuda')", tools=_PORT),
+    Rule("distributed_sampler", "a DistributedSampler wants the world size and rank of a process group",
+         "make_sampler(dataset, shuffle=...): this process's part when several run, None (plain shuffling) with one",
+         replaces="DistributedSampler(dataset, num_replicas=..., rank=...)", tools=_PORT),
+    Rule("cuda_call", "torch.cuda calls do nothing or raise where there is no CUDA",
+         "remove it, or guard it with `if device.type == \"cuda\":`; to wait for the TPU: torch_xla.sync(wait=True)",
+         replaces="torch.cuda.*", tools=_PORT),
+    Rule("cuda_guard", "a `device.type == \"cuda\"` / torch.cuda.is_available() test is False on a TPU, so the "
+         "feature it guards (mixed precision, a GradScaler) is switched off without a word",
+         "test what the feature needs instead: tpu_utility.autocast/grad_scaler work on every device, so guard "
+         "them with the user's flag alone (if args.amp:)", tools=_PORT),
+    Rule("runtime_before_spawn", "code at the top level of the launching process that asks the XLA runtime "
+         "(world size, ordinal, device) starts it there, and a multi-process launch then refuses: "
+         "'Runtime is already initialized'", "build samplers, loaders and devices inside the function you spawn",
+         replaces="a DistributedSampler built before xmp.spawn", tools=_PORT),
+    # ---------------------- torch_xla 1.x names that fail or warn on 2.8 and 2.9 (port rewrites; check lists them)
+    # From torch_xla's history: xrt_world_size/get_ordinal warned from 2.5 (#7679) and went in 2.7 (#8927);
+    # xla_device and mark_step warn from 2.8 (#9086, #9200); xmp.spawn raises for nprocs other than None or 1
+    # from 2.6 (#7971). Still current on 2.9 and left as they are: get_local_ordinal, is_master_ordinal,
+    # master_print, mesh_reduce, rendezvous, optimizer_step, MpModelWrapper, MpSerialExecutor, ParallelLoader.
+    Rule("xrt_world_size", "gone from torch_xla: AttributeError", "xr.world_size()",
+         replaces="xm.xrt_world_size()", removed_in="2.7", deprecated_in="2.5", tools=("port", "check")),
+    Rule("get_ordinal", "gone from torch_xla: AttributeError", "xr.global_ordinal()",
+         replaces="xm.get_ordinal()", removed_in="2.7", deprecated_in="2.5", tools=("port", "check")),
+    Rule("spawn_nprocs", "under PJRT xmp.spawn starts one process per chip itself: any nprocs but None or 1 raises "
+         "ValueError: Unsupported nprocs", "xmp.spawn(fn, args=...) without nprocs (TPU_NUM_DEVICES limits the chips)",
+         replaces="xmp.spawn(..., nprocs=8)", removed_in="2.6", tools=("port", "check")),
+    Rule("xla_device", "deprecated: a DeprecationWarning per call", "torch_xla.device()",
+         replaces="xm.xla_device()", deprecated_in="2.8", tools=("port", "check")),
+    Rule("mark_step", "deprecated: a DeprecationWarning per call", "torch_xla.sync()",
+         replaces="xm.mark_step()", deprecated_in="2.8", tools=("port", "check")),
+    Rule("xla_use_bf16", "deprecated since 2.4 (torch_xla prints that it goes after 2.6): it makes every float32 "
+         "tensor bfloat16 on the device while its dtype still says float32",
+         "bfloat16 autocast: with tpu_utility.autocast(): (one_cycle_fit(..., precision='bf16')), or "
+         "model.to(torch.bfloat16)", replaces='os.environ["XLA_USE_BF16"] = "1"', deprecated_in="2.4",
+         tools=("port", "check")),
+)
+RULES: dict[str, Rule] = {rule.id: rule for rule in RULES_LIST}
+
+
+def for_tool(tool: Tool) -> list[Rule]:
+    """The rules one tool applies, in table order."""
+    return [rule for rule in RULES_LIST if tool in rule.tools]
+
+
+def _release(version: str) -> tuple[int, ...]:
+    return tuple(int(p) for p in version.split("+")[0].split(".")[:2])
+
+
+def gone_in(xla_version: str) -> list[Rule]:
+    """The replaced APIs that raise on this torch_xla release (for ``check``'s report).
+
+    Example:
+        >>> [rule.replaces for rule in gone_in("2.9.0")][:2]
+        ['xm.xrt_world_size()', 'xm.get_ordinal()']
+    """
+    found = _release(xla_version)
+    return [rule for rule in RULES_LIST if rule.removed_in and _release(rule.removed_in) <= found]
