@@ -154,6 +154,7 @@ bench: venv
 	$(PINNED)/bin/python bench/text_bench.py
 	$(PINNED)/bin/python bench/predict_bench.py
 	$(PINNED)/bin/python bench/cache_bench.py
+	PJRT_DEVICE=CPU $(PINNED)/bin/python bench/port_bench.py
 
 # The multi-device tests (pytest -m multidevice: 4 XLA:CPU devices, several gloo processes) STRESS_ROUNDS
 # times in a row on the pinned stack while `stress` keeps STRESS_CPUS cores busy: they must not flake on a

@@ -85,6 +85,7 @@ TORCH_RELEASE = {  # code whose behaviour moved between torch/torch_xla 2.8 and 
     "test_huggingface.py": "transformers' mask code branches on the torch version",
     "test_readme.py": "every README and docs block, as a user runs it",
     "test_notebook.py": "the quickstart notebook end to end",
+    "test_porter.py": "ported 1.x kernels and CUDA loops run on this torch_xla (the API table's premise)",
 }
 PYTHON_RELEASE = {  # code whose behaviour can change with the Python version
     "test_import.py": "imports with and without torch_xla",
@@ -99,13 +100,14 @@ PYTHON_RELEASE = {  # code whose behaviour can change with the Python version
     "test_presize.py": "a process pool and its clean-up",
     "test_readme.py": "every README and docs block, as a user runs it",
     "test_check.py": "the whole platform check on 1 and 4 devices",
+    "test_porter.py": "LibCST's parser on this Python's grammar; a ported notebook in a kernel",
 }
 
 
 # Files whose tests train real models or start interpreters and processes (20-80 s each with two
 # workers), slowest first: scheduled before the rest, so that a run ends on short tests, not with one
 # worker still on a long one while the others idle. Order within a file is kept.
-LONG_FIRST = ["test_notebook.py", "test_huggingface.py", "test_ports.py", "test_readme.py", "test_user_input.py",
+LONG_FIRST = ["test_notebook.py", "test_huggingface.py", "test_porter.py", "test_ports.py", "test_readme.py", "test_user_input.py",
               "test_native.py", "test_resume_safety.py", "test_multicore.py", "test_check.py", "test_predict.py"]  # fmt: skip
 
 

@@ -50,7 +50,7 @@ from ..device import move_to_device
 from ..loop import INFERENCE_MODE_ERROR
 from ..optim import step_optimizer
 from ..training.runner import LossStep
-from .rules import NO_DYNAMIC_SHAPE, LOWERED_REPLACEMENTS, RULES
+from .rules import COLLECT_ON_DEVICE, NO_DYNAMIC_SHAPE, LOWERED_REPLACEMENTS, RULES
 
 Kind = Literal[
     "not_on_xla", "not_on_device", "optimizer_params", "tied_weights", "batch_split", "graph_growth", "recompile",
@@ -629,8 +629,7 @@ def _host_syncs(run: _Run) -> Finding | None:
     kinds = {kind for kind, _, _ in run.syncs}
     fix = RULES["host_sync"].fix
     if any(name in ("cpu", "numpy", "tolist") for name, _ in run.reads) or "copy" in kinds:
-        fix += ("; collect predictions on the device (preds.append(logits.argmax(1))) and move them once after "
-                "the loop: torch.cat(preds).cpu().numpy()")  # fmt: skip
+        fix += f"; {COLLECT_ON_DEVICE}"
     shaped = dict.fromkeys(op for kind, op, _ in run.syncs if kind == "shape")
     fix += "".join(f"; {LOWERED_REPLACEMENTS.get(op, f'{op}: {NO_DYNAMIC_SHAPE}')}" for op in shaped)
     return Finding(

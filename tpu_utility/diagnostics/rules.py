@@ -68,6 +68,9 @@ SOURCE_FALLBACKS: dict[str, str] = {
     "unique": "aten::_unique2",
 }
 
+# the host-sync fix for reads that copy a tensor out (.cpu(), .numpy(), .tolist())
+COLLECT_ON_DEVICE = ("collect predictions on the device (preds.append(logits.argmax(1))) and move them once after "
+                     "the loop: torch.cat(preds).cpu().numpy()")
 _MOVE_FIX = "device = get_device(); model.to(device) before building the optimizer; move each batch with .to(device)"
 _BOTH = ("doctor", "port")
 _PORT = ("port",)
@@ -97,6 +100,9 @@ RULES_LIST: tuple[Rule, ...] = (
     Rule("cpu_fallback", "an op with no XLA lowering runs on the host CPU, copying tensors each way",
          "replace it with ops XLA lowers (tpu_utility.diagnostics.rules.LOWERED_REPLACEMENTS), or compute it "
          "outside the step, once per epoch", tools=_BOTH),
+    Rule("dynamic_shape", "a boolean mask (x[x > 0]) gives a tensor whose size depends on the data: a host sync to "
+         "learn it, and a new graph for each new size", NO_DYNAMIC_SHAPE.replace("it has a data-dependent shape: ", ""),
+         replaces="x[mask]", tools=_PORT),
     Rule("inference_mode", "XLA cannot run it: a layer that views a weight made outside "
          "inference mode (nn.Linear transposes its weight) stops with 'Cannot set version_counter for inference tensor'",
          "with tpu_utility.inference_mode(): (torch.no_grad() on XLA, the same speed there; torch.inference_mode() "
@@ -140,6 +146,9 @@ RULES_LIST: tuple[Rule, ...] = (
          replaces="xm.xla_device()", deprecated_in="2.8", tools=("port", "check")),
     Rule("mark_step", "deprecated: a DeprecationWarning per call", "torch_xla.sync()",
          replaces="xm.mark_step()", deprecated_in="2.8", tools=("port", "check")),
+    Rule("env_setup", "the 2020-era setup lines install torch_xla 1.x (XRT) over the image's own torch and "
+         "torch_xla, or fail offline", "delete them: Kaggle's TPU image ships torch_xla 2.8, Colab's 2.9",
+         replaces="!python pytorch-xla-env-setup.py --version 1.7", tools=_PORT),
     Rule("xla_use_bf16", "deprecated since 2.4 (torch_xla prints that it goes after 2.6): it makes every float32 "
          "tensor bfloat16 on the device while its dtype still says float32",
          "bfloat16 autocast: with tpu_utility.autocast(): (one_cycle_fit(..., precision='bf16')), or "
