@@ -201,6 +201,66 @@ def test_predict_and_evaluate_on_four_spmd_devices():
     assert float(now) == pytest.approx(float(then), abs=1e-6)  # the best epoch's weights came back
 
 
+SPMD_COMPILES = """
+import warnings; warnings.simplefilter("ignore")
+import torch
+from sklearn.metrics import cohen_kappa_score
+from tpu_utility import EpochMetric, backend, evaluate, one_cycle_fit, predict
+from tpu_utility.demo import digits_datasets
+
+nn = torch.nn
+train, valid = digits_datasets()  # 359 validation samples: 6 global batches of 64, the last one padded
+kappa = lambda out, y: cohen_kappa_score(y, out.argmax(1), weights="quadratic")
+qwk = EpochMetric(kappa, higher_is_better=True)
+torch.manual_seed(0)
+before = backend.compile_count()
+history = one_cycle_fit(nn.Sequential(nn.Flatten(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10)), train,
+                        valid_data=valid, epochs=3, max_lr=3e-3, batch_size=16, cores="all", restore_best=False,
+                        metrics={"accuracy": "accuracy", "qwk": qwk}, progress=False)
+counts = [before] + [r.compiles for r in history.records]
+print("epochs", *[b - a for a, b in zip(counts, counts[1:])], "uncounted", backend.compile_count() - counts[-1])
+model = history.model
+x, y = valid.tensors
+with torch.no_grad():
+    on_cpu = model.cpu().eval()(x)
+print("fit_kappa", history.records[-1].metrics["qwk"], kappa(on_cpu, y))
+
+def compiles(call):
+    before = backend.compile_count()
+    result = call()
+    return backend.compile_count() - before, result
+
+for k in range(2):
+    n, got = compiles(lambda: evaluate(model, valid, batch_size=16, cores="all", metrics={"qwk": qwk}))
+    print(f"evaluate{k}", n, got["qwk"], kappa(on_cpu, y))
+for k in range(2):  # 23 batches of 16: a chunk of 16 moves to the host, then the last 7
+    n, preds = compiles(lambda: predict(model, valid, batch_size=4, cores="all", progress=False))
+    print(f"predict{k}", n, preds.shape == on_cpu.shape and torch.allclose(preds, on_cpu, atol=1e-5))
+print("devices:", backend.global_device_count(), "spmd:", backend.is_spmd())
+"""
+
+
+@pytest.mark.multidevice
+def test_on_four_spmd_devices_repeated_evaluation_and_prediction_compile_nothing_new():
+    """A batch-sharded tensor's own transfer compiles a graph at every call (torch_xla gathers its shards anew):
+    moved one batch at a time, an EpochMetric cost 3 compiles per validation batch in every epoch, and each
+    evaluate or predict call compiled again. Gathered in a graph compiled once, epochs 2 and 3 compile nothing."""
+    r = run_python(SPMD_COMPILES, env={"CPU_NUM_DEVICES": "4"}, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "devices: 4 spmd: True" in r.stdout, r.stdout
+    said = {line.split()[0]: line.split()[1:] for line in r.stdout.splitlines()}
+    first, second, third, _, uncounted = said["epochs"]
+    assert int(uncounted) == 0, r.stdout  # the records count every graph: validation and the EpochMetric's gather too
+    assert (int(second), int(third)) == (0, 0) and int(first) <= 12, r.stdout  # was 24, 18, 18 (5, 0, 0 without it)
+    fit_kappa, cpu_kappa = said["fit_kappa"]
+    assert float(fit_kappa) == pytest.approx(float(cpu_kappa), abs=1e-9)
+    for k, most in ((0, 6), (1, 0)):  # a first call compiles a few graphs; a second one nothing
+        n, got, want = said[f"evaluate{k}"]
+        assert int(n) <= most and float(got) == pytest.approx(float(want), abs=1e-9), r.stdout  # was 22, then 18 a call
+        n, equal = said[f"predict{k}"]
+        assert int(n) <= most // 2 and equal == "True", r.stdout  # was 2 per batch at every call
+
+
 MP_SCRIPT = INDEXED + """
 import warnings; warnings.simplefilter("ignore")
 import torch_xla

@@ -322,6 +322,18 @@ def process_index() -> int:
     return xr.process_index()
 
 
+@functools.lru_cache(maxsize=None)
+def _data_mesh(devices: int) -> Any:
+    """The 1-D mesh of ``devices`` devices (axis "data") that batches are sharded over.
+
+    One object per size: torch_xla caches the shardings it derives per mesh object.
+    """
+    import numpy as np
+    import torch_xla.distributed.spmd as xs
+
+    return xs.Mesh(np.arange(devices), (devices,), ("data",))
+
+
 class _BatchSharding:
     """Shards every tensor of a batch along dim 0 over a 1-D data mesh.
 
@@ -376,13 +388,7 @@ def device_loader(loader: Any, dev: torch.device, spmd_devices: int | None = Non
     """
     import torch_xla.distributed.parallel_loader as pl
 
-    sharding = None
-    if spmd_devices:
-        import numpy as np
-        import torch_xla.distributed.spmd as xs
-
-        mesh = xs.Mesh(np.arange(spmd_devices), (spmd_devices,), ("data",))
-        sharding = _BatchSharding(mesh, minibatch)
+    sharding = _BatchSharding(_data_mesh(spmd_devices), minibatch) if spmd_devices else None
     relay = _Relay(loader)
     batches = pl.MpDeviceLoader(relay, dev, input_sharding=sharding)
 
@@ -488,14 +494,44 @@ def fallback_ops() -> list[str]:
 
 
 def to_cpu(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """Copies XLA tensors to the host in one transfer (CPU tensors pass through)."""
+    """Copies XLA tensors to the host in one transfer (CPU tensors pass through).
+
+    Under SPMD, tensors sharded over the devices (a batch, an output computed from
+    one) are first made whole on every device in one graph, which compiles once for
+    their shapes: torch_xla's own transfer of a sharded tensor gathers its shards
+    with a program that it compiles anew at every transfer.
+    """
     xla = [t for t in tensors if t.device.type == "xla"]
     if not xla:
         return [t.detach().cpu() for t in tensors]
     import torch_xla
 
+    if is_spmd():
+        xla = _replicated(xla)
     moved = iter(torch_xla._XLAC._xla_get_cpu_tensors(xla))
     return [next(moved) if t.device.type == "xla" else t.detach().cpu() for t in tensors]
+
+
+def _replicated(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The tensors, each that may be sharded (pending ones included) replaced by a copy every device holds whole.
+
+    The copies run in one graph with the tensors themselves (which become device
+    data, as a transfer would leave them), the same graph at every call with these
+    shapes; a transfer then reads one device's copy.
+    """
+    import torch_xla
+    import torch_xla.distributed.spmd as xs
+
+    spec = torch_xla._XLAC._get_xla_sharding_spec
+    copies = {}
+    for i, t in enumerate(tensors):
+        if t.numel() and t.dim() and spec(t) != "{replicated}":
+            copies[i] = torch.cat([t.detach()])  # a node of its own: a clone would share the tensor's data
+            xs.mark_sharding(copies[i], _data_mesh(global_device_count()), (None,) * t.dim())
+    if not copies:
+        return tensors
+    torch_xla._XLAC._xla_sync_multi([*tensors, *copies.values()], devices=[], wait=False)
+    return [copies.get(i, t) for i, t in enumerate(tensors)]
 
 
 # ------------------------------------------------------ doctor's probes

@@ -53,8 +53,9 @@ class EpochMetric:
     torchmetrics' functional metrics take these as they are.
 
     The outputs stay on the device during the evaluation and move to the host in
-    one transfer at its end (none per step); before training, ``fn`` is tried once
-    on the first validation batch, so a wrong signature fails at once.
+    one transfer at its end (none per step; on all cores in graphs compiled once,
+    so a repeated evaluation compiles nothing); before training, ``fn`` is tried
+    once on the first validation batch, so a wrong signature fails at once.
 
     Args:
         fn: ``(outputs, targets) -> number``; ``outputs`` is ``(N, ...)`` float32,
