@@ -13,8 +13,8 @@ from torch.utils.data import DataLoader
 
 from conftest import run_python
 from hf_task import Tokens, bert, cpu_logits, unpadded
-from tpu_utility import (BucketBatchSampler, BucketCollate, Callback, doctor, evaluate, find_lr, get_device,
-                         one_cycle_fit, predict)
+from tpu_utility import (BucketBatchSampler, BucketCollate, Callback, backend, doctor, evaluate, find_lr, get_device,
+                         one_cycle_fit, predict, static_masks)
 
 EPOCHS, BATCH, LR = 3, 32, 1e-3
 
@@ -37,19 +37,25 @@ def plain_cpu_accuracy(train, valid) -> float:
 
 def test_one_cycle_fit_trains_a_bert_on_dict_batches_as_well_as_the_plain_cpu_loop():
     train, valid = Tokens(1024, 0), Tokens(300, 1)
-    history = one_cycle_fit(bert(), train, valid_data=valid, epochs=EPOCHS, max_lr=LR, batch_size=BATCH, progress=False)
+    model = bert()
+    history = one_cycle_fit(model, train, valid_data=valid, epochs=EPOCHS, max_lr=LR, batch_size=BATCH, progress=False)
     accuracy = history.records[-1].metrics["accuracy"]
     assert accuracy == pytest.approx(plain_cpu_accuracy(train, valid), abs=0.05)
     assert accuracy > 0.9 and history.records[-1].train_loss < 0.5 * history.records[0].train_loss
-    assert history.records[1].compiles == history.records[-1].compiles  # flat from epoch 2
+    # no host read in any step: transformers' mask test (padding_mask.all()) is not run on XLA
+    assert [r.host_syncs for r in history.records] == [0] * EPOCHS
+    assert history.records[1].compiles == history.records[-1].compiles, [r.compiles for r in history.records]
+    assert model.config._attn_implementation == "sdpa"  # the model's own attention, given back
     # the validation loss is the mean cross-entropy of the logits over the 300 samples, padding left out
     logits = cpu_logits(history.model, valid)
     assert history.records[-1].valid_loss == pytest.approx(nn.functional.cross_entropy(logits, valid.labels).item(), abs=1e-4)
 
+    syncs = backend.host_sync_count()
     preds = predict(history.model, valid, batch_size=64, progress=False)  # the logits, in dataset order
     assert preds.shape == (300, 2)
     torch.testing.assert_close(preds, logits, atol=1e-4, rtol=1e-4)
     figures = evaluate(history.model, valid, batch_size=64)
+    assert backend.host_sync_count() == syncs  # predict and evaluate read no mask either
     assert figures["accuracy"] == pytest.approx((logits.argmax(1) == valid.labels).float().mean().item(), abs=1e-6)
 
 
@@ -112,13 +118,55 @@ def test_a_dict_batch_without_labels_is_a_clear_error_before_training():
     assert preds.shape == (40, 2)
 
 
+def test_variable_length_samples_are_refused_before_training_naming_bucket_collate():
+    seen = []
+
+    class Count(Callback):
+        def on_train_epoch_start(self, loop, epoch):
+            seen.append(epoch)
+
+    with pytest.raises(ValueError) as error:
+        one_cycle_fit(bert(), unpadded(Tokens(64, 0)), epochs=1, max_lr=1e-3, batch_size=16, progress=False,
+                      callbacks=[Count()])  # fmt: skip
+    lengths = unpadded(Tokens(64, 0))
+    assert (f"train_data: samples 0 and 1 differ in shape, input_ids [{len(lengths[0]['input_ids'])}] and "
+            f"[{len(lengths[1]['input_ids'])}]") in str(error.value)  # fmt: skip
+    assert "collate = BucketCollate([32, 64, 128])" in str(error.value) and seen == []
+    with pytest.raises(ValueError, match="data: samples 0 and 1 differ in shape"):
+        evaluate(bert(), unpadded(Tokens(64, 0)), batch_size=16)
+    tuples = [(s["input_ids"], s["labels"]) for s in lengths]
+    with pytest.raises(ValueError, match=r"samples 0 and 1 differ in shape, \[0\] "):
+        predict(bert(), tuples, batch_size=16, progress=False)
+
+
+def test_a_hand_loop_switches_to_static_masks_in_one_line():
+    model = bert().to(get_device())
+    assert static_masks(model) == "sdpa" and model.config._attn_implementation != "sdpa"
+    batch = {k: v.to(get_device()) for k, v in Tokens(32, 0)[0].items()}
+    batch = {k: v[None] for k, v in batch.items()}
+    syncs = backend.host_sync_count()
+    model(**batch).loss.backward()
+    backend.sync()
+    assert backend.host_sync_count() == syncs
+    assert static_masks(torch.nn.Linear(2, 2)) is None  # not a transformers model: nothing changes
+
+
 def test_find_lr_and_doctor_take_dict_batches():
+    syncs = backend.host_sync_count()
     result = find_lr(bert(), Tokens(512, 0), batch_size=BATCH, num_steps=30)
     assert len(result.lrs) == len(result.losses) > 0 and result.suggested_lr > 0
+    assert backend.host_sync_count() - syncs < 10  # its reads per pass over the data; none per step (30 steps)
     model = bert().to(get_device())
     report = doctor(model, batches=DataLoader(Tokens(128, 0), batch_size=BATCH), steps=2,
                     optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3))  # fmt: skip
     assert report.steps == 2 and report.compiles_per_step == 0  # the model's own loss, the same graph each step
+    # doctor measures the loop as written: transformers' mask read, named with the one-line fix
+    found = [f for f in report.findings if f.kind == "host_sync"]
+    assert found and "static_masks(model)" in found[0].fix and "masking_utils.py" in found[0].where[0], report
+    static_masks(model)
+    report = doctor(model, batches=DataLoader(Tokens(128, 0), batch_size=BATCH), steps=2,
+                    optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3))  # fmt: skip
+    assert report.host_syncs_per_step == 0 and report.clean, report
 
 
 SPMD = """

@@ -132,6 +132,7 @@ def _cases():
          + "\nassert [s for s, _ in logged[:-1]] == [1, 2, 3, 4, 5] and logged[-1] == 'finished', logged\n", 1),
         ("callbacks", block("class StopAt(Callback)") + "\nassert history.records[-1].epoch >= 2 and"
          " os.listdir('runs/digits')\n", 1),
+        ("static_masks", block("static_masks(model)   # was") + "\nassert model.config._attn_implementation != 'sdpa'\n", 1),
         ("reload best.pt", "one_cycle_fit(small_cnn(), train_ds, epochs=1, max_lr=1e-3, checkpoint_dir='ckpt', progress=False)\n"
          + block('load_checkpoint("ckpt/best.pt"') + "\nassert preds.shape == (len(test_ds), 10)\n", 1),
     ]  # fmt: skip

@@ -20,6 +20,7 @@ from .device import get_device
 from .environment import TpuInfo, setup_tpu
 from .loop import device_loader, inference_mode, launch, masked_loader, use_all_cores
 from .optim import step_optimizer
+from .huggingface import static_masks
 
 # data preparation: fixed shapes, caches, images shrunk once
 from .data import (BucketBatchSampler, BucketCollate, CachedDataset, PresizeReport, cache_dataset, choose_buckets,
@@ -79,6 +80,7 @@ __all__ = [
     "PresizeReport",
     "save_checkpoint",
     "setup_tpu",
+    "static_masks",
     "step_optimizer",
     "TpuInfo",
     "use_all_cores",

@@ -14,7 +14,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
+import numpy as np
 import torch
+from torch.utils import _pytree as pytree
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, RandomSampler, Sampler, SequentialSampler
 from torch.utils.data.dataloader import default_collate
 
@@ -206,6 +208,8 @@ def unpack_loader(data: Any, batch_size: int | None, name: str) -> LoaderSpec:
                 f"give one of them"
             )
         _check_sized(data.dataset, f"{name}.dataset")
+        if data.collate_fn is default_collate:
+            check_fixed_shapes(data.dataset, data.batch_size, name)
         own = data.sampler
         shuffle = own.shuffle if isinstance(own, DistributedSampler) else not isinstance(own, SequentialSampler)
         return LoaderSpec(
@@ -217,7 +221,46 @@ def unpack_loader(data: Any, batch_size: int | None, name: str) -> LoaderSpec:
     size = 64 if batch_size is None else batch_size
     if isinstance(size, bool) or not isinstance(size, int) or size < 1:
         raise ValueError(f"batch_size must be a positive int, but given {size!r}")
+    check_fixed_shapes(data, size, name)
     return LoaderSpec(data, size)
+
+
+def _field_shapes(sample: Any) -> dict[str, tuple[int, ...]]:
+    """Each field's shape (a list's length), keyed by its path: ``input_ids``, ``[0]``, ``[1].mask``."""
+    leaves, spec = pytree.tree_flatten_with_path(sample, is_leaf=lambda x: isinstance(x, list) and not (
+        x and isinstance(x[0], (dict, tuple))))  # fmt: skip
+    shapes = {}
+    for path, leaf in leaves:
+        key = "".join(f"[{k.idx}]" if hasattr(k, "idx") else str(getattr(k, "key", k)) for k in path) or "sample"
+        if isinstance(leaf, (torch.Tensor, np.ndarray)):
+            shapes[key] = tuple(leaf.shape)
+        elif isinstance(leaf, list):
+            shapes[key] = (len(leaf),)
+    return shapes
+
+
+def check_fixed_shapes(dataset: Dataset, count: int, name: str) -> None:
+    """Refuses samples the default collate cannot stack: the first ``count`` (one batch) must agree per field.
+
+    A tokenized split before padding has one length per sample; stacked, it fails inside a loader
+    worker with "Trying to resize storage that is not resizable". Said here, before any epoch, with
+    the fix.
+    """
+    first: dict[str, tuple[int, ...]] | None = None
+    for i in range(min(count, len(dataset))):
+        shapes = _field_shapes(dataset[i])
+        if first is None:
+            first = shapes
+            continue
+        for key, shape in shapes.items():
+            if key in first and shape != first[key]:
+                raise ValueError(
+                    f"{name}: samples 0 and {i} differ in shape, {key} {list(first[key])} and {list(shape)}, so "
+                    f"batches of {count} cannot be stacked (variable-length sequences?). Pad each batch to one of "
+                    f"a few fixed lengths (one graph per length on XLA):\n"
+                    f"    collate = BucketCollate([32, 64, 128])  # from tpu_utility\n"
+                    f"    one_cycle_fit(model, DataLoader({name}, batch_size={count}, collate_fn=collate), ...)"
+                )
 
 
 def _bucketed_spec(loader: DataLoader, batch_size: int | None, name: str) -> LoaderSpec:

@@ -630,6 +630,8 @@ def _host_syncs(run: _Run) -> Finding | None:
     fix = RULES["host_sync"].fix
     if any(name in ("cpu", "numpy", "tolist") for name, _ in run.reads) or "copy" in kinds:
         fix += f"; {COLLECT_ON_DEVICE}"
+    if any(f"transformers{os.sep}masking_utils" in line for line in where):
+        fix += f"; {RULES['hf_mask_sync'].fix}"
     shaped = dict.fromkeys(op for kind, op, _ in run.syncs if kind == "shape")
     fix += "".join(f"; {LOWERED_REPLACEMENTS.get(op, f'{op}: {NO_DYNAMIC_SHAPE}')}" for op in shaped)
     return Finding(

@@ -97,6 +97,10 @@ RULES_LIST: tuple[Rule, ...] = (
     Rule("host_sync", "each read of a device value (.item(), .cpu(), .numpy(), .tolist(), print) waits for the "
          "device: a host sync per step stops the host from tracing the next step while the device runs this one",
          "keep values on the device (running_loss += loss.detach()) and read them once per epoch", tools=_BOTH),
+    Rule("hf_mask_sync", "transformers' SDPA mask code reads padding_mask.all() on the host in every forward, to "
+         "skip an all-ones mask", "static_masks(model): the same attention with the mask built on the device "
+         "(one_cycle_fit, evaluate, predict and find_lr do it for the run)", replaces="model(**batch) with sdpa",
+         tools=("doctor",)),
     Rule("cpu_fallback", "an op with no XLA lowering runs on the host CPU, copying tensors each way",
          "replace it with ops XLA lowers (tpu_utility.diagnostics.rules.LOWERED_REPLACEMENTS), or compute it "
          "outside the step, once per epoch", tools=_BOTH),

@@ -26,6 +26,7 @@ from torch.utils import _pytree as pytree
 from .. import backend
 from ..data.loaders import LABELS, LabelCheck, LoaderSpec, eval_loader, real_counts, train_loader
 from ..device import get_device, move_model, move_to_device
+from ..huggingface import restore_masks, static_masks
 from .metrics import MetricSet
 from ..progress import progress_bar
 
@@ -373,6 +374,8 @@ class Runner:
         move_model(model, self.device)
         if self.precision.mode == "cast":
             model.to(torch.bfloat16)
+        # a transformers model's masks built on the device: no host read per forward on XLA (given back after)
+        self.found_attention = static_masks(model) if self.lazy else None
 
     @property
     def lazy(self) -> bool:
@@ -382,6 +385,7 @@ class Runner:
     def restore_model(self) -> None:
         """Puts the model back on the device, dtype and mode it was found in."""
         self.found.restore(self.model)
+        restore_masks(self.model, self.found_attention)
         if self.found_weights is not None:
             self.model.load_state_dict(self.found_weights)
 

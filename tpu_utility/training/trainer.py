@@ -29,6 +29,7 @@ from .. import backend
 from ..checkpoint import CHECKPOINT_NAME
 from ..data.loaders import LabelCheck, LoaderSpec, dropped_per_epoch, set_epoch
 from ..files import folder_lock, join, remove, remove_stale_temporaries
+from ..huggingface import restore_masks
 from ..optim import step_optimizer
 from ..progress import CompileNotice, progress_bar
 from .builtins import BEST_NAME, HISTORY_NAME
@@ -217,6 +218,13 @@ def train(model: nn.Module, plan: FitPlan) -> tuple[nn.Module, History]:
 
 def _train(model: nn.Module, plan: FitPlan) -> tuple[nn.Module, History]:
     loop = Loop(model, plan)
+    try:
+        return _run(loop, model, plan)
+    finally:  # a transformers model leaves with its own attention implementation (see static_masks)
+        restore_masks(model, loop.runner.found_attention)
+
+
+def _run(loop: Loop, model: nn.Module, plan: FitPlan) -> tuple[nn.Module, History]:
     if loop.valid_loader is not None:
         loop.runner.check_eval(loop.valid_loader, loop.metrics, loop.eval_step)
     epoch, history = loop.start_epoch, loop.history

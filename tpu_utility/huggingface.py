@@ -1,0 +1,88 @@
+"""Hugging Face models on XLA without a host read per forward: attention masks built on the device.
+
+transformers' SDPA mask code asks the host whether a batch has any padding
+(``padding_mask.all()`` in ``masking_utils``) so that it may pass no mask at all. On
+XLA that read is a host sync in every forward: the host waits for the device instead
+of tracing the next step. ``static_masks(model)`` switches the model to the same SDPA
+attention under a name registered through transformers' own ``AttentionInterface``
+and ``AttentionMaskInterface``, whose mask is always built (an all-ones mask gives
+the same attention as none). ``one_cycle_fit``, ``evaluate``, ``predict`` and
+``find_lr`` do this on XLA for the run and put the model's own implementation back
+after it; in a hand loop it is one line.
+
+Example:
+    >>> model = AutoModelForSequenceClassification.from_config(config).to(device)   # doctest: +SKIP
+    >>> static_masks(model)   # was: nothing; each forward read padding_mask.all() on the host  # doctest: +SKIP
+    'sdpa'
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from torch import nn
+
+STATIC_SDPA = "tpu_utility_static_sdpa"
+
+
+def is_transformers_model(model: Any) -> bool:
+    """Whether ``model`` is a transformers ``PreTrainedModel`` (found without importing transformers)."""
+    transformers = sys.modules.get("transformers")
+    return transformers is not None and isinstance(model, getattr(transformers, "PreTrainedModel", ()))
+
+
+def _always_built_sdpa_mask(*args: Any, **kwargs: Any) -> Any:
+    from transformers.masking_utils import sdpa_mask
+
+    kwargs["allow_is_causal_skip"] = False  # each skip test reads the mask on the host
+    kwargs["allow_is_bidirectional_skip"] = False
+    return sdpa_mask(*args, **kwargs)
+
+
+def _register() -> bool:
+    """Registers the static-mask SDPA once; False where transformers has no mask interface (before 4.53)."""
+    try:
+        from transformers import AttentionInterface
+        from transformers.masking_utils import AttentionMaskInterface
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    except ImportError:
+        return False
+    if STATIC_SDPA not in AttentionMaskInterface._global_mapping:
+        AttentionInterface.register(STATIC_SDPA, ALL_ATTENTION_FUNCTIONS["sdpa"])
+        AttentionMaskInterface.register(STATIC_SDPA, _always_built_sdpa_mask)
+    return True
+
+
+def static_masks(model: nn.Module) -> str | None:
+    """Switches a transformers model's SDPA attention to masks that are never read on the host.
+
+    The attention computed is the same (the SDPA kernel, an explicit mask where
+    transformers would have passed none); only the host's ``padding_mask.all()``
+    test goes. Other models, and other attention implementations (eager, flash),
+    are left as they are.
+
+    Args:
+        model: Any module; only a transformers ``PreTrainedModel`` using "sdpa" changes.
+
+    Returns:
+        The implementation replaced ("sdpa"), to give to ``restore_masks``; None when
+        nothing changed.
+
+    Example:
+        >>> static_masks(model)   # was: nothing (a host sync in every forward on XLA)  # doctest: +SKIP
+        'sdpa'
+    """
+    if not is_transformers_model(model):
+        return None
+    found = getattr(model.config, "_attn_implementation", None)
+    if found != "sdpa" or not _register():
+        return None
+    model.set_attn_implementation(STATIC_SDPA)
+    return found
+
+
+def restore_masks(model: nn.Module, implementation: str | None) -> None:
+    """Puts back the attention implementation ``static_masks`` replaced (nothing for None)."""
+    if implementation is not None:
+        model.set_attn_implementation(implementation)
