@@ -133,6 +133,8 @@ def _cases():
         ("callbacks", block("class StopAt(Callback)") + "\nassert history.records[-1].epoch >= 2 and"
          " os.listdir('runs/digits')\n", 1),
         ("static_masks", block("static_masks(model)   # was") + "\nassert model.config._attn_implementation != 'sdpa'\n", 1),
+        ("bring a scheduler", block("class Scheduled(Callback)")
+         + "\nassert hf_linear.scheduler.last_epoch == len(history.step_lrs) and os.path.isdir('ckpt-timm')\n", 1),
         ("reload best.pt", "one_cycle_fit(small_cnn(), train_ds, epochs=1, max_lr=1e-3, checkpoint_dir='ckpt', progress=False)\n"
          + block('load_checkpoint("ckpt/best.pt"') + "\nassert preds.shape == (len(test_ds), 10)\n", 1),
     ]  # fmt: skip

@@ -7,8 +7,10 @@ at every event they act in this sequence, your callbacks (order 0) in between:
 ========================  =====  ==========================================================
 callback                  order  from
 ========================  =====  ==========================================================
-``LearningRates``          -40   ``max_lr``, ``pct_start``, ... (``OneCycleSchedule``);
-                                 ``find_lr``'s sweep is another curve
+``LearningRates``          -40   ``schedule``, ``max_lr``, ``warmup``, ``pct_start``, ...
+                                 (``OneCycleSchedule``, ``MultiplierSchedule``; ``find_lr``'s
+                                 sweep is another curve); ``OwnLearningRates`` for
+                                 ``schedule=None``
 ``StopOnNaN``              -30   always: a non-finite training loss ends the run
 ``BestEpoch``              -20   ``monitor``, ``mode``, ``early_stopping``
 (yours)                      0
@@ -40,19 +42,22 @@ from ..progress import format_duration, run_eta, write_line
 from .events import Callback
 from .history import History
 from .monitor import StopRule, Watch, out_of_time
-from .schedule import OneCycle
+from .schedule import LrSchedule, OneCycle, warmup_steps
 
 BEST_NAME = "best.pt"
 HISTORY_NAME = "history.csv"
 
 
 # ------------------------------------------------------------ the schedule
+_ZERO_LR = 1e-30  # what a device-held lr of 0 is written as (see _Driver)
+
+
 class _Driver:
-    """Writes a curve of learning rates and momenta into the optimizer before every step.
+    """Writes a curve of learning rates (and momenta, if given) into the optimizer before every step.
 
     The named optimizers "adam" and "adamw" are torch_xla's fused sync-free ones
     on XLA and take Python floats. A user's own torch Adam-family optimizer gets
-    ``lr`` and ``betas`` as device tensors (``capturable=True``) copied from a
+    ``lr`` (and ``betas``) as device tensors (``capturable=True``) copied from a
     table of the whole curve, uploaded once: Python-float hyperparameters would
     change the graph whenever a value rounds to a special constant
     (``1 - lr * wd == 1.0`` in float32 late in the schedule), because torch_xla
@@ -60,31 +65,46 @@ class _Driver:
     form their step accepts without a host sync.
 
     Each parameter group gets the curve's learning rate times its ``ratios`` entry
-    (``schedule.peak_ratios``); momentum is the same in every group.
+    (``schedule.peak_ratios``); momentum is the same in every group. Without momenta
+    (``moms=None``) the optimizer's betas and momentum are left as they are.
+
+    torch's capturable Adam divides by the lr (``eps / step_size``), so an lr of exactly
+    0 (a warm-up's first step) turns a parameter whose gradient is 0 into NaN
+    (pytorch/pytorch#126514); in the device table a 0 is written as ``_ZERO_LR``
+    (1e-30: a step of about 1e-22 at most, none in float32). ``lrs`` keeps the 0.
+
+    ``changed`` says, on the host, whether a group's lr is no longer what was last
+    written: a float of another value, another object, or a tensor written in place
+    (its version counter moved); no device value is read.
     """
 
-    def __init__(self, loop: Any, curve: tuple[list[float], list[float]]) -> None:
+    def __init__(self, loop: Any, lrs: list[float], moms: list[float] | None) -> None:
         opt, device = loop.optimizer, loop.device
-        self.lrs, self.moms = curve
+        self.lrs, self.moms = lrs, moms
         self.ratios = loop.lr_ratios
         self.total, self.step_index = len(self.lrs), loop.step
+        self.written: list[tuple[Any, int]] | None = None  # each group's lr as last written, and its version
         self.on_device = (
             backend.is_lazy(device)
             and not backend.is_fused_optimizer(opt)  # they take Python floats without syncing or recompiling
             and all("betas" in g and "capturable" in g for g in opt.param_groups)
         )
         if self.on_device:
-            self.table = torch.tensor([self.lrs, self.moms], dtype=torch.float32).T.contiguous().to(device)
+            columns = [[lr or _ZERO_LR for lr in self.lrs]] + ([] if moms is None else [moms])
+            self.table = torch.tensor(columns, dtype=torch.float32).T.contiguous().to(device)
             self.device_index = torch.tensor([min(loop.step, self.total - 1)], device=device)
-            self.lr = torch.tensor(self.lrs[0], device=device)
-            self.beta1 = torch.tensor(self.moms[0], device=device)
-            self.group_lrs = [self.lr if r == 1 else torch.tensor(self.lrs[0] * r, device=device) for r in self.ratios]
+            first = self.lrs[0] or _ZERO_LR
+            self.lr = torch.tensor(first, device=device)
+            self.group_lrs = [self.lr if r == 1 else torch.tensor(first * r, device=device) for r in self.ratios]
+            if moms is not None:
+                self.beta1 = torch.tensor(moms[0], device=device)
             for group, lr in zip(opt.param_groups, self.group_lrs):
                 group["capturable"] = True
                 group["lr"] = lr
-                # beta2 stays constant; as a device tensor, Adam's addcmul_(value=1 - beta2) would
-                # .item() it every step, so it is a CPU tensor (torch requires both betas tensors).
-                group["betas"] = (self.beta1, torch.tensor(float(group["betas"][1])))
+                if moms is not None:
+                    # beta2 stays constant; as a device tensor, Adam's addcmul_(value=1 - beta2) would
+                    # .item() it every step, so it is a CPU tensor (torch requires both betas tensors).
+                    group["betas"] = (self.beta1, torch.tensor(float(group["betas"][1])))
 
     def before_step(self, opt: torch.optim.Optimizer) -> float:
         i = min(self.step_index, self.total - 1)
@@ -92,69 +112,226 @@ class _Driver:
         if self.on_device:
             row = self.table.index_select(0, self.device_index).squeeze(0)
             self.lr.copy_(row[0])
-            self.beta1.copy_(row[1])
+            if self.moms is not None:
+                self.beta1.copy_(row[1])
             for lr, ratio in zip(self.group_lrs, self.ratios):
                 if ratio != 1:
                     lr.copy_(row[0] * ratio)
             self.device_index.add_(1).clamp_(max=self.total - 1)
-            return self.lrs[i]
-        for group, ratio in zip(opt.param_groups, self.ratios):
-            group["lr"] = self.lrs[i] * ratio
-            if "betas" in group:
-                group["betas"] = (self.moms[i], group["betas"][1])
-            elif group.get("momentum", 0) > 0:
-                group["momentum"] = self.moms[i]
+        else:
+            for group, ratio in zip(opt.param_groups, self.ratios):
+                group["lr"] = self.lrs[i] * ratio
+                if self.moms is None:
+                    continue
+                if "betas" in group:
+                    group["betas"] = (self.moms[i], group["betas"][1])
+                elif group.get("momentum", 0) > 0:
+                    group["momentum"] = self.moms[i]
+        lrs = [g["lr"] for g in opt.param_groups]
+        self.written = [(lr, lr._version if isinstance(lr, torch.Tensor) else 0) for lr in lrs]
         return self.lrs[i]
+
+    def changed(self, opt: torch.optim.Optimizer) -> tuple[int, str] | None:
+        """The first param group whose lr someone else wrote since ``before_step``, and how; None if none did."""
+        for k, (group, (mine, version)) in enumerate(zip(opt.param_groups, self.written or [])):
+            now = group["lr"]
+            if isinstance(mine, torch.Tensor) and now is mine and now._version != version:
+                return k, "its lr tensor written in place"
+            if isinstance(mine, torch.Tensor) and now is not mine:
+                return k, "its lr tensor replaced"
+            if not isinstance(mine, torch.Tensor) and (isinstance(now, torch.Tensor) or now != mine):
+                return k, "its lr replaced by a tensor" if isinstance(now, torch.Tensor) else f"{mine:.4g} -> {now:.4g}"
+        return None
+
+
+# The events between one step's write and the next step's (the ones the loop fires after on_before_step).
+_BETWEEN_STEPS = ("on_step_end", "on_train_epoch_end", "on_epoch_end", "on_train_epoch_start")
+
+
+def _writers(loop: Any, schedule: Any, within_step: bool) -> list[str]:
+    """``Class.hook`` of each of the user's own callbacks that ran a hook since the schedule's last write.
+
+    ``within_step``: between the schedule's ``on_before_step`` and the optimizer step
+    (the ``on_before_step`` of callbacks after it in order); else between one step's
+    end and the next step's write.
+    """
+    ordered = loop.events.callbacks
+    mine = next(k for k, c in enumerate(ordered) if c is schedule)
+    found = []
+    for position, callback in enumerate(ordered):
+        shipped = type(callback).__module__.startswith(f"{__package__}.")  # EMA, the loggers: never the lr
+        if shipped or not any(callback is given for given in loop.plan.callbacks):
+            continue
+        if within_step:
+            hooks = ("on_before_step",) if position > mine else ()
+        else:
+            hooks = _BETWEEN_STEPS + (("on_before_step",) if position < mine else ())
+        found += [f"{type(callback).__name__}.{hook}" for hook in hooks if _own_hook(callback, hook)]
+    return found
+
+
+def _own_hook(callback: Any, hook: str) -> bool:
+    """Whether ``callback`` does something at ``hook`` (``Callback``'s empty methods do nothing)."""
+    method = getattr(type(callback), hook, None) or getattr(callback, hook, None)
+    return callable(method) and method is not getattr(Callback, hook)
 
 
 class LearningRates(Callback):
-    """Sets each optimizer step's learning rate and momentum from a curve (``curve(loop)``).
+    """Sets each optimizer step's learning rate (and momentum) from a curve (``curve(loop)``).
 
-    The one-cycle schedule and ``find_lr``'s sweep are both this with their own
-    curve; the values reach the optimizer without a host sync or a new graph.
+    The schedules of one_cycle_fit and ``find_lr``'s sweep are this with their own
+    curve; the values reach the optimizer without a host sync or a new graph. A
+    curve without momenta (None) leaves the optimizer's betas and momentum alone.
+
+    A learning rate that another callback writes is never undone silently: the first
+    time a group's lr differs from what the schedule wrote, a warning names the
+    callback's hook (checked on the host, before each write and after the
+    ``on_before_step`` hooks that follow the schedule's).
     """
 
     order = -40
+    name = "the schedule"  # for the warning: "while schedule='linear' sets it"
 
-    def curve(self, loop: Any) -> tuple[list[float], list[float]]:
+    def curve(self, loop: Any) -> tuple[list[float], list[float] | None]:
         raise NotImplementedError
 
     def on_fit_start(self, loop: Any) -> None:
         self.lrs, self.moms = self.curve(loop)
         self.driver: _Driver | None = None  # built at the first epoch, from the step a resume restored
+        self.reported = False
 
     def on_train_epoch_start(self, loop: Any, epoch: int) -> None:
         if self.driver is None:
-            self.driver = _Driver(loop, (self.lrs, self.moms))
+            self.driver = _Driver(loop, self.lrs, self.moms)
         loop.lr = self.lrs[min(loop.step, len(self.lrs) - 1)]
 
     def on_before_step(self, loop: Any) -> None:
+        self._report(loop, within_step=False)
         loop.lr = self.driver.before_step(loop.optimizer)
+
+    def on_step_end(self, loop: Any) -> None:
+        self._report(loop, within_step=True)  # first of the on_step_end hooks: what the on_before_step ones did
+
+    def _report(self, loop: Any, within_step: bool) -> None:
+        change = None if self.reported else self.driver.changed(loop.optimizer)
+        if change is None:
+            return
+        self.reported = True
+        if not loop.master:
+            return
+        group, how = change
+        names = _writers(loop, self, within_step)
+        who = " or ".join(names) if names else "something outside the callbacks (a train_step?)"
+        then = ("the optimizer stepped with that value, not the schedule's (history.step_lrs is the schedule's)"
+                if within_step else "the schedule writes its own value again before the next step, undoing it")
+        warnings.warn(
+            f"{who} changed the learning rate of param group {group} ({how}; seen after optimizer step "
+            f"{loop.step}) while {self.name} sets it before every step: {then}. To set the lr yourself (your "
+            f"callback, or a torch, Hugging Face or timm scheduler you step) give one_cycle_fit schedule=None; to shape it, "
+            f"schedule=a function (step, total_steps) -> multiplier of max_lr. Said once per run.",
+            stacklevel=2,
+        )
 
     def on_fit_end(self, loop: Any) -> None:
         opt, history, done = loop.optimizer, loop.history, loop.step
         momentum = all("betas" in g or g.get("momentum", 0) > 0 for g in opt.param_groups)
         history.step_lrs = self.lrs[:done]
-        history.step_momenta = self.moms[:done] if momentum else []
+        history.step_momenta = self.moms[:done] if momentum and self.moms is not None else []
         history.momentum_name = "beta1" if "betas" in opt.param_groups[0] else "momentum"
+
+
+def _scaled(loop: Any, max_lr: float, by_cores: bool) -> tuple[float, str]:
+    """The peak lr of this run, and the summary's words for it."""
+    peak = max_lr * (loop.cores if by_cores else 1)
+    return peak, f"max_lr {peak:.2e} ({f'scaled x{loop.cores} by cores' if by_cores else 'not scaled by cores'})"
 
 
 class OneCycleSchedule(LearningRates):
     """The one-cycle policy over the run's optimizer steps (``max_lr``, ``pct_start``, ... of one_cycle_fit)."""
 
+    name = "schedule='one_cycle'"
+
     def __init__(self, cycle: OneCycle) -> None:
         self.cycle = cycle
 
     def max_lr(self, loop: Any) -> float:
-        return self.cycle.max_lr * (loop.cores if self.cycle.scale_lr_by_cores else 1)
+        return _scaled(loop, self.cycle.max_lr, self.cycle.scale_lr_by_cores)[0]
 
     def curve(self, loop: Any) -> tuple[list[float], list[float]]:
         return self.cycle.curve(loop.total_steps, self.max_lr(loop))
 
     def describe(self, loop: Any) -> str:
         """The summary line's part: the peak and whether it was scaled."""
-        scaled = f"scaled x{loop.cores} by cores" if self.cycle.scale_lr_by_cores else "not scaled by cores"
-        return f"max_lr {self.max_lr(loop):.2e} ({scaled})"
+        return _scaled(loop, self.cycle.max_lr, self.cycle.scale_lr_by_cores)[1]
+
+
+class MultiplierSchedule(LearningRates):
+    """``schedule="linear"``, ``"cosine"``, ``"constant"`` (with ``warmup``) or a function: ``max_lr`` x its multiplier.
+
+    Momentum is left as the optimizer has it.
+    """
+
+    def __init__(self, schedule: LrSchedule) -> None:
+        self.schedule = schedule
+        self.name = f"schedule={schedule.shape!r}" if isinstance(schedule.shape, str) else f"schedule={schedule.name}"
+
+    def curve(self, loop: Any) -> tuple[list[float], None]:
+        peak = _scaled(loop, self.schedule.max_lr, self.schedule.scale_lr_by_cores)[0]
+        return [peak * m for m in self.schedule.multipliers(loop.total_steps)], None
+
+    def describe(self, loop: Any) -> str:
+        """The summary line's part: the shape, its warm-up in steps, the peak."""
+        shape = self.name.removeprefix("schedule=")
+        if isinstance(self.schedule.shape, str) and self.schedule.warmup:
+            shape += f" (warm-up {warmup_steps(self.schedule.warmup, loop.total_steps)} steps)"
+        return f"schedule {shape}, {_scaled(loop, self.schedule.max_lr, self.schedule.scale_lr_by_cores)[1]}"
+
+
+class OwnLearningRates(Callback):
+    """``schedule=None``: the lr is the optimizer's own, moved by your callbacks or a scheduler you step.
+
+    Before anything else (order -40, ahead of the user's ``on_fit_start`` where a
+    scheduler is built on the optimizer) every group starts at ``max_lr`` times its
+    ratio (``schedule.peak_ratios``); a resume then restores the optimizer's saved lrs.
+    Each step's lr is recorded at the first ``on_step_end`` hook, after every
+    ``on_before_step`` and before a scheduler stepped in ``on_step_end`` moves it:
+    a Python float costs nothing to read; a device tensor is not read (nan).
+    """
+
+    order = -40
+
+    def __init__(self, schedule: LrSchedule) -> None:
+        self.schedule = schedule
+        self.lrs: list[float] = []
+
+    def on_fit_start(self, loop: Any) -> None:
+        peak = _scaled(loop, self.schedule.max_lr, self.schedule.scale_lr_by_cores)[0]
+        for group, ratio in zip(loop.optimizer.param_groups, loop.lr_ratios):
+            if isinstance(group["lr"], torch.Tensor):
+                group["lr"].fill_(peak * ratio)
+            else:
+                group["lr"] = peak * ratio
+        loop.lr = peak
+
+    def on_step_end(self, loop: Any) -> None:
+        lr, ratio = loop.optimizer.param_groups[0]["lr"], loop.lr_ratios[0]
+        on_host = not isinstance(lr, torch.Tensor) or lr.device.type == "cpu"
+        loop.lr = float(lr) / ratio if on_host else math.nan
+        self.lrs.append(loop.lr)
+
+    def on_fit_end(self, loop: Any) -> None:
+        loop.history.step_lrs = list(self.lrs) if all(math.isfinite(x) for x in self.lrs) else []
+
+    def describe(self, loop: Any) -> str:
+        """The summary line's part."""
+        peak = _scaled(loop, self.schedule.max_lr, self.schedule.scale_lr_by_cores)[1]
+        return f"schedule None (the lr is yours: your callbacks or scheduler), starting at {peak}"
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"lrs": list(self.lrs)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.lrs = list(state["lrs"])
 
 
 # ------------------------------------------------------- stop rules, best epoch

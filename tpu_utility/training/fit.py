@@ -10,8 +10,10 @@ What a run does for you, and how:
   validation batches are padded to full size and carry a mask.
 * **No per-step host syncs.** Losses and metrics are summed on the device and
   read once per epoch, in one transfer; the progress bar counts batches only.
-* **A schedule that knows what each core iterates.** The one-cycle length is
-  per-core batches x epochs / accumulate_steps (``schedule.one_cycle``).
+* **A schedule that knows what each core iterates.** Its length is per-core
+  batches x epochs / accumulate_steps: one-cycle (``schedule.one_cycle``), linear or
+  cosine with warm-up, constant, your function of the step, or ``schedule=None``
+  for a scheduler of your own.
 * **All cores** by SPMD (one process, the batch sharded over a device mesh) or
   by ``torch_xla.launch`` (one process per chip; fork in notebooks).
 * **Exact metrics:** every validation sample counts once on any core count.
@@ -39,13 +41,14 @@ from ..checkpoint import save_atomic, to_cpu
 from ..data.loaders import LoaderSpec, unpack_loader
 from ..environment import choose_start_method, is_interactive
 from ..files import exists, join
-from .builtins import BestEpoch, Checkpoints, OneCycleSchedule, ProgressLine, RestoreBest, StopOnNaN, TimeLimit
+from .builtins import (BestEpoch, Checkpoints, MultiplierSchedule, OneCycleSchedule, OwnLearningRates, ProgressLine,
+                       RestoreBest, StopOnNaN, TimeLimit)  # fmt: skip
 from .events import Events, check_callbacks
 from .history import History
 from .metrics import METRICS, accuracy, per_sample_loss, resolve_metrics
 from .monitor import Mode, StopRule, parse_duration, resolve_mode
 from .runner import Precision, Strategy, available_cores, choose_strategy, process_mode, resolve_cores
-from .schedule import OneCycle
+from .schedule import LrSchedule, OneCycle, ScheduleName, check_warmup
 from .trainer import FitPlan, Steps, train
 
 __all__ = ["one_cycle_fit", "resolve_optimizer", "resolve_cores", "choose_strategy", "available_cores",
@@ -166,6 +169,8 @@ def one_cycle_fit(
     metrics: str | Metric | Sequence[str | Metric] | dict[str, Any] | None = None,
     accumulate_steps: int = 1,
     max_grad_norm: float | None = None,
+    schedule: ScheduleName | Callable[[int, int], float] | None = "one_cycle",
+    warmup: float | int = 0,
     pct_start: float = 0.25,
     div_factor: float = 25.0,
     final_div_factor: float = 1e4,
@@ -188,7 +193,7 @@ def one_cycle_fit(
     progress: bool = True,
     callbacks: Sequence[Any] | None = None,
 ) -> History:
-    """Trains ``model`` with the one-cycle policy on one core or all cores.
+    """Trains ``model`` with the one-cycle policy (or another schedule) on one core or all cores.
 
     Args:
         model: An ``nn.Module`` (trained in place), or a zero-argument factory
@@ -199,7 +204,8 @@ def one_cycle_fit(
             or anything ``train_step`` understands. A DataLoader's own sampler and
             settings are kept.
         epochs: Passes over the training data.
-        max_lr: Peak learning rate (``OneCycleLR``'s name).
+        max_lr: Peak learning rate (``OneCycleLR``'s name); with ``schedule=None`` the
+            lr every param group starts from (your scheduler's base lr).
         valid_data: Dataset or DataLoader evaluated after every epoch.
         loss_fn: Default ``nn.CrossEntropyLoss()``. Reduced in fp32.
         optimizer: "adamw", "adam", "sgd", ``params -> Optimizer``, or ``model -> Optimizer``
@@ -213,8 +219,20 @@ def one_cycle_fit(
             dict naming them. Default "accuracy" when ``loss_fn`` is the default.
         accumulate_steps: Batches per optimizer step.
         max_grad_norm: Clip the gradient norm (after the all-reduce).
+        schedule: The learning rate of every optimizer step: "one_cycle" (it also
+            cycles momentum), "linear" or "cosine" (Hugging Face's ``get_scheduler``
+            shapes, decaying to 0; the cosine is timm's with ``warmup_prefix=True``),
+            "constant", a function ``(step, total_steps) -> multiplier of max_lr``, or
+            None: the lr is yours, set by your callbacks or a torch, Hugging Face or timm
+            scheduler you step in one (docs/training.md). Except for one-cycle, momentum
+            is left as the optimizer has it. With a schedule, a callback that changes
+            the lr is reported once, naming it.
+        warmup: For "linear", "cosine" and "constant": the steps rising from 0 to
+            ``max_lr``, as a fraction of the run's optimizer steps (a float in [0, 1),
+            rounded up) or a number of steps (an int), as in Hugging Face's
+            ``TrainingArguments(warmup_steps=...)``.
         pct_start, div_factor, final_div_factor, base_momentum, max_momentum:
-            The schedule, as in ``torch.optim.lr_scheduler.OneCycleLR``.
+            The one-cycle schedule, as in ``torch.optim.lr_scheduler.OneCycleLR``.
         scale_lr_by_cores: Multiply ``max_lr`` by the number of cores.
         weight_decay: For the named optimizers (default: theirs).
         checkpoint_dir: Write ``last.pt`` and ``history.csv`` there after every
@@ -272,6 +290,9 @@ def one_cycle_fit(
         ...                         epochs=5, max_lr=3e-3, cores="all", checkpoint_dir="ckpt",
         ...                         early_stopping=3, restore_best=True, time_limit="8h30m")
         >>> history.plot("history.png")                                     # doctest: +SKIP
+        >>> # was: get_scheduler("linear", opt, num_warmup_steps=0.1 * total, num_training_steps=total)
+        >>> history = one_cycle_fit(model, train_ds, epochs=3, max_lr=5e-5,  # doctest: +SKIP
+        ...                         schedule="linear", warmup=0.1)
     """
     factory = None
     if not isinstance(model, nn.Module):
@@ -293,8 +314,8 @@ def one_cycle_fit(
             raise TypeError(f"{name} must be True or False, but given {flag!r}")
     if resume and overwrite:
         raise ValueError("resume=True continues the run in checkpoint_dir and overwrite=True replaces it; give one")
-    schedule = OneCycle(max_lr, pct_start, div_factor, final_div_factor, base_momentum, max_momentum, scale_lr_by_cores)
-    schedule.check()
+    cycle = OneCycle(max_lr, pct_start, div_factor, final_div_factor, base_momentum, max_momentum, scale_lr_by_cores)
+    lr_schedule = resolve_schedule(schedule, warmup, cycle)
     opt_factory, opt_name = resolve_optimizer(optimizer)
     if loss_fn is not None and not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable, but given {loss_fn!r}")
@@ -313,7 +334,7 @@ def one_cycle_fit(
         _refuse_another_run(str(checkpoint_dir))
     steps = Steps(loss, train_step, eval_step, accumulate_steps, max_grad_norm, default_loss=loss_fn is None)
     fingerprint = {
-        "schedule": repr(schedule), "optimizer": opt_name, "weight_decay": weight_decay,
+        "schedule": repr(lr_schedule), "optimizer": opt_name, "weight_decay": weight_decay,
         "seed": check_seed(seed), "train samples": len(train_spec), "batch_size": train_spec.batch_size,
         "cores": n_cores, "accumulate_steps": accumulate_steps,
     }  # fmt: skip
@@ -328,7 +349,7 @@ def one_cycle_fit(
         optimizer=opt_factory, optimizer_name=opt_name, optimizer_args=_optimizer_args(optimizer, weight_decay),
         metrics=metric_table, checkpoint_dir=checkpoint_dir, overwrite=overwrite, precision=precision,
         seed=seed, progress=progress, cores=n_cores, mode=run_mode, callbacks=callbacks,
-        builtins=builtin_callbacks(schedule, stop, checkpoints, progress),
+        builtins=builtin_callbacks(lr_schedule, stop, checkpoints, progress),
     )  # fmt: skip
     if run_mode != "multiprocess":
         trained, history = train(model if factory is None else factory(), plan)
@@ -337,10 +358,46 @@ def one_cycle_fit(
     return _fit_multiprocess(model, factory, plan)
 
 
-def builtin_callbacks(schedule: OneCycle, stop: StopRule, checkpoints: dict[str, Any], progress: bool) -> list[Any]:
+def resolve_schedule(schedule: Any, warmup: Any, cycle: OneCycle) -> OneCycle | LrSchedule:
+    """``schedule=`` and ``warmup=`` checked against each other and the one-cycle arguments, as a value object.
+
+    A one-cycle argument changed from its default while another schedule is asked for
+    would be ignored, so it is an error naming it (as is ``warmup`` with one-cycle).
+    """
+    check_warmup(warmup)
+    allowed = f"one of {get_args(ScheduleName)}, a function (step, total_steps) -> multiplier of max_lr, or None"
+    if isinstance(schedule, str) and schedule == "one_cycle":
+        if warmup:  # 0 and 0.0: the default
+            raise ValueError(f"warmup={warmup!r} shapes schedule='linear', 'cosine' or 'constant'; "
+                             f"schedule='one_cycle' warms up over pct_start of the steps (now {cycle.pct_start!r})")  # fmt: skip
+        cycle.check()
+        return cycle
+    if isinstance(schedule, str) and schedule not in get_args(ScheduleName):
+        raise ValueError(f"schedule must be {allowed}, but given {schedule!r}")
+    if not (schedule is None or isinstance(schedule, str) or callable(schedule)):
+        raise TypeError(f"schedule must be {allowed}, but given {schedule!r} of type {type(schedule).__name__}")
+    chosen = LrSchedule(schedule, cycle.max_lr, warmup, cycle.scale_lr_by_cores)
+    defaults = OneCycle(cycle.max_lr)
+    shaping = [f.name for f in dataclasses.fields(OneCycle) if f.name not in ("max_lr", "scale_lr_by_cores")]
+    changed = [f"{n}={getattr(cycle, n)!r}" for n in shaping if getattr(cycle, n) != getattr(defaults, n)]
+    if changed:
+        given = chosen.name if callable(schedule) else repr(schedule)
+        one = len(changed) == 1
+        raise ValueError(f"{', '.join(changed)} shape{'s' if one else ''} schedule='one_cycle' only, but this call "
+                         f"gives schedule={given}; leave {'it' if one else 'them'} out (a warm-up is warmup=)")  # fmt: skip
+    chosen.check()
+    return chosen
+
+
+def builtin_callbacks(schedule: OneCycle | LrSchedule, stop: StopRule, checkpoints: dict[str, Any],
+                      progress: bool) -> list[Any]:  # fmt: skip
     """The callbacks that do what one_cycle_fit's arguments ask (``builtins.py``), from the checked values."""
     best = BestEpoch(stop)
-    chosen = [OneCycleSchedule(schedule), StopOnNaN(), best]
+    if isinstance(schedule, OneCycle):
+        lrs = OneCycleSchedule(schedule)
+    else:
+        lrs = OwnLearningRates(schedule) if schedule.shape is None else MultiplierSchedule(schedule)
+    chosen = [lrs, StopOnNaN(), best]
     if checkpoints["folder"] is not None:
         identity = {"fingerprint": checkpoints["fingerprint"], "config": checkpoints["config"]}
         chosen.append(Checkpoints(str(checkpoints["folder"]), best, checkpoints["resume"], identity))

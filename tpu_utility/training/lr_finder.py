@@ -1,9 +1,10 @@
 """find_lr(): an exponential learning-rate sweep that leaves the model as it was
 (weights, device, train/eval mode) and the global random state untouched.
 
-It is one_cycle_fit's loop (``trainer.py``) with a sweep in place of the one-cycle
-schedule: a ``LearningRates`` callback whose curve rises exponentially and which ends
-the run (``StopFit``) when the loss diverges."""
+It is one_cycle_fit's loop (``trainer.py``) with a sweep in place of its schedule: a
+``LearningRates`` callback whose curve rises exponentially, leaves momentum as the
+optimizer has it, and ends the run (``StopFit``) when the loss diverges. Its suggestion
+is a peak for any ``schedule=`` of one_cycle_fit."""
 
 from __future__ import annotations
 
@@ -186,12 +187,12 @@ class _Sweep(LearningRates):
     def __init__(self, args: _SweepArgs) -> None:
         self.args = args
 
-    def curve(self, loop: Any) -> tuple[list[float], list[float]]:
+    name = "find_lr's sweep"
+
+    def curve(self, loop: Any) -> tuple[list[float], None]:
         a = self.args
         ratio = (a.end_lr / a.start_lr) ** (1 / (a.num_steps - 1))
-        group = loop.optimizer.param_groups[0]
-        momentum = group["betas"][0] if "betas" in group else group.get("momentum", 0.0)
-        return [a.start_lr * ratio**k for k in range(a.num_steps)], [float(momentum)] * a.num_steps
+        return [a.start_lr * ratio**k for k in range(a.num_steps)], None  # momentum: the optimizer's own
 
     def on_fit_start(self, loop: Any) -> None:
         super().on_fit_start(loop)
@@ -199,6 +200,7 @@ class _Sweep(LearningRates):
         self.smoother = _Smoother(self.args.smooth, self.args.diverge_factor)
 
     def on_step_end(self, loop: Any) -> None:
+        super().on_step_end(loop)
         self.pending.append((loop.lr, loop.loss))
         done = loop.step >= self.args.num_steps
         if len(self.pending) == self.args.read_every or done:

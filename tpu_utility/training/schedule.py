@@ -1,17 +1,24 @@
-"""The one-cycle policy as pure functions of the step: no device, no optimizer.
+"""Learning-rate schedules as pure functions of the step: no device, no optimizer.
 
-Learning rate rises from ``max_lr / div_factor`` to ``max_lr`` over ``pct_start``
-of the optimizer steps, then falls to ``max_lr / (div_factor * final_div_factor)``;
-both halves are cosine (fastai's shape, torch's ``OneCycleLR(anneal_strategy="cos")``).
-Momentum (Adam's beta1) moves the other way, ``max_momentum -> base_momentum ->
-max_momentum``.
+The one-cycle policy (``one_cycle_fit``'s default): the learning rate rises from
+``max_lr / div_factor`` to ``max_lr`` over ``pct_start`` of the optimizer steps, then
+falls to ``max_lr / (div_factor * final_div_factor)``; both halves are cosine (fastai's
+shape, torch's ``OneCycleLR(anneal_strategy="cos")``). Momentum (Adam's beta1) moves
+the other way, ``max_momentum -> base_momentum -> max_momentum``.
+
+The others are a multiplier of ``max_lr`` per step, ``schedule=`` of one_cycle_fit:
+``linear_with_warmup`` and ``cosine_with_warmup`` (Hugging Face's ``get_scheduler("linear")``
+and ``get_scheduler("cosine")``; the cosine is also timm's ``CosineLRScheduler`` with
+``warmup_prefix=True``), ``constant_with_warmup``, or the user's own
+``(step, total_steps) -> multiplier`` (``LrSchedule``). They leave momentum alone.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
-from numbers import Real
+from numbers import Integral, Real
+from typing import Callable, Literal, Union
 
 _MAX_STEPS = 2**53  # beyond this a step count is no longer exact as a float
 
@@ -179,3 +186,147 @@ def peak_ratios(group_lrs: list[float], optimizer_lr: float | None) -> list[floa
         raise ValueError(f"the optimizer's lr must be a positive number to scale its {len(group_lrs)} parameter "
                          f"groups' peaks by, but it is {optimizer_lr!r}")  # fmt: skip
     return [lr / optimizer_lr for lr in group_lrs]
+
+
+# ------------------------------------------------------- schedules beside one-cycle
+ScheduleName = Literal["one_cycle", "linear", "cosine", "constant"]
+
+
+def linear_with_warmup(step: int, total_steps: int, warmup_steps: int = 0) -> float:
+    """Multiplier of ``max_lr`` at optimizer step ``step``: 0 to 1 over the warm-up, then linearly down to 0.
+
+    Hugging Face's ``get_linear_schedule_with_warmup`` (``get_scheduler("linear")``),
+    the default for fine-tuning transformers: it reaches 0 at ``total_steps``, so the
+    last step still moves.
+
+    Example:
+        >>> # was: sched = get_scheduler("linear", opt, num_warmup_steps=10, num_training_steps=100)
+        >>> [round(linear_with_warmup(s, 100, 10), 3) for s in (0, 5, 10, 55, 99)]
+        [0.0, 0.5, 1.0, 0.5, 0.011]
+    """
+    if step < warmup_steps:
+        return step / warmup_steps
+    return max(0.0, (total_steps - step) / max(1, total_steps - warmup_steps))
+
+
+def cosine_with_warmup(step: int, total_steps: int, warmup_steps: int = 0) -> float:
+    """Multiplier of ``max_lr``: 0 to 1 over the warm-up, then half a cosine down to 0 at ``total_steps``.
+
+    Hugging Face's ``get_cosine_schedule_with_warmup`` (``get_scheduler("cosine")``), and
+    timm's ``CosineLRScheduler(t_initial=total_steps - warmup_steps, warmup_t=warmup_steps,
+    warmup_prefix=True, t_in_epochs=False)`` (``lr_min`` and ``warmup_lr_init`` 0).
+
+    Example:
+        >>> # was: sched = get_cosine_schedule_with_warmup(opt, num_warmup_steps=10, num_training_steps=110)
+        >>> [round(cosine_with_warmup(s, 110, 10), 3) for s in (0, 5, 10, 60, 109)]
+        [0.0, 0.5, 1.0, 0.5, 0.0]
+    """
+    if step < warmup_steps:
+        return step / warmup_steps
+    progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
+    return max(0.0, 0.5 * (1.0 + math.cos(math.pi * progress)))
+
+
+def constant_with_warmup(step: int, total_steps: int, warmup_steps: int = 0) -> float:
+    """Multiplier of ``max_lr``: 0 to 1 over the warm-up, then 1 (``get_scheduler("constant_with_warmup")``).
+
+    Example:
+        >>> # was: sched = get_constant_schedule_with_warmup(opt, num_warmup_steps=4)
+        >>> [constant_with_warmup(s, 100, 4) for s in (0, 2, 4, 99)]
+        [0.0, 0.5, 1.0, 1.0]
+    """
+    return step / warmup_steps if step < warmup_steps else 1.0
+
+
+MULTIPLIERS: dict[str, Callable[[int, int, int], float]] = {
+    "linear": linear_with_warmup,
+    "cosine": cosine_with_warmup,
+    "constant": constant_with_warmup,
+}
+
+
+def check_warmup(warmup: object) -> None:
+    """``warmup`` is a fraction of the steps (a float in [0, 1)) or a number of steps (an int >= 0).
+
+    The convention of Hugging Face's ``TrainingArguments(warmup_steps=...)``.
+    """
+    if isinstance(warmup, bool) or not isinstance(warmup, Real):
+        raise TypeError(f"warmup must be a fraction of the optimizer steps (a float in [0, 1)) or a number of "
+                        f"steps (an int >= 0), but given {warmup!r} of type {type(warmup).__name__}")  # fmt: skip
+    if isinstance(warmup, Integral):
+        if warmup < 0:
+            raise ValueError(f"warmup must be a number of steps >= 0 or a fraction in [0, 1), but given {warmup!r}")
+        return
+    if not (math.isfinite(warmup) and 0.0 <= warmup < 1.0):
+        raise ValueError(f"warmup must be a fraction of the optimizer steps in [0, 1) (a float) or a number of "
+                         f"steps (an int), but given {warmup!r}")  # fmt: skip
+
+
+def warmup_steps(warmup: float | int, total_steps: int) -> int:
+    """A checked ``warmup`` (``check_warmup``) as optimizer steps of a ``total_steps`` run.
+
+    A fraction rounds up, as Hugging Face's ``TrainingArguments.get_warmup_steps`` does;
+    a step count must leave at least one step after the warm-up.
+
+    Example:
+        >>> warmup_steps(0.1, 95), warmup_steps(0.0, 95), warmup_steps(20, 95)
+        (10, 0, 20)
+    """
+    if not isinstance(warmup, Integral):
+        return math.ceil(total_steps * warmup)
+    if warmup >= total_steps:
+        raise ValueError(f"warmup={warmup!r} steps must be fewer than this run's {total_steps} optimizer steps; "
+                         f"give fewer, or a fraction of the steps (warmup=0.1)")  # fmt: skip
+    return int(warmup)
+
+
+Shape = Union[str, Callable[[int, int], float], None]
+
+
+@dataclass(repr=False)
+class LrSchedule:
+    """``max_lr`` times a multiplier per optimizer step: every ``schedule=`` of one_cycle_fit but one-cycle.
+
+    ``shape`` is "linear", "cosine" or "constant" (with ``warmup``), a function
+    ``(step, total_steps) -> multiplier of max_lr``, or None: no curve, the lr is the
+    optimizer's own (set by the user's callbacks or a scheduler they step), starting
+    at ``max_lr``.
+    """
+
+    shape: Shape
+    max_lr: float
+    warmup: float | int = 0
+    scale_lr_by_cores: bool = False
+
+    def check(self) -> None:
+        """Raises a ValueError/TypeError naming a bad ``max_lr`` or ``warmup``."""
+        _in_range("max_lr", self.max_lr, 0.0, math.inf, "finite and > 0")
+        check_warmup(self.warmup)
+        if self.warmup and not isinstance(self.shape, str):
+            given = "schedule=None" if self.shape is None else f"schedule={self.name}"
+            raise ValueError(f"warmup={self.warmup!r} shapes schedule='linear', 'cosine' or 'constant'; with "
+                             f"{given} the warm-up is yours to give (leave warmup out)")  # fmt: skip
+
+    @property
+    def name(self) -> str:
+        """The shape's name, or the function's (``module.qualname``): the same for the same code, run to run."""
+        if self.shape is None or isinstance(self.shape, str):
+            return str(self.shape)
+        qualname = getattr(self.shape, "__qualname__", type(self.shape).__name__)
+        return f"{getattr(self.shape, '__module__', '')}.{qualname}"
+
+    def multipliers(self, total_steps: int) -> list[float]:
+        """The multiplier of ``max_lr`` at each of ``total_steps`` steps; a function's values are checked."""
+        if isinstance(self.shape, str):
+            curve, warm = MULTIPLIERS[self.shape], warmup_steps(self.warmup, total_steps)
+            return [curve(step, total_steps, warm) for step in range(total_steps)]
+        values = [self.shape(step, total_steps) for step in range(total_steps)]
+        for step, value in enumerate(values):
+            if isinstance(value, bool) or not isinstance(value, Real) or not (math.isfinite(value) and value >= 0):
+                raise ValueError(f"schedule={self.name} must return a finite multiplier of max_lr >= 0 for every "
+                                 f"step, but schedule({step}, {total_steps}) returned {value!r}")  # fmt: skip
+        return [float(v) for v in values]
+
+    def __repr__(self) -> str:  # a checkpoint's fingerprint: no memory address
+        return (f"LrSchedule(shape={self.name!r}, max_lr={self.max_lr!r}, warmup={self.warmup!r}, "
+                f"scale_lr_by_cores={self.scale_lr_by_cores!r})")  # fmt: skip
