@@ -5,7 +5,6 @@ left alone, per-group ratios, a user's scheduler (reported under a schedule, obe
 resume, find_lr, and docs/training.md's scheduler block."""
 
 import math
-import re
 import warnings
 
 import pytest
@@ -13,7 +12,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler
 
-from conftest import ROOT, flat_digits, small_mlp
+from conftest import flat_digits, small_mlp
 from test_fit import _dropout_mlp, _StopAfter
 from tpu_utility import EMA, Callback, find_lr, one_cycle_fit
 from tpu_utility.training.schedule import (LrSchedule, constant_with_warmup, cosine_with_warmup, linear_with_warmup,
@@ -399,28 +398,3 @@ def test_find_lrs_suggestion_trains_with_each_schedule():
         history = _fit(model, data, epochs=2, max_lr=result.suggested_lr, schedule=schedule)
         assert max(history.step_lrs) == pytest.approx(result.suggested_lr)
         assert history.records[-1].train_loss < history.records[0].train_loss, schedule
-
-
-def test_the_docs_bring_a_hugging_face_and_a_timm_scheduler(tmp_path, monkeypatch, capsys):
-    with open(f"{ROOT}/docs/training.md") as f:
-        (code,) = [b for b in re.findall(r"```python\n(.*?)```", f.read(), re.S) if "class Scheduled(Callback)" in b]
-    from tpu_utility.demo import digits_datasets, small_cnn
-
-    monkeypatch.chdir(tmp_path)
-    names = {"Callback": Callback, "one_cycle_fit": one_cycle_fit, "small_cnn": small_cnn, "train_ds": digits_datasets()[0]}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # the notebook's prelude does so (dropped last batches)
-        exec(compile(code, "docs/training.md", "exec"), names)
-    printed = [line for line in capsys.readouterr().out.splitlines() if line.startswith("lr ")]
-    per_epoch = len(names["train_ds"]) // 64
-    total, warm = 2 * per_epoch, math.ceil(0.1 * 2 * per_epoch)
-    assert printed[0] == f"lr 0.0e+00 -> 3.0e-03 -> {3e-3 / (total - warm):.1e}"  # Hugging Face's linear, from 0
-    from timm.scheduler import CosineLRScheduler
-
-    timm = _stepped(lambda opt: CosineLRScheduler(opt, t_initial=total, warmup_t=10, warmup_lr_init=1e-5,
-                                                  t_in_epochs=False), total, base=3e-3)  # fmt: skip
-    assert printed[1] == f"lr {timm[0]:.1e} -> {max(timm):.1e} -> {timm[-1]:.1e}" == "lr 1.0e-05 -> 2.7e-03 -> 3.8e-06"
-    hf = names["hf_linear"].scheduler
-    assert hf.last_epoch == total and names["history"].step_lrs == pytest.approx(
-        [3e-3 * linear_with_warmup(s, total, warm) for s in range(total)])  # the built-in "linear": the same rates
-    assert {p.name for p in tmp_path.iterdir()} >= {"ckpt-hf", "ckpt-timm"}

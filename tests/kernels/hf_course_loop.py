@@ -6,6 +6,7 @@ BertConfig so the script runs offline, and the GLUE data by a synthetic
 "sentiment" task: a review is positive when it uses more positive words.
 """
 import json
+import os
 import random
 
 import numpy as np
@@ -81,7 +82,7 @@ optimizer = AdamW(model.parameters(), lr=2e-3)
 
 from transformers import get_scheduler
 
-num_epochs = 3
+num_epochs = int(os.environ.get("EPOCHS", 3))
 num_training_steps = num_epochs * len(train_dataloader)
 lr_scheduler = get_scheduler(
     "linear",

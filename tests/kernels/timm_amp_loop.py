@@ -5,6 +5,7 @@ cut down to a single file with the args namespace filled in by hand.
 Data: sklearn's bundled digits, upsampled to 32x32 single-channel images.
 """
 import json
+import os
 import time
 from contextlib import suppress
 from functools import partial
@@ -23,7 +24,7 @@ from timm.utils import AverageMeter, accuracy
 
 args = SimpleNamespace(
     model="resnet10t", num_classes=10, in_chans=1, img_size=32,
-    batch_size=64, epochs=2, lr=3e-3, weight_decay=0.05, warmup_epochs=0,
+    batch_size=64, epochs=int(os.environ.get("EPOCHS", 2)), lr=3e-3, weight_decay=0.05, warmup_epochs=0,
     amp=True, amp_dtype="float16", prefetcher=False, log_interval=10, seed=42,
 )
 torch.manual_seed(args.seed)

@@ -28,7 +28,7 @@ OUT_DIR = os.environ.get("OUT_DIR", ".")
 FLAGS = {
     "learning_rate": 2e-3,
     "batch_size": 16,      # per core
-    "num_epochs": 3,
+    "num_epochs": int(os.environ.get("EPOCHS", 3)),
     "num_workers": 0,
     "log_steps": 20,
     "seed": 1234,
