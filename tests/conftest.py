@@ -86,7 +86,6 @@ TORCH_RELEASE = {  # code whose behaviour moved between torch/torch_xla 2.8 and 
     "test_readme.py": "every README and docs block, as a user runs it",
     "test_notebook.py": "the quickstart notebook end to end",
     "test_porter.py": "ported 1.x kernels and CUDA loops run on this torch_xla (the API table's premise)",
-    "test_schedule.py": "every schedule's lr written on the device: compiles flat, no host syncs",
 }
 PYTHON_RELEASE = {  # code whose behaviour can change with the Python version
     "test_import.py": "imports with and without torch_xla",
