@@ -164,7 +164,7 @@ def test_setup_tpu_twice_is_harmless_and_the_cache_fills(tmp_path):
     assert r.stdout.count("tpu_utility on local: CPU XLA:CPU x 1 via XLA") == 1  # printed once
     assert "suggested DataLoader num_workers=" in r.stdout
     assert f"compile cache: {tmp_path}" in r.stdout
-    assert "same: True runtime: False" in r.stdout  # setup_tpu never starts the runtime
+    assert "same: True runtime: True" in r.stdout  # one device: setup_tpu starts the runtime (pytorch/xla#4174)
     assert "matches cpu: True" in r.stdout
     assert os.listdir(tmp_path), "the persistent compile cache wrote nothing"
 
@@ -195,3 +195,97 @@ def test_training_prints_nothing_about_jax_on_any_torch_xla():
     assert r.returncode == 0, r.stderr
     assert "trained" in r.stdout
     assert "jax" not in r.stderr.lower(), r.stderr[-2000:]
+
+
+def test_the_backend_is_chosen_by_name_and_the_summary_says_why():
+    # issue 29: `from transformers import ...` imports torch_xla, which sets PJRT_DEVICE=CPU on a machine
+    # without a TPU; the package then ran on XLA:CPU, and nothing said so or offered CUDA/CPU
+    r = run_python("""
+        from tpu_utility import setup_tpu, get_device, backend
+        import torch_xla  # what `from transformers import ...` does where torch_xla is installed
+        info = setup_tpu(backend="native")
+        print("native:", get_device(), backend.current().name, backend.runtime_started())
+        info = setup_tpu()
+        print("auto:", get_device().type, backend.runtime_started())
+        for bad in ("native", "gpu"):
+            try:
+                setup_tpu(backend=bad)
+            except (RuntimeError, ValueError) as e:
+                print(type(e).__name__ + ":", e)
+    """, env={"PJRT_DEVICE": None})
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = r.stdout
+    assert "backend: native (cpu), because setup_tpu(backend='native'); PJRT_DEVICE=CPU was set by torch_xla " \
+           "when it was imported, ignored" in out
+    assert "native: cpu cpu False" in out  # torch's CPU, the XLA runtime never started
+    assert "backend: xla, because PJRT_DEVICE=CPU was set by torch_xla when it was imported " \
+           "(TPU_UTILITY_BACKEND=native or setup_tpu(backend='native') for torch's own devices)" in out
+    assert "auto: xla True" in out
+    assert "RuntimeError: setup_tpu(backend='native') cannot switch this process to the cpu backend: the xla " \
+           "backend already runs here" in out
+    assert "ValueError: setup_tpu(backend=...) must be one of ('auto', 'native', 'xla', 'tpu'), but given 'gpu'" in out
+
+
+def test_the_environment_variable_chooses_the_backend_before_anything_runs():
+    r = run_python("""
+        import os, sys
+        from tpu_utility import setup_tpu, get_device, backend
+        print("device:", get_device(), "torch_xla loaded:", "torch_xla" in sys.modules)
+        setup_tpu()
+        for value, call in (("tpu", lambda: setup_tpu()), ("bogus", get_device)):
+            os.environ["TPU_UTILITY_BACKEND"] = value
+            try:
+                call()
+            except (RuntimeError, ValueError) as e:
+                print(type(e).__name__ + ":", e)
+    """, env={"TPU_UTILITY_BACKEND": "native", "PJRT_DEVICE": "CPU"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = r.stdout
+    assert "device: cpu torch_xla loaded: False" in out  # PJRT_DEVICE=CPU set, and still torch's CPU
+    assert "backend: native (cpu), because TPU_UTILITY_BACKEND=native; PJRT_DEVICE=CPU is set, ignored" in out
+    assert "RuntimeError: TPU_UTILITY_BACKEND=tpu asks for TorchTPU (device 'tpu'), but torch_tpu is not " \
+           "installed. Allowed here: 'native', 'xla', 'auto'" in out
+    assert "ValueError: TPU_UTILITY_BACKEND must be one of ('auto', 'native', 'xla', 'tpu'), but given 'bogus'" in out
+
+
+CPU_CHECK_FIRST = """
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+from tpu_utility import one_cycle_fit, setup_tpu
+torch.manual_seed(0)
+data = TensorDataset(torch.randn(256, 8), torch.randint(0, 2, (256,)))
+model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
+"""
+
+
+def test_setup_tpu_first_makes_a_cpu_check_of_the_model_safe():
+    r = run_python(CPU_CHECK_FIRST.replace("torch.manual_seed(0)", "setup_tpu(verbose=False)\ntorch.manual_seed(0)") + """
+x, y = data[:32]
+nn.functional.cross_entropy(model(x), y).backward()  # the notebook's CPU check of the model
+history = one_cycle_fit(model, data, epochs=2, max_lr=1e-2, batch_size=32, progress=False)
+from tpu_utility import backend
+losses = [r.train_loss for r in history.records]
+print("trained on xla:", backend.compile_count() > 0, "loss falls:", losses[-1] < losses[0])
+""")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "trained on xla: True loss falls: True" in r.stdout
+
+
+def test_a_cpu_backward_before_the_xla_runtime_is_a_clear_error_naming_the_fix():
+    # pytorch/xla#4174: torch's autograd engine sized its device queues at the CPU backward, and every XLA
+    # backward after it failed with "device_ready_queues_ ... INTERNAL ASSERT FAILED ... report a bug to PyTorch"
+    r = run_python(CPU_CHECK_FIRST + """
+x, y = data[:32]
+nn.functional.cross_entropy(model(x), y).backward()  # the CPU check, before anything touched XLA
+for call in (lambda: one_cycle_fit(model, data, epochs=1, max_lr=1e-2, progress=False), setup_tpu):
+    try:
+        call()
+    except RuntimeError as e:
+        print("RuntimeError:", e)
+""")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.count("RuntimeError: A backward pass ran on the CPU before torch_xla's runtime started") == 2
+    assert "call setup_tpu() first, in the first cell" in r.stdout
+    assert "INTERNAL ASSERT" not in r.stdout.replace("'device_ready_queues_ ... INTERNAL ASSERT FAILED'", "")
+    assert "epoch 1" not in r.stdout.lower()  # refused before an epoch

@@ -2,8 +2,8 @@
 
 Finds where it runs (Kaggle, Colab, a TPU VM or a local machine), checks the
 torch/torch_xla pair, picks the PJRT device, turns on the persistent compile
-cache and prints what it found. It never starts the XLA runtime, so a
-multi-core launch can still follow.
+cache, starts the XLA runtime where no multi-process launch can follow, and prints
+what it found, including which backend runs and why.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Literal, get_args
 
 import torch
 
-from . import backend
+from . import backend as backends
 
 Platform = Literal["kaggle", "colab", "tpu-vm", "local"]
 DeviceChoice = Literal["auto", "TPU", "CPU"]
@@ -40,6 +40,8 @@ class TpuInfo:
     num_workers: int
     cache_note: str = "off"
     spmd: bool = False
+    backend: str = ""
+    backend_reason: str = ""
 
     def summary(self) -> str:
         if self.xla:
@@ -47,10 +49,11 @@ class TpuInfo:
         elif self.torch_xla_version is None:
             stack = "no XLA: torch_xla is not installed"
         else:
-            stack = "no XLA: no TPU found and PJRT_DEVICE not set"
+            stack = "no XLA"
         kind = f" {self.device_kind}" if self.device_kind else ""
         lines = [
             f"tpu_utility on {self.platform}: {self.device_type}{kind} x {self.num_devices} via {stack}",
+            f"  backend: {self.backend}, because {self.backend_reason}",
             f"  host: {self.host_cpus} CPUs, {self.host_ram_gb:.1f} GiB RAM;"
             f" suggested DataLoader num_workers={self.num_workers}",
             f"  torch {self.torch_version}, torch_xla {self.torch_xla_version or 'not installed'}",
@@ -71,7 +74,7 @@ def detect_platform(environ: dict[str, str] | None = None, tpu_chips: int | None
         return "kaggle"
     if "COLAB_RELEASE_TAG" in env or "COLAB_GPU" in env or "COLAB_TPU_ADDR" in env:
         return "colab"
-    chips = backend.detect_tpu().chips if tpu_chips is None else tpu_chips
+    chips = backends.detect_tpu().chips if tpu_chips is None else tpu_chips
     if chips or "TPU_ACCELERATOR_TYPE" in env or "TPU_NAME" in env:
         return "tpu-vm"
     return "local"
@@ -141,9 +144,9 @@ _last_info: TpuInfo | None = None
 def _choose_spmd(spmd: bool | None, several_devices: bool) -> bool:
     """Switches SPMD on now, before the runtime starts, when asked or when several devices are visible."""
     if spmd is None:
-        spmd = several_devices and not backend.in_launched_process() and (backend.is_spmd() or not backend.runtime_started())
+        spmd = several_devices and not backends.in_launched_process() and (backends.is_spmd() or not backends.runtime_started())
     if spmd:
-        backend.use_spmd()
+        backends.use_spmd()
     return bool(spmd)
 
 
@@ -153,11 +156,15 @@ def setup_tpu(
     compile_cache: bool | None = None,
     verbose: bool = True,
     spmd: bool | None = None,
+    backend: backends.choice.BackendName = "auto",
 ) -> TpuInfo:
     """Prepares this process for XLA and prints what it found.
 
-    Call it first, before anything touches a device. It does not start the XLA
-    runtime, so ``one_cycle_fit(..., cores="all")`` can still launch processes.
+    Call it first, before anything touches a device. On XLA it starts the
+    runtime (with SPMD, or on one device), so that a CPU backward pass later (a
+    CPU check of the model) cannot break XLA's backward passes (pytorch/xla#4174);
+    with ``spmd=False`` and several devices it leaves the runtime off, so a
+    multi-process launch can still follow.
 
     Args:
         device: ``"auto"`` picks TPU when one is attached and otherwise leaves
@@ -175,65 +182,90 @@ def setup_tpu(
             outside a launched process, so ``cores="all"`` works after other XLA
             work (find_lr, earlier cells). False keeps it off (needed for
             ``strategy="multiprocess"``); True forces it on.
+        backend: ``"auto"`` (default): torch_xla when a TPU is attached or
+            ``PJRT_DEVICE`` is set, else TorchTPU when installed on a TPU, else
+            CUDA, else the CPU. ``"native"``: PyTorch's own devices (CUDA, else
+            the CPU) even where torch_xla set ``PJRT_DEVICE=CPU`` when it was
+            imported (``from transformers import ...`` does that). ``"xla"``:
+            torch_xla (the TPU, else XLA on the host CPU). ``"tpu"``: TorchTPU.
+            The ``TPU_UTILITY_BACKEND`` environment variable chooses the same
+            way when this is ``"auto"``; the summary says which and why.
 
     Returns:
         TpuInfo: platform, device type and kind, device count, host CPUs and RAM,
         versions, cache folder and a suggested DataLoader ``num_workers``.
 
     Raises:
-        ValueError: ``device`` is not one of "auto", "TPU", "CPU".
+        ValueError: ``device`` is not one of "auto", "TPU", "CPU", or ``backend``
+            not one of "auto", "native", "xla", "tpu".
         RuntimeError: torch, torch_xla and torchvision are not of one release (the
-            message has the pip command that fixes it), ``PJRT_DEVICE=TPU`` with no TPU attached, or the XLA runtime
-            already runs on a different device type than the one asked for.
+            message has the pip command that fixes it), ``PJRT_DEVICE=TPU`` with no TPU attached, the XLA runtime
+            already runs on a different device type than the one asked for, another backend already runs,
+            ``backend="native"`` with ``device="TPU"``/``"CPU"``, or a CPU backward pass ran before the XLA
+            runtime started (restart the runtime and call ``setup_tpu()`` first).
 
     Example:
         >>> # was: (nothing; on CUDA there is no set-up cell)
         >>> from tpu_utility import setup_tpu
         >>> info = setup_tpu()          # doctest: +SKIP
-        tpu_utility on kaggle: TPU v3 x 8 via XLA ...
+        tpu_utility on kaggle: TPU v5 lite x 8 via XLA
+          backend: xla, because a TPU is attached (8 chips on the PCI bus) ...
+        >>> info = setup_tpu(backend="native")   # CUDA/CPU although torch_xla is installed  # doctest: +SKIP
     """
     global _last_info
     if device not in get_args(DeviceChoice):
         raise ValueError(f"device must be one of {get_args(DeviceChoice)}, but given {device!r}")
 
-    tpu = backend.detect_tpu()
+    tpu = backends.detect_tpu()
     platform = detect_platform(tpu_chips=tpu.chips)
-    torch_xla_version = backend.installed_version("torch_xla") if backend.XLA_INSTALLED else None
-    backend.check_versions(torch.__version__, torch_xla_version, backend.installed_version("torchvision"))
-    torchtpu = backend.torch_tpu_installed()
+    torch_xla_version = backends.installed_version("torch_xla") if backends.XLA_INSTALLED else None
+    backends.check_versions(torch.__version__, torch_xla_version, backends.installed_version("torchvision"))
+    torchtpu = backends.torch_tpu_installed()
 
-    user_choice = backend.pjrt_device()
+    name = backends.choice.check(backend, "setup_tpu(backend=...)")
+    if name == "auto":  # this call's "auto" replaces an earlier call's choice; TPU_UTILITY_BACKEND still counts
+        name = backends.choice.from_environment()[0]
+    forced_xla = backends.choice.runs_xla(name)
+    if forced_xla is False and device != "auto":
+        raise ValueError(
+            f"setup_tpu(device={device!r}) picks an XLA device, but backend={name!r} does not run XLA: "
+            f"give device='auto' with it, or backend='xla'"
+        )
+    user_choice = None if forced_xla is False else backends.pjrt_device()
     if device != "auto" and user_choice is not None and user_choice != device:
         raise RuntimeError(
             f"setup_tpu(device={device!r}) conflicts with PJRT_DEVICE={user_choice!r} set in "
             f"the environment. Unset one of them."
         )
-    wanted = user_choice or (device if device != "auto" else ("TPU" if tpu.chips else None))
+    xla_default = "TPU" if tpu.chips else ("CPU" if forced_xla else None)
+    wanted = user_choice or (device if device != "auto" else xla_default)
 
-    running = backend.runtime_device_type()
+    running = backends.runtime_device_type()
     if running is not None and wanted is not None and running != wanted:
         raise RuntimeError(
             f"The XLA runtime already started on {running!r} in this process, so it cannot "
             f"switch to {wanted!r}. Restart the kernel and call setup_tpu() first."
         )
-    backend.refuse_missing_tpu(wanted)
-    if wanted is not None and not backend.XLA_INSTALLED:
+    backends.refuse_missing_tpu(wanted)
+    if wanted is not None and not backends.XLA_INSTALLED:
         also = " (torch_tpu is installed: unset PJRT_DEVICE to run on TorchTPU instead)" if torchtpu else ""
         raise ModuleNotFoundError(
-            f"PJRT_DEVICE={wanted!r} needs torch_xla{also}. Install it with: {backend.INSTALL_HINT}"
+            f"PJRT_DEVICE={wanted!r} needs torch_xla{also}. Install it with: {backends.INSTALL_HINT}"
         )
+    backends.ask(backend)
+    reason = f"setup_tpu(device={device!r})" if device != "auto" and forced_xla is None else backends.why()
     if wanted is not None:
         os.environ["PJRT_DEVICE"] = wanted
         if torchtpu:
             warnings.warn(
                 f"torch_tpu (TorchTPU, device 'tpu') is installed, but tpu_utility runs on torch_xla (device 'xla') "
                 f"in this process, because PJRT_DEVICE={wanted!r} asks for it. Start without PJRT_DEVICE (and "
-                f"without setup_tpu(device=...)) to use TorchTPU.",
+                f"without setup_tpu(device=...)), or call setup_tpu(backend='tpu'), to use TorchTPU.",
                 stacklevel=2,
             )
 
     use_xla = wanted is not None
-    rank = backend.local_process_rank()
+    rank = backends.local_process_rank()
     chosen_cache = None
     cache_note = "off"
     if compile_cache is None:
@@ -243,7 +275,7 @@ def setup_tpu(
     if use_xla and compile_cache:
         chosen_cache = default_cache_dir(platform, rank, base=cache_dir)
         os.makedirs(chosen_cache, exist_ok=True)
-        if not backend.initialize_cache(chosen_cache):
+        if not backends.initialize_cache(chosen_cache):
             warnings.warn(
                 "The compile cache could not be switched on: XLA already compiled a graph in "
                 "this process. Call setup_tpu() before any XLA work to keep compiled graphs "
@@ -252,13 +284,14 @@ def setup_tpu(
             )
             chosen_cache = None
 
-    torchtpu_runs = not use_xla and isinstance(backend.current(), backend.TorchTpuBackend)
+    chosen = backends.current()  # XLA now, where setup_tpu(device=...) set PJRT_DEVICE
+    torchtpu_runs = not use_xla and isinstance(chosen, backends.TorchTpuBackend)
     if torchtpu_runs:  # TorchTPU: its caches are read when torch starts
         chosen_cache, cache_note = _torchtpu_cache()
     if wanted == "TPU":
         device_type, kind, count = "TPU", tpu.kind, tpu.devices
     elif torchtpu_runs:
-        device_type, kind, count = "TPU", "TorchTPU", backend.device_count()
+        device_type, kind, count = "TPU", "TorchTPU", backends.device_count()
     elif wanted == "CPU":
         device_type, kind, count = "CPU", "XLA:CPU", int(os.environ.get("CPU_NUM_DEVICES", "1"))
     elif torch.cuda.is_available():
@@ -282,7 +315,11 @@ def setup_tpu(
         cache_note=cache_note,
         num_workers=suggest_num_workers(cpus, processes),
         spmd=_choose_spmd(spmd, use_xla and count > 1),
+        backend="xla" if use_xla else ("tpu (TorchTPU)" if torchtpu_runs else f"native ({chosen.name})"),
+        backend_reason=reason,
     )
+    if use_xla and (info.spmd or count == 1 or backends.in_launched_process()):
+        backends.device()  # starts the runtime (no launch can follow here) and checks the autograd engine
     if verbose and info != _last_info:
         print(info.summary())
     _last_info = info

@@ -267,7 +267,8 @@ def launch(fn: Callable[..., Any], args: tuple = (), start_method: StartMethod =
     On CUDA it starts one process per GPU under ``torch.distributed`` (nccl):
     wrap the model in ``DistributedDataParallel`` there, as in any DDP loop
     (``step_optimizer`` then reduces nothing itself). With one device (a plain
-    CPU, one GPU), ``fn(0, *args)`` runs here, once.
+    CPU, one GPU, one XLA device whose runtime ``setup_tpu()`` started),
+    ``fn(0, *args)`` runs here, once.
 
     Args:
         fn: The function to run; it gets the process index first.

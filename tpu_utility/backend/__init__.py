@@ -3,12 +3,15 @@
 ``current()`` returns it; the functions here delegate to it. Only this package
 imports torch_xla or torch_tpu. Modules: ``base`` (what a backend answers),
 ``native`` (torch.distributed on CUDA/CPU), ``xla`` (torch_xla), ``tpu``
-(TorchTPU), ``hardware`` (the PCI probe), ``versions`` (which releases go
-together), ``api`` (the choice and the delegating functions).
+(TorchTPU), ``choice`` (the backend a user asked for), ``hardware`` (the PCI
+probe), ``versions`` (which releases go together), ``api`` (the choice and the
+delegating functions).
 """
 
+from . import choice
 from .api import (
     accelerator_type,
+    ask,
     addressable_device_count,
     all_gather,
     all_reduce,
@@ -74,6 +77,7 @@ from .api import (
     use_spmd,
     wait,
     watch_host_syncs,
+    why,
     world_size,
     XLA_INSTALLED,
     xla_requested,
@@ -81,6 +85,8 @@ from .api import (
 
 __all__ = [
     "accelerator_type",
+    "ask",
+    "choice",
     "addressable_device_count",
     "all_gather",
     "all_reduce",
@@ -146,6 +152,7 @@ __all__ = [
     "use_spmd",
     "wait",
     "watch_host_syncs",
+    "why",
     "world_size",
     "XLA_INSTALLED",
     "xla_requested",

@@ -19,7 +19,7 @@ from typing import Any, Callable, ContextManager, Sequence
 
 import torch
 
-from . import xla
+from . import choice, xla
 from .base import Backend, Counters, ReduceOp, SyncKind, patch_tensor_methods
 from .hardware import TpuHardware, detect_tpu, pjrt_device
 from .native import NativeBackend
@@ -54,9 +54,15 @@ def accelerator_type() -> str | None:
 
 
 def _choose() -> Backend:
-    if runtime_started() or xla_requested():
+    name, where = choice.asked()
+    if name == "xla" or (name == "auto" and (runtime_started() or xla_requested())):
+        if not XLA_INSTALLED:
+            raise ModuleNotFoundError(f"{where} needs torch_xla, which is not installed. Install it with: {INSTALL_HINT}")
         return _XLA
     kind = accelerator_type() or "cpu"
+    if name == "tpu" and not (kind == "tpu" and torch_tpu_installed()):
+        found = "torch_tpu is not installed" if not torch_tpu_installed() else f"torch.accelerator reports {kind!r}"
+        raise RuntimeError(f"{where} asks for TorchTPU (device 'tpu'), but {found}. Allowed here: 'native', 'xla', 'auto'")
     if kind not in _native:
         if kind == "tpu" and torch_tpu_installed():
             _native[kind] = TorchTpuBackend()
@@ -74,6 +80,53 @@ def current() -> Backend:
     if chosen.started():
         _fixed = chosen
     return chosen
+
+
+def ask(name: str, where: str = "setup_tpu(backend=...)") -> Backend:
+    """Chooses the backend by name ("auto", "native", "xla", "tpu") for this process and returns it.
+
+    Raises:
+        ValueError: ``name`` is not one of those.
+        RuntimeError: another backend already runs in this process (restart and choose first).
+    """
+    choice.check(name, where)
+    previous = choice.ask(name)
+    try:
+        chosen = _choose()
+        running = _fixed or (_XLA if runtime_started() else None)
+        if running is not None and running is not chosen:
+            raise RuntimeError(
+                f"{where.replace('...', repr(name))} cannot switch this process to the {chosen.name} backend: "
+                f"the {running.name} backend already runs here. Restart the runtime and call setup_tpu(backend="
+                f"{name!r}) first, or set {choice.VARIABLE}={name} before starting Python"
+            )
+    except Exception:
+        choice.ask(previous)
+        raise
+    return chosen
+
+
+def why() -> str:
+    """Why ``current()`` is the backend it is, as the setup summary says it."""
+    name, where = choice.asked()
+    chosen = current()
+    if name != "auto":
+        ignored = f"; {choice.pjrt_origin()}, ignored" if name != "xla" and pjrt_device() else ""
+        return f"{where}{ignored}"
+    if chosen is _XLA:
+        if runtime_started() and pjrt_device() is None:
+            return "the XLA runtime already runs in this process"
+        if pjrt_device() is not None:
+            origin = choice.pjrt_origin()
+            other = f" ({choice.VARIABLE}=native or setup_tpu(backend='native') for torch's own devices)"
+            return origin + (other if "torch_xla" in origin else "")
+        return f"a TPU is attached ({detect_tpu().chips} chips on the PCI bus)"
+    if isinstance(chosen, TorchTpuBackend):
+        return "torch.accelerator reports TorchTPU's 'tpu' device"
+    if chosen.device_type != "cpu":
+        return f"torch.accelerator reports {chosen.device_type!r}"
+    missing = "no TPU or GPU found" + (", PJRT_DEVICE not set" if XLA_INSTALLED else ", torch_xla not installed")
+    return missing
 
 
 # ------------------------------------------------------------------ devices

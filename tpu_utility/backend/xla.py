@@ -22,6 +22,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from . import choice
 from .base import Backend, Counters, ReduceOp
 from .hardware import detect_tpu, pjrt_device
 from .versions import INSTALL_HINT, module_installed, check_versions, installed_version
@@ -30,7 +31,11 @@ XLA_INSTALLED: bool = module_installed("torch_xla")
 
 
 def xla_requested() -> bool:
-    """True when XLA should be used: torch_xla installed and a TPU or PJRT_DEVICE."""
+    """True when XLA should be used: torch_xla installed, and asked for (``backend="xla"``), or with
+    ``backend="auto"`` a TPU attached or PJRT_DEVICE set."""
+    name, _ = choice.asked()
+    if name != "auto":
+        return name == "xla" and XLA_INSTALLED
     return XLA_INSTALLED and (pjrt_device() is not None or detect_tpu().chips > 0)
 
 
@@ -113,10 +118,43 @@ def local_process_rank() -> int | None:
 
 
 # ----------------------------------------------------------------- devices
+CPU_BACKWARD_FIRST = (
+    "A backward pass ran on the CPU before torch_xla's runtime started in this process (a CPU check of the "
+    "model, a CPU baseline), so PyTorch's autograd engine has no queue for XLA devices: every XLA backward in "
+    "this process would fail with 'device_ready_queues_ ... INTERNAL ASSERT FAILED' (pytorch/xla#4174). "
+    "Restart the runtime (the notebook's kernel) and call setup_tpu() first, in the first cell: it starts "
+    "the XLA runtime, and from then on CPU and XLA backward passes may come in any order."
+)
+_autograd_ready = False
+
+
 def device(index: int | None = None) -> torch.device:
-    """The XLA device (this process's, or core ``index``). Starts the runtime."""
+    """The XLA device (this process's, or core ``index``). Starts the runtime.
+
+    Raises:
+        RuntimeError: a CPU backward pass ran before the runtime started (``CPU_BACKWARD_FIRST``).
+    """
     torch_xla = require_xla()
-    return torch_xla.device(index)
+    chosen = torch_xla.device(index)
+    _check_autograd(chosen)
+    return chosen
+
+
+def _check_autograd(dev: torch.device) -> None:
+    """One small backward on ``dev``, traced, never run: the autograd engine sizes its device queues at
+    the first backward of the process, so this is that first one once the runtime runs, or it finds the trap
+    already sprung and says so (instead of the engine's internal assert at the user's first backward)."""
+    global _autograd_ready
+    if _autograd_ready:
+        return
+    probe = torch.ones(2, device=dev, requires_grad=True)
+    try:
+        (probe * 2).sum().backward()  # with an op between: a bare leaf's sum (or a 0-dim one) fails under SPMD
+    except RuntimeError as error:
+        if "device_ready_queues_" in str(error):
+            raise RuntimeError(CPU_BACKWARD_FIRST) from None
+        raise
+    _autograd_ready = True
 
 
 def addressable_device_count() -> int:
@@ -565,9 +603,10 @@ def available_devices() -> int:
     """XLA devices this job could use, counted without starting the runtime."""
     if not xla_requested():
         return 1
-    if pjrt_device() == "TPU" or (pjrt_device() is None and detect_tpu().chips):
+    kind = pjrt_device() or ("TPU" if detect_tpu().chips else "CPU")  # unset: what torch_xla's import picks
+    if kind == "TPU":
         return detect_tpu().devices
-    return int(os.environ.get(f"{pjrt_device()}_NUM_DEVICES", "1"))
+    return int(os.environ.get(f"{kind}_NUM_DEVICES", "1"))
 
 
 class XlaBackend(Backend):
@@ -603,6 +642,9 @@ class XlaBackend(Backend):
         return in_launched_process()
 
     def launch(self, fn: Callable[..., Any], args: tuple, nprocs: int, start_method: str) -> None:
+        if runtime_started() and not is_spmd() and addressable_device_count() == 1:
+            fn(0, *args)  # one device, its runtime running here (setup_tpu started it): this process is the replica
+            return
         launch(fn, args=args, start_method=start_method)  # torch_xla starts one process per chip itself
 
     def all_reduce(self, tensors: list[torch.Tensor], op: ReduceOp = "sum") -> list[torch.Tensor]:
