@@ -26,7 +26,9 @@
 #   Left to the pinned stack alone: logic on the host and over the backend (schedule, data, buckets,
 #   monitor, epoch metrics, errors, disk-full, remote files, layout, docs), the
 #   hand-loop ports and the platform check (their backend calls are in the lanes), and gloo on torch 2.8
-#   (torch 2.9 here, 2.13 in the TorchTPU lane). tests/conftest.py gives each listed file's reason.
+#   (torch 2.9 here, 2.13 in the TorchTPU lane). tests/conftest.py gives each listed file's reason; a test
+#   narrows its file's lanes with @pytest.mark.lanes(...), the reason beside it (the porter's ported CUDA
+#   loops, 130 s with their plain-CPU originals, run on the pinned stack alone).
 # A venv is rebuilt from scratch when its requirements change (the stamp holds their
 # checksum); a change to pyproject.toml or setup.py only re-runs the editable install.
 #

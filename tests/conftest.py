@@ -116,9 +116,10 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: rank.get(item.path.name, len(LONG_FIRST)))  # stable: file order kept otherwise
     for item in items:
         name = item.path.name
-        if name in TORCH_RELEASE:
+        only = item.get_closest_marker("lanes")  # a test that narrows its file's lanes, with the reason beside it
+        if name in TORCH_RELEASE and (only is None or "torch_release" in only.args):
             item.add_marker(pytest.mark.torch_release)
-        if name in PYTHON_RELEASE:
+        if name in PYTHON_RELEASE and (only is None or "python_release" in only.args):
             item.add_marker(pytest.mark.python_release)
 
 
