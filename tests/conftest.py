@@ -76,6 +76,7 @@ TORCH_RELEASE = {  # code whose behaviour moved between torch/torch_xla 2.8 and 
     "test_device.py": "torch.accelerator's device choice",
     "test_loop.py": "the device loader, launch, use_all_cores and step_optimizer's graph cut",
     "test_amp.py": "autocast and GradScaler",
+    "test_fp16.py": "float16 autocast and torch's GradScaler in one_cycle_fit, their checkpoint state",
     "test_fit.py": "compile counts flat from epoch 2, no host syncs, the fused sync-free optimizer",
     "test_predict.py": "SPMD gathers and transfers in dataset order",
     "test_multicore.py": "the SPMD mesh and the multi-process launch",

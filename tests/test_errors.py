@@ -83,7 +83,7 @@ def test_setup_tpu_bad_choice():
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        ({"precision": "fp16"}, r"precision must be one of \('fp32', 'bf16'\), but given 'fp16'"),
+        ({"precision": "fp8"}, r"precision must be one of \('fp32', 'bf16', 'fp16'\), but given 'fp8'"),
         ({"cores": 3}, r"cores must be 1 or 1 \(all cores here\), or 'all', but given 3"),
         ({"strategy": "ddp"}, r"strategy must be one of \('auto', 'spmd', 'multiprocess'\), but given 'ddp'"),
         ({"optimizer": "lamb"}, r"optimizer must be one of \['adam', 'adamw', 'sgd'\] or a callable, but given 'lamb'"),

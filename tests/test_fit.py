@@ -67,7 +67,7 @@ print("loaded")
 """)
     assert r.returncode == 0, r.stderr
     assert "epoch 2 step 88 devices ['cpu']" in r.stdout
-    assert "keys ['callbacks', 'config', 'epoch', 'format', 'history', 'model', 'monitor', 'optimizer', 'optimizer_class', 'rng', 'run', 'step', 'total_steps', 'versions']" in r.stdout
+    assert "keys ['callbacks', 'config', 'epoch', 'format', 'history', 'model', 'monitor', 'optimizer', 'optimizer_class', 'precision', 'rng', 'run', 'scaler', 'step', 'total_steps', 'versions']" in r.stdout
     assert f"history 2 torch_xla {importlib.metadata.version('torch_xla')}" in r.stdout
     assert "loaded" in r.stdout
 

@@ -161,6 +161,10 @@ class Backend:
     def bf16_autocast_available(self) -> bool:
         return False
 
+    def fp16_available(self) -> bool:
+        """Whether float16 autocast with torch's ``GradScaler`` runs on this backend's device."""
+        return False
+
     def hardware(self, device: torch.device) -> str | None:
         """The hardware under ``device`` where it is not the device itself ("TPU" or "CPU" under XLA, "TPU" under TorchTPU), else None."""
         return None

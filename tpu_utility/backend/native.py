@@ -320,6 +320,11 @@ class NativeBackend(Backend):
     def bf16_autocast_available(self) -> bool:
         return self.device_type == "cuda" and torch.cuda.is_bf16_supported()
 
+    def fp16_available(self) -> bool:
+        """CUDA (the GPUs without bf16, such as Kaggle's T4, need it), and the CPU, where torch runs both
+        float16 autocast and ``GradScaler("cpu")``: slowly, a way to check the machinery, not to train."""
+        return self.device_type in ("cuda", "cpu")
+
     def autocast(self, device: torch.device, dtype: torch.dtype) -> Any:
         return torch.autocast(self.device_type, dtype=dtype)
 

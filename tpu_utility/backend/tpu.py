@@ -60,6 +60,10 @@ class TorchTpuBackend(NativeBackend):
     def bf16_autocast_available(self) -> bool:
         return True
 
+    def fp16_available(self) -> bool:
+        """TPUs compute in bfloat16 (its autocast turns a float16 request into bfloat16): no float16 to scale."""
+        return False
+
     def hardware(self, device: torch.device) -> str | None:
         return "TPU" if self.owns(device) else None
 

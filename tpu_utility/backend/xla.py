@@ -681,6 +681,10 @@ class XlaBackend(Backend):
     def bf16_autocast_available(self) -> bool:
         return bf16_autocast_available()
 
+    def fp16_available(self) -> bool:
+        """TPUs compute in bfloat16 and XLA:CPU has no autocast at all: no float16 path to scale."""
+        return False
+
     def autocast(self, device: torch.device, dtype: torch.dtype) -> Any:
         return autocast(device, dtype)
 

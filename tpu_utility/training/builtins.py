@@ -471,8 +471,10 @@ class Checkpoints(Callback):
     """``checkpoint_dir`` and ``resume``: ``last.pt``, ``best.pt`` and ``history.csv`` after every epoch.
 
     Written by the master. A resume loads ``last.pt`` (weights, optimizer, the
-    callbacks' state, history, best epoch, the random state) after the user's
-    ``on_fit_start``, and checks ``best.pt`` before any epoch.
+    GradScaler's state under fp16, the callbacks' state, history, best epoch, the
+    random state) after the user's ``on_fit_start``, and checks ``best.pt`` before any
+    epoch. A resume in another precision than ``last.pt``'s is said in a warning (under
+    fp16 a fresh GradScaler, or the checkpoint's left unused).
 
     Args:
         folder: ``checkpoint_dir``.
@@ -522,7 +524,7 @@ class Checkpoints(Callback):
         state = {
             "format": 1, "epoch": epoch, "step": loop.step, "total_steps": loop.total_steps,
             "model": loop.model.state_dict(), "optimizer": loop.optimizer.state_dict(),
-            "optimizer_class": class_name(loop.optimizer),
+            "optimizer_class": class_name(loop.optimizer), **loop.runner.precision.state_dict(),
             "rng": {"torch": torch.get_rng_state(), "python": random.getstate(),
                     "xla": backend.rng_state() if backend.is_lazy(loop.device) else 0},
             "history": loop.history.to_dicts(),
@@ -538,6 +540,9 @@ class Checkpoints(Callback):
         watched = state.get("monitor", {})
         _check_monitor(path, watched, self.best.rule)
         load_state_into(state, path, loop.model, loop.optimizer)
+        changed = loop.runner.precision.load_state_dict(state, path)  # the GradScaler's scale under fp16
+        if changed and loop.master:
+            warnings.warn(changed, stacklevel=2)
         loop.events.load_state_dict(state.get("callbacks", {}), path)
         if backend.is_lazy(loop.device):  # the restored tensors become device data, not part of epoch 1's first graph;
             backend.sync()  # before the random state is restored: a sync advances torch_xla's seed

@@ -13,7 +13,8 @@ The events, in the order they fire:
 * ``on_train_epoch_start(loop, epoch)``: before the epoch's first batch (``epoch``
   counts from 0).
 * ``on_before_step(loop)``: before every optimizer step, the gradients ready (the
-  schedule sets the learning rate here).
+  schedule sets the learning rate here). Under ``precision="fp16"`` they are still
+  multiplied by the GradScaler's scale (the step unscales them).
 * ``on_step_end(loop)``: after every optimizer step. The tensors a hook sees here
   live on the device: compute with them, never read them (``.item()``,
   ``float()``, ``print``). A read waits for the device every step, and

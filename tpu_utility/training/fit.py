@@ -47,7 +47,8 @@ from .events import Events, check_callbacks
 from .history import History
 from .metrics import METRICS, accuracy, per_sample_loss, resolve_metrics
 from .monitor import Mode, StopRule, parse_duration, resolve_mode
-from .runner import Precision, Strategy, available_cores, choose_strategy, process_mode, resolve_cores
+from .runner import (Precision, Strategy, available_cores, check_precision, choose_strategy, process_mode,
+                     resolve_cores)  # fmt: skip
 from .schedule import LrSchedule, OneCycle, ScheduleName, check_warmup
 from .trainer import FitPlan, Steps, train
 
@@ -213,7 +214,12 @@ def one_cycle_fit(
         batch_size: Per-core batch size (default 64, or the DataLoader's own).
         cores: 1, "all", or the number of all cores.
         strategy: "auto" (SPMD for several cores), "spmd" or "multiprocess".
-        precision: "fp32" or "bf16" (autocast on TPU, casting on XLA:CPU).
+        precision: "fp32", "bf16" (autocast on TPU, casting on XLA:CPU) or "fp16":
+            float16 autocast around the forward and the loss, with torch's ``GradScaler``
+            (the loss scaled before backward, the gradients unscaled before clipping, a
+            step with inf/NaN gradients skipped; its state kept in ``last.pt``). For CUDA
+            GPUs without bf16 (Kaggle's T4); on the CPU it runs slowly, to check a run;
+            refused on TPUs (torch_xla, TorchTPU), which compute in bf16.
         metrics: Names ("accuracy"), functions ``(output, target) -> values`` (one
             per sample, or a per-batch mean), torchmetrics ``Metric`` objects, or a
             dict naming them. Default "accuracy" when ``loss_fn`` is the default.
@@ -290,6 +296,10 @@ def one_cycle_fit(
         ...                         epochs=5, max_lr=3e-3, cores="all", checkpoint_dir="ckpt",
         ...                         early_stopping=3, restore_best=True, time_limit="8h30m")
         >>> history.plot("history.png")                                     # doctest: +SKIP
+        >>> # was: scaler = torch.cuda.amp.GradScaler() and, around the forward and the loss,
+        >>> #      with torch.autocast("cuda", dtype=torch.float16): (a T4 GPU, which has no bf16)
+        >>> history = one_cycle_fit(model, train_ds, epochs=5, max_lr=3e-3,  # doctest: +SKIP
+        ...                         precision="fp16")
         >>> # was: get_scheduler("linear", opt, num_warmup_steps=0.1 * total, num_training_steps=total)
         >>> history = one_cycle_fit(model, train_ds, epochs=3, max_lr=5e-5,  # doctest: +SKIP
         ...                         schedule="linear", warmup=0.1)
@@ -303,8 +313,7 @@ def one_cycle_fit(
         raise ValueError("the model has no trainable parameters (all have requires_grad=False); unfreeze some layers")
     _positive("epochs", epochs, int)
     _positive("accumulate_steps", accumulate_steps, int)
-    if precision not in get_args(Precision):
-        raise ValueError(f"precision must be one of {get_args(Precision)}, but given {precision!r}")
+    check_precision(precision)  # fp16 where the device has no float16 path: refused before any launch or epoch
     if max_grad_norm is not None:
         _positive("max_grad_norm", max_grad_norm)
     if resume and checkpoint_dir is None:

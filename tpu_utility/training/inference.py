@@ -64,7 +64,8 @@ def predict(
             is ``model(dataset[indices[k]])``.
         cores: 1, "all", or the number of all cores.
         batch_size: Per core (default 64, or the DataLoader's own).
-        precision: "fp32" or "bf16".
+        precision: "fp32", "bf16" or "fp16" (float16 autocast only: no backward, so no
+            GradScaler; CUDA and the CPU, refused on TPUs as in ``one_cycle_fit``).
         predict_step: ``(model, batch) -> output`` replacing ``model(x)``.
         tta: Batch transforms whose outputs are averaged on the device (include
             ``lambda b: b`` to keep the plain prediction among them). Each gets

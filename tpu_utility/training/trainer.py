@@ -8,6 +8,8 @@ fires events to: the schedule, the stop rules, checkpoints and the progress line
     on_train_epoch_start
     every batch: forward, backward, the loss summed on the device
         every accumulate_steps batches: on_before_step, the optimizer step, on_step_end
+        (under precision="fp16" the loss is scaled before backward, and the GradScaler steps:
+        it unscales before clipping and skips a step whose gradients hold inf or NaN)
     on_train_epoch_end
     evaluation, then one read of every figure
     on_epoch_end(record)     (loop.stop(reason) ends the run after it)
@@ -318,7 +320,8 @@ def _train_batch(loop: Loop, i: int, batch: Any, sums: list[torch.Tensor]) -> li
             f"{type(loss).__name__} {loss!r}"
         )
     loss = loss.float()
-    (loss / steps.accumulate_steps if steps.accumulate_steps > 1 else loss).backward()
+    precision = loop.runner.precision  # under fp16 it scales the loss, and its GradScaler steps the optimizer
+    precision.backward(loss / steps.accumulate_steps if steps.accumulate_steps > 1 else loss)
     loss_sum, n_batches, bad_step = sums
     n_batches = n_batches + 1
     bad_step = torch.where((bad_step == _NO_BAD_STEP) & ~torch.isfinite(loss), n_batches, bad_step)
@@ -327,7 +330,8 @@ def _train_batch(loop: Loop, i: int, batch: Any, sums: list[torch.Tensor]) -> li
     if (i + 1) % steps.accumulate_steps == 0:
         loop.events.fire("on_before_step", loop)
         # MpDeviceLoader cuts the graph at every batch, so the step needs no barrier
-        step_optimizer(loop.optimizer, barrier=False, max_grad_norm=steps.max_grad_norm, optimizer_args=loop.step_args)
+        step_optimizer(loop.optimizer, scaler=precision.scaler, barrier=False, max_grad_norm=steps.max_grad_norm,
+                       optimizer_args=loop.step_args)  # fmt: skip
         loop.optimizer.zero_grad(set_to_none=True)
         loop.step += 1
         loop.events.fire("on_step_end", loop)
