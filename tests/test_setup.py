@@ -289,3 +289,21 @@ for call in (lambda: one_cycle_fit(model, data, epochs=1, max_lr=1e-2, progress=
     assert "call setup_tpu() first, in the first cell" in r.stdout
     assert "INTERNAL ASSERT" not in r.stdout.replace("'device_ready_queues_ ... INTERNAL ASSERT FAILED'", "")
     assert "epoch 1" not in r.stdout.lower()  # refused before an epoch
+
+
+def test_on_the_host_cpu_a_dataset_gets_no_loader_workers_by_default_and_the_summary_says_why():
+    # issue 29: on the native CPU backend a worker competes with torch's compute threads for the same cores
+    r = run_python("""
+        import torch
+        from torch.utils.data import Dataset
+        from tpu_utility import one_cycle_fit, setup_tpu
+        info = setup_tpu()
+        class Halves(Dataset):  # not a TensorDataset: one_cycle_fit chooses the workers
+            def __len__(self): return 64
+            def __getitem__(self, i): return torch.tensor([i / 64.0]), int(i >= 32)
+        history = one_cycle_fit(torch.nn.Linear(1, 2), Halves(), epochs=1, max_lr=1e-2, batch_size=16, progress=False)
+        print("workers:", info.num_workers, "|", history.summary)
+    """, env={"PJRT_DEVICE": None})
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "suggested DataLoader num_workers=0 (the model trains on these CPUs: a worker would take cores" in r.stdout
+    assert "workers: 0 |" in r.stdout and "| 0 loader worker(s)" in r.stdout, r.stdout

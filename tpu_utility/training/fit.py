@@ -261,8 +261,10 @@ def one_cycle_fit(
         train_step: ``(model, batch) -> loss`` replacing ``loss_fn(model(x), y)``.
         eval_step: ``(model, batch) -> (output, target)`` replacing ``(model(x), y)``.
         num_workers: DataLoader workers per process (default: the DataLoader's own,
-            else what ``setup_tpu`` suggests for this host, or 0 for a TensorDataset,
-            whose samples are already in memory; the summary line says).
+            else what ``setup_tpu`` suggests for this host (0 where the model trains on
+            the host CPU itself: workers would take cores from its compute threads),
+            or 0 for a TensorDataset, whose samples are already in memory; the summary
+            line says).
         seed: Seeds the random ops during training (dropout, augmentation) and the data order
             (epoch-wise); not the weights of a model built before the call.
         progress: A progress bar per epoch (a widget in notebooks, none in logs) and a line per epoch (master only).
@@ -457,10 +459,10 @@ def _loader_specs(train_data: Any, valid_data: Any, batch_size: int | None, num_
         valid_spec = unpack_loader(valid_data, own_size, "valid_data")
     workers = num_workers if num_workers is not None else train_spec.num_workers
     if workers is None:  # a Dataset: what setup_tpu suggests for this host, none for tensors in memory
-        from ..environment import suggest_num_workers
+        from ..environment import default_num_workers
 
         in_memory = isinstance(train_spec.dataset, TensorDataset)
-        workers = 0 if in_memory else suggest_num_workers(os.cpu_count() or 1, processes)
+        workers = 0 if in_memory else default_num_workers(processes)
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 0:
         raise ValueError(f"num_workers must be an int >= 0, but given {workers!r}")
     for spec in (train_spec, valid_spec):
