@@ -264,9 +264,10 @@ def launch(fn: Callable[..., Any], args: tuple = (), start_method: StartMethod =
     returns its DistributedSampler, ``step_optimizer`` averages gradients over
     all processes and ``device_loader`` / ``masked_loader`` serve its part. The
     alternative, one process for every core, is ``use_all_cores()``.
-    On CUDA it starts one process per GPU under ``torch.distributed`` (nccl):
-    wrap the model in ``DistributedDataParallel`` there, as in any DDP loop
-    (``step_optimizer`` then reduces nothing itself). With one device (a plain
+    On CUDA it starts one process per GPU under ``torch.distributed`` (nccl);
+    ``step_optimizer`` averages there too, but ``DistributedDataParallel``, as in
+    any DDP loop, is faster (it averages during the backward; ``step_optimizer``
+    then reduces nothing itself). With one device (a plain
     CPU, one GPU, one XLA device whose runtime ``setup_tpu()`` started),
     ``fn(0, *args)`` runs here, once.
 

@@ -128,7 +128,7 @@ class Backend:
         """Waits until every replica gets here."""
 
     def reduce_gradients(self, optimizer: torch.optim.Optimizer) -> None:
-        """Averages gradients over replicas where the backend does it in the step (XLA)."""
+        """Averages the optimizer's gradients over the replicas; nothing on one."""
 
     def wrap_replica(self, model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
         """The model a replica trains through, so that its gradients are averaged (XLA: the model itself)."""

@@ -253,6 +253,44 @@ class NativeBackend(Backend):
             gathered.append(torch.cat(parts, dim=0))
         return gathered
 
+    def reduce_gradients(self, optimizer: torch.optim.Optimizer) -> None:
+        """Averages the gradients of the optimizer's trainable parameters over the replicas, as DDP does.
+
+        One all-reduce per device and dtype of a flat buffer (the gradients, each divided by
+        the world size first, then one presence flag per parameter). A parameter without a
+        gradient adds zeros: it gets the average where another replica had a gradient and
+        stays None where none had (DDP's rule for unused parameters). The host reads the
+        flags only where a gradient here is None.
+        """
+        world = self.world_size()
+        if world == 1:
+            return
+        buckets: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if p.requires_grad:
+                    buckets.setdefault((p.device, p.dtype), []).append(p)
+        for (device, dtype), params in buckets.items():
+            grads = [None if p.grad is None else p.grad.detach() for p in params]
+            flat = torch.cat(
+                [(g.to_dense() if g.is_sparse else g).reshape(-1).to(dtype) if g is not None else p.new_zeros(p.numel())
+                 for p, g in zip(params, grads)]
+                + [torch.tensor([float(g is not None) for g in grads], dtype=dtype, device=device)]
+            )  # fmt: skip
+            flat.div_(world)
+            dist.all_reduce(flat)
+            values = flat[: flat.numel() - len(params)].split([p.numel() for p in params])
+            present = None if all(g is not None for g in grads) else (flat[-len(params):] > 0).tolist()
+            for i, (p, g, averaged) in enumerate(zip(params, grads, values)):
+                averaged = averaged.view_as(p)
+                if g is None:
+                    if present[i]:
+                        p.grad = averaged.clone()
+                elif g.is_sparse:
+                    p.grad = averaged.to_sparse()
+                else:
+                    p.grad.copy_(averaged)
+
     def wrap_replica(self, model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
         """``DistributedDataParallel``: gradients averaged during backward, buffers from rank 0."""
         from torch.nn.parallel import DistributedDataParallel
