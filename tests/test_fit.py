@@ -37,6 +37,22 @@ def test_learns_digits_without_recompiles_or_host_syncs(digits):
     assert history.model is not None and next(history.model.parameters()).device.type == "xla"
 
 
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
+def test_a_schedule_meeting_the_models_round_scalars_compiles_nothing_new(optimizer):
+    # issue 29: torch_xla shares a scalar upload with every equal scalar of a step's graph. One-cycle's momentum
+    # passes exactly 0.9 (the middle of 0.85 -> 0.95), dropout's keep probability; its peak lr here, 1e-2, is
+    # AdamW's weight decay. Each time the two merged into one input and the step compiled anew: [6, 6, 7, 7]
+    torch.manual_seed(0)
+    x = torch.randn(256, 8)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Dropout(0.1), nn.Linear(16, 2))
+    history = one_cycle_fit(model, TensorDataset(x, (x[:, 0] > 0).long()), epochs=4, max_lr=1e-2, batch_size=32,
+                            optimizer=optimizer, progress=False)  # fmt: skip
+    assert 0.9 in [round(m, 12) for m in history.step_momenta] and max(history.step_lrs) == 1e-2  # they meet
+    compiles = [r.compiles for r in history.records]
+    assert compiles == [compiles[0]] * 4, compiles
+    assert history.records[-1].train_loss < history.records[0].train_loss
+
+
 def test_sgd_follows_the_schedule_too(digits):
     history = fit(small_mlp(), digits[0], valid_data=digits[1], optimizer="sgd", max_lr=0.05)
     assert history.records[-1].train_loss < 0.5 * history.records[0].train_loss

@@ -34,6 +34,17 @@ def test_one_cycle_matches_torch_onecyclelr(total, pct):
         sched.step()
 
 
+def test_unround_moves_round_values_one_float32_step_and_leaves_the_rest():
+    from tpu_utility.training.schedule import unround
+
+    for value in (0.9, 0.95, 1e-3, 0.999, 2.5e-5, 0.8999999999999999):
+        moved = unround(value)
+        assert moved > value and (moved - value) / value < 2e-7, value
+        assert unround(moved) == moved  # the moved value is not round: written again, it stays
+    for value in (0.0, 1.0, 0.8999123456789, 1 / 3, -0.5):
+        assert unround(value) == value
+
+
 def test_one_cycle_shape():
     lrs, moms = one_cycle_curve(200, 1e-2, pct_start=0.25)
     peak = lrs.index(max(lrs))
@@ -351,15 +362,17 @@ def _hf(name, warmup):
 
 
 @pytest.mark.parametrize("name", ["linear", "cosine"])
-def test_the_built_in_shapes_train_as_hugging_faces_scheduler_does_bit_for_bit(name):
+def test_the_built_in_shapes_train_as_hugging_faces_scheduler_does(name):
     data = flat_digits(640)
     torch.manual_seed(0)
     ours = _fit(small_mlp(), data, schedule=name, warmup=0.1)
     torch.manual_seed(0)
     theirs = _fit(small_mlp(), data, schedule=None, callbacks=[_hf(name, 0.1)])
-    assert ours.step_lrs == theirs.step_lrs
+    assert ours.step_lrs == theirs.step_lrs  # the same curve, value for value
+    # the same training, but for the last float32 digit of a round lr: on XLA the schedule writes such a value one
+    # float32 step up (schedule.unround), so that it never merges with an equal scalar of the graph
     for a, b in zip(ours.model.state_dict().values(), theirs.model.state_dict().values()):
-        assert torch.equal(a.cpu(), b.cpu())
+        torch.testing.assert_close(a.cpu(), b.cpu(), rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("schedule", ["cosine", None, halving])

@@ -42,7 +42,7 @@ from ..progress import format_duration, run_eta, write_line
 from .events import Callback
 from .history import History
 from .monitor import StopRule, Watch, out_of_time
-from .schedule import LrSchedule, OneCycle, warmup_steps
+from .schedule import LrSchedule, OneCycle, unround, warmup_steps
 
 BEST_NAME = "best.pt"
 HISTORY_NAME = "history.csv"
@@ -62,7 +62,10 @@ class _Driver:
     change the graph whenever a value rounds to a special constant
     (``1 - lr * wd == 1.0`` in float32 late in the schedule), because torch_xla
     uploads scalars by value. Other optimizers (SGD) take Python floats, the only
-    form their step accepts without a host sync.
+    form their step accepts without a host sync. On XLA such a float is written
+    ``unround``: torch_xla shares a scalar upload with every equal scalar of the
+    step's graph, and one-cycle's momentum passing exactly 0.9 met dropout's 0.9,
+    merged with it into one input and compiled a graph of its own mid-run.
 
     Each parameter group gets the curve's learning rate times its ``ratios`` entry
     (``schedule.peak_ratios``); momentum is the same in every group. Without momenta
@@ -84,6 +87,7 @@ class _Driver:
         self.ratios = loop.lr_ratios
         self.total, self.step_index = len(self.lrs), loop.step
         self.written: list[tuple[Any, int]] | None = None  # each group's lr as last written, and its version
+        self.floats = unround if backend.is_lazy(device) else float
         self.on_device = (
             backend.is_lazy(device)
             and not backend.is_fused_optimizer(opt)  # they take Python floats without syncing or recompiling
@@ -119,14 +123,15 @@ class _Driver:
                     lr.copy_(row[0] * ratio)
             self.device_index.add_(1).clamp_(max=self.total - 1)
         else:
+            value = self.floats  # on XLA, kept apart from the graph's round scalars (unround)
             for group, ratio in zip(opt.param_groups, self.ratios):
-                group["lr"] = self.lrs[i] * ratio
+                group["lr"] = value(self.lrs[i] * ratio)
                 if self.moms is None:
                     continue
                 if "betas" in group:
-                    group["betas"] = (self.moms[i], group["betas"][1])
+                    group["betas"] = (value(self.moms[i]), group["betas"][1])
                 elif group.get("momentum", 0) > 0:
-                    group["momentum"] = self.moms[i]
+                    group["momentum"] = value(self.moms[i])
         lrs = [g["lr"] for g in opt.param_groups]
         self.written = [(lr, lr._version if isinstance(lr, torch.Tensor) else 0) for lr in lrs]
         return self.lrs[i]

@@ -16,11 +16,41 @@ and ``get_scheduler("cosine")``; the cosine is also timm's ``CosineLRScheduler``
 from __future__ import annotations
 
 import math
+import struct
 from dataclasses import asdict, dataclass
 from numbers import Integral, Real
 from typing import Callable, Literal, Union
 
 _MAX_STEPS = 2**53  # beyond this a step count is no longer exact as a float
+
+
+def unround(value: float) -> float:
+    """``value``, or the next float32 above it where its float32 is a round number (0.9, 1e-3, 0.999).
+
+    torch_xla uploads a Python-float hyperparameter as a scalar shared, by value, with every
+    equal scalar of the step's graph: one-cycle's momentum passes exactly 0.9 (the middle of
+    0.85 -> 0.95) and meets dropout's keep probability 0.9, the two inputs become one, and the
+    step compiles a graph of its own mid-run. Models hold round numbers; one float32 step up
+    (6e-8 at 0.9) keeps a schedule's value apart from them. 0 and 1 are left alone (torch_xla
+    writes them into the graph as constants).
+
+    Example:
+        >>> unround(0.9) > 0.9 and unround(0.9) - 0.9 < 1e-7
+        True
+        >>> unround(0.8999123456789) == 0.8999123456789
+        True
+    """
+    if not (0 < value < 3.4e38):
+        return value
+    single = _float32(value)
+    if single == 1.0 or single != _float32(float(f"{single:.6g}")):  # not a number of 6 significant digits
+        return value
+    bits = struct.unpack("<I", struct.pack("<f", single))[0]
+    return struct.unpack("<f", struct.pack("<I", bits + 1))[0]
+
+
+def _float32(value: float) -> float:
+    return struct.unpack("<f", struct.pack("<f", value))[0]
 
 
 def _number(name: str, value: object) -> float:
