@@ -136,14 +136,39 @@ def test_stopfit_from_an_epoch_hook_ends_the_run_as_loop_stop_does(digits, tmp_p
             assert torch.equal(tensor.cpu(), saved["model"][name]), name
 
 
-def test_ema_scores_at_least_as_well_as_a_plain_run_and_its_checkpoints_hold_the_average(digits, tmp_path):
+def test_emas_average_is_torchs_averaged_model_with_its_ema_function():
+    from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+    from tpu_utility import get_device
+
+    device = get_device()  # on the XLA device: a CPU backward first would break this process's XLA backwards
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 3)).to(device)  # int buffer
+    reference = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(0.9), use_buffers=True)
+    ema, loop = EMA(decay=0.9), type("Loop", (), {"model": model})()
+    ema.on_fit_start(loop)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(20):
+        optimizer.zero_grad()
+        x, y = torch.randn(16, 8).to(device), torch.randint(0, 3, (16,)).to(device)
+        nn.functional.cross_entropy(model(x), y).backward()
+        optimizer.step()
+        reference.update_parameters(model)
+        ema.on_step_end(loop)
+    assert int(ema.averaged.n_averaged) == int(reference.n_averaged) == 20
+    for (name, ours), theirs in zip(ema.averaged.module.state_dict().items(), reference.module.state_dict().values()):
+        torch.testing.assert_close(ours.cpu(), theirs.cpu(), rtol=1e-6, atol=1e-6, msg=name)  # mul+add, not lerp
+
+
+def test_ema_scores_as_well_as_a_plain_run_and_its_checkpoints_hold_the_average(digits, tmp_path):
     train, valid = digits
     torch.manual_seed(0)
     plain = fit(small_cnn(), train, valid_data=valid)
     torch.manual_seed(0)
     ema = EMA(decay=0.9)
     averaged = fit(small_cnn(), train, valid_data=valid, callbacks=[ema], checkpoint_dir=str(tmp_path))
-    assert averaged.records[-1].metrics["accuracy"] >= plain.records[-1].metrics["accuracy"]
+    # within 4 of the 359 validation samples: which of the two is ahead moves with the last float32 digit of the lr
+    assert averaged.records[-1].metrics["accuracy"] >= plain.records[-1].metrics["accuracy"] - 0.011
     assert averaged.records[-1].metrics["accuracy"] >= 0.95
     assert plain.records[0].train_loss == averaged.records[0].train_loss  # the same training, only evaluated apart
     saved = load_checkpoint(str(tmp_path))
