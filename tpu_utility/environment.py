@@ -106,7 +106,7 @@ def suggest_num_workers(host_cpus: int, processes: int = 1) -> int:
 def default_num_workers(processes: int = 1) -> int:
     """DataLoader workers per process for a Dataset, as one_cycle_fit and setup_tpu choose them.
 
-    None where the model trains on the host CPU itself (the native CPU backend):
+    0 where the model trains on the host CPU itself (the native CPU backend):
     torch's compute threads already use every core, and a worker takes cores from
     them (a tiny BERT from dict samples on a 2-core host: 0.89x the steps per second
     of no worker). Elsewhere ``suggest_num_workers`` over the CPUs this process may use.
