@@ -21,7 +21,7 @@
 #   test-colab      -m python_release: the pinned trio on Python 3.13, so what the Python version can
 #                   change: imports, packaging, the notebook's kernel, progress bars, spawned and forked
 #                   processes, file writes, the README/docs blocks.
-#   test-torchtpu   tests/test_native.py and tests/test_torchtpu.py: the code that lane has (no
+#   test-torchtpu   tests/test_native.py, test_replicas.py and test_torchtpu.py: the code that lane has (no
 #                   torch_xla there), the native multi-process suite on torch 2.13 with torch-tpu.
 #   Left to the pinned stack alone: logic on the host and over the backend (schedule, data, buckets,
 #   monitor, epoch metrics, errors, disk-full, remote files, layout, docs), the
@@ -45,7 +45,7 @@ KAGGLE := .venv-kaggle
 COLAB := .venv-colab
 TORCHTPU := .venv-torchtpu
 # what the TorchTPU lane runs: the code that lane has (no torch_xla there)
-TORCHTPU_TESTS := tests/test_native.py tests/test_torchtpu.py
+TORCHTPU_TESTS := tests/test_native.py tests/test_replicas.py tests/test_torchtpu.py
 KAGGLE_TESTS := -m torch_release tests
 COLAB_TESTS := -m python_release tests
 PYTEST_ARGS ?= -q

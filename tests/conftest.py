@@ -109,7 +109,7 @@ PYTHON_RELEASE = {  # code whose behaviour can change with the Python version
 # workers), slowest first: scheduled before the rest, so that a run ends on short tests, not with one
 # worker still on a long one while the others idle. Order within a file is kept.
 LONG_FIRST = ["test_notebook.py", "test_huggingface.py", "test_porter.py", "test_ports.py", "test_readme.py", "test_user_input.py",
-              "test_native.py", "test_resume_safety.py", "test_multicore.py", "test_check.py", "test_predict.py"]  # fmt: skip
+              "test_native.py", "test_replicas.py", "test_resume_safety.py", "test_multicore.py", "test_check.py", "test_predict.py"]  # fmt: skip
 
 
 def pytest_collection_modifyitems(config, items):

@@ -15,7 +15,7 @@ LAYERS = [
     {"remote", "files", "progress", "device", "environment", "diagnostics.port", "huggingface"},
     {"optim", "amp", "checkpoint", "data.buckets", "data.cache", "data.presize", "training.schedule",
      "training.monitor", "training.history", "training.events"},
-    {"data.loaders", "training.metrics", "training.callbacks", "training.builtins"},
+    {"data.loaders", "training.metrics", "training.callbacks", "training.builtins", "training.agreement"},
     {"data", "loop"},
     {"training.runner"},
     {"training.trainer", "training.inference", "diagnostics.doctor"},

@@ -15,7 +15,8 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any, Callable, ContextManager, Sequence
+import contextlib
+from typing import Any, Callable, ContextManager, Iterator, Sequence
 
 import torch
 
@@ -189,6 +190,45 @@ def all_gather(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
 
 def barrier(tag: str) -> None:
     current().barrier(tag)
+
+
+class CollectiveTimeout(RuntimeError):
+    """A collective gave up waiting: the message names the replica(s) that did not arrive."""
+
+
+@contextlib.contextmanager
+def naming_stalls(where: str) -> Iterator[None]:
+    """Turns a collective's timeout inside the block into a ``CollectiveTimeout`` naming the replicas
+    that stopped answering (as far as the backend can tell) and ``where`` it waited.
+
+    Example:
+        >>> with naming_stalls("one_cycle_fit"):   # doctest: +SKIP
+        ...     train(model, plan)
+    """
+    try:
+        yield
+    except CollectiveTimeout:
+        raise
+    except RuntimeError as error:
+        report = current().stalled(error)
+        if report is None:
+            raise
+        raise CollectiveTimeout(f"{where}{_waiting_in(error)}: {report}") from error
+
+
+def _waiting_in(error: BaseException) -> str:
+    """`` (waiting in backward, training/runner.py:374)``: the package's innermost frame outside the backend."""
+    import os
+    import traceback
+
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    ours = [f for f in traceback.extract_tb(error.__traceback__)
+            if f.filename.startswith(package + os.sep) and not f.filename.startswith(os.path.dirname(__file__))]  # fmt: skip
+    if not ours:
+        return ""
+    frame = ours[-1]
+    what = " (the gradient all-reduce of DDP)" if frame.name == "backward" else ""
+    return f", waiting in {frame.name}{what} ({os.path.relpath(frame.filename, package)}:{frame.lineno})"
 
 
 def reduce_gradients(optimizer: torch.optim.Optimizer) -> None:

@@ -130,6 +130,11 @@ class Backend:
     def reduce_gradients(self, optimizer: torch.optim.Optimizer) -> None:
         """Averages the optimizer's gradients over the replicas; nothing on one."""
 
+    def stalled(self, error: BaseException) -> str | None:
+        """Why a collective failed, naming the replica(s) that did not arrive, if ``error`` is a
+        collective's timeout this backend can explain; None leaves the error as it is."""
+        return None
+
     def wrap_replica(self, model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
         """The model a replica trains through, so that its gradients are averaged (XLA: the model itself)."""
         return model

@@ -22,6 +22,7 @@ import os
 import sys
 import tempfile
 import threading
+import time
 import weakref
 from typing import Any, Callable, Iterator, Sequence
 
@@ -34,6 +35,9 @@ from .base import Backend, ReduceOp, SyncKind, patch_tensor_methods
 # Every collective and the start-up rendezvous give up after this long (seconds): a replica
 # that died or took another path raises on the others instead of hanging them forever.
 COLLECTIVE_TIMEOUT_S = float(os.environ.get("TPU_UTILITY_COLLECTIVE_TIMEOUT", "600"))
+# After a timeout, how long a replica waits for the others to report theirs before naming the silent ones.
+STALL_REPORT_WAIT_S = 30.0
+REPLICA_GRACE_S = 5.0
 
 _OPS = {"sum": "SUM", "min": "MIN", "max": "MAX"}
 
@@ -223,9 +227,13 @@ class NativeBackend(Backend):
             store = os.path.join(folder, "store")
             job = (self.device_type, self.dist_backend, nprocs, store)
             try:
-                torch.multiprocessing.start_processes(
-                    _replica_main, args=(job, fn, args), nprocs=nprocs, start_method=start_method, join=True
+                replicas = torch.multiprocessing.start_processes(
+                    _replica_main, args=(job, fn, args), nprocs=nprocs, start_method=start_method, join=False
                 )
+                # once one fails, the others get REPLICA_GRACE_S to end, then SIGTERM, then as long again
+                # before SIGKILL (torch's default is 30 s; a stopped replica ignores SIGTERM)
+                while not replicas.join(grace_period=REPLICA_GRACE_S):
+                    pass
             except torch.multiprocessing.ProcessRaisedException as error:
                 raise RuntimeError(f"a training replica failed:\n{error}") from None
             except torch.multiprocessing.ProcessExitedException as error:
@@ -290,6 +298,33 @@ class NativeBackend(Backend):
                     p.grad = averaged.to_sparse()
                 else:
                     p.grad.copy_(averaged)
+
+    def stalled(self, error: BaseException) -> str | None:
+        """A collective's timeout (gloo's "Timed out waiting", NCCL's watchdog) explained: the ranks that
+        did not arrive are those that do not also report a timeout through the job's store in the next while.
+
+        Every replica that waited times out within about one timeout of the others; one that stopped
+        answering (stopped, stuck in its own code, swapping) reports nothing.
+        """
+        if not distributed_ready() or "timed out" not in str(error).lower():
+            return None
+        world, me = self.world_size(), self.rank()
+        waited = min(COLLECTIVE_TIMEOUT_S, STALL_REPORT_WAIT_S)
+        try:
+            silent = _silent_ranks(me, world, waited)
+        except Exception as store_error:  # the store itself does not answer: rank 0 may host it
+            silent = None
+            why = f"the job's store did not answer either ({type(store_error).__name__}), so rank 0, which may hold it, may be the one"
+        if silent:
+            named = f"rank{'s' if len(silent) > 1 else ''} {', '.join(map(str, silent))}"
+            waiting = [r for r in range(world) if r not in silent]
+            said = f"{named} of {world} did not arrive (still running but not answering: stopped, stuck in its own code, or swapping); rank{'s' if len(waiting) > 1 else ''} {', '.join(map(str, waiting))} waited"
+        elif silent is None:
+            said = f"another replica stopped answering; {why}"
+        else:
+            said = f"every rank of {world} timed out waiting, so none can be named as the one that stopped answering"
+        return (f"a collective timed out after {COLLECTIVE_TIMEOUT_S:g} s on rank {me} ({error}): {said}. "
+                f"TPU_UTILITY_COLLECTIVE_TIMEOUT sets the wait in seconds")
 
     def wrap_replica(self, model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
         """``DistributedDataParallel``: gradients averaged during backward, buffers from rank 0."""
@@ -367,6 +402,19 @@ class NativeBackend(Backend):
         return torch.autocast(self.device_type, dtype=dtype)
 
 
+def _silent_ranks(me: int, world: int, wait_s: float) -> list[int]:
+    """Ranks that have not reported a timeout through the job's store within ``wait_s`` of this one's report."""
+    store = dist.distributed_c10d._get_default_store()
+    store.set_timeout(datetime.timedelta(seconds=max(wait_s, 1.0)))  # the job is over: its store need not wait long
+    store.set(f"tpu_utility/timed_out/{me}", "1")
+    deadline = time.monotonic() + wait_s
+    while True:
+        silent = [r for r in range(world) if not store.check([f"tpu_utility/timed_out/{r}"])]
+        if not silent or time.monotonic() > deadline:
+            return silent
+        time.sleep(0.2)
+
+
 def _leave_job() -> None:
     """Destroys the process group ``join_job`` made, if the user has not already."""
     if distributed_ready():
@@ -383,7 +431,10 @@ def _replica_main(index: int, job: tuple[str, str, int, str], fn: Callable[..., 
         dist_backend, init_method=f"file://{store}", rank=index, world_size=nprocs,
         timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S),
     )  # fmt: skip
+    from .api import naming_stalls
+
     try:
-        fn(index, *args)
+        with naming_stalls(f"replica {index}"):  # a hand loop's collectives too
+            fn(index, *args)
     finally:
         dist.destroy_process_group()

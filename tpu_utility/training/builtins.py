@@ -16,6 +16,8 @@ callback                  order  from
 (yours)                      0
 ``Checkpoints``             10   ``checkpoint_dir``, ``resume``: ``last.pt``, ``best.pt``,
                                  ``history.csv``, and the resume checks
+``ReplicaAgreement``        15   always (``agreement.py``): with several replicas, one
+                                 all-gather before the first step compares what each was given
 ``TimeLimit``               20   ``time_limit``
 ``ProgressLine``            30   ``progress``: the summary, a line per epoch, why it stopped
 ``RestoreBest``             50   ``restore_best``: keeps the best weights (where no checkpoint

@@ -43,6 +43,7 @@ from ..environment import choose_start_method, is_interactive
 from ..files import exists, join
 from .builtins import (BestEpoch, Checkpoints, MultiplierSchedule, OneCycleSchedule, OwnLearningRates, ProgressLine,
                        RestoreBest, StopOnNaN, TimeLimit)  # fmt: skip
+from .agreement import ReplicaAgreement
 from .events import Events, check_callbacks
 from .history import History
 from .metrics import METRICS, accuracy, per_sample_loss, resolve_metrics
@@ -355,12 +356,15 @@ def one_cycle_fit(
         fingerprint["callbacks"] = Events(callbacks).keys()
     config = {"epochs": epochs, "max_lr": max_lr, "batch_size": train_spec.batch_size, "cores": n_cores}
     checkpoints = {"folder": checkpoint_dir, "resume": resume, "fingerprint": fingerprint, "config": config}
+    # what every replica must be given alike (ReplicaAgreement adds the data, the model and the resume point)
+    run_shape = {**config, **{k: v for k, v in fingerprint.items() if k != "train samples"}, "precision": precision,
+                 "max_grad_norm": max_grad_norm, "stop": repr(stop)}  # fmt: skip
     plan = FitPlan(
         epochs=epochs, train=train_spec, valid=valid_spec, steps=steps,
         optimizer=opt_factory, optimizer_name=opt_name, optimizer_args=_optimizer_args(optimizer, weight_decay),
         metrics=metric_table, checkpoint_dir=checkpoint_dir, overwrite=overwrite, precision=precision,
         seed=seed, progress=progress, cores=n_cores, mode=run_mode, callbacks=callbacks,
-        builtins=builtin_callbacks(lr_schedule, stop, checkpoints, progress),
+        builtins=builtin_callbacks(lr_schedule, stop, checkpoints, progress, run_shape),
     )  # fmt: skip
     if run_mode != "multiprocess":
         trained, history = train(model if factory is None else factory(), plan)
@@ -401,14 +405,15 @@ def resolve_schedule(schedule: Any, warmup: Any, cycle: OneCycle) -> OneCycle | 
 
 
 def builtin_callbacks(schedule: OneCycle | LrSchedule, stop: StopRule, checkpoints: dict[str, Any],
-                      progress: bool) -> list[Any]:  # fmt: skip
-    """The callbacks that do what one_cycle_fit's arguments ask (``builtins.py``), from the checked values."""
+                      progress: bool, run_shape: dict[str, Any]) -> list[Any]:  # fmt: skip
+    """The callbacks that do what one_cycle_fit's arguments ask (``builtins.py``), from the checked values;
+    ``run_shape``: the arguments every replica must be given alike (``agreement.ReplicaAgreement``)."""
     best = BestEpoch(stop)
     if isinstance(schedule, OneCycle):
         lrs = OneCycleSchedule(schedule)
     else:
         lrs = OwnLearningRates(schedule) if schedule.shape is None else MultiplierSchedule(schedule)
-    chosen = [lrs, StopOnNaN(), best]
+    chosen = [lrs, StopOnNaN(), best, ReplicaAgreement(run_shape)]
     if checkpoints["folder"] is not None:
         identity = {"fingerprint": checkpoints["fingerprint"], "config": checkpoints["config"]}
         chosen.append(Checkpoints(str(checkpoints["folder"]), best, checkpoints["resume"], identity))

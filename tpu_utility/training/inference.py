@@ -13,15 +13,28 @@ import torch
 from torch import nn
 
 from .. import backend
+from . import agreement
 from ..data.loaders import LabelCheck, LoaderSpec, unpack_loader
 from .metrics import MetricSet, resolve_metrics
 from .runner import CheckedEvalStep, Precision, Runner, default_eval_step, default_predict_step, process_mode
 
 
-def _runner(model: nn.Module, cores: int | str, precision: str) -> Runner:
+def _runner(model: nn.Module, cores: int | str, precision: str, spec: LoaderSpec, what: str) -> Runner:
+    """The Runner for ``predict`` or ``evaluate``; the replicas of a job given different data each run alone
+    (``predict``: each gets its own rows) or are refused (``evaluate``: no one figure is asked for)."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, but given {model!r}")
     _, mode = process_mode(cores)
+    differ = agreement.data_differences(spec.dataset, backend.device()) if mode == "replica" else []
+    if differ:
+        if what == "evaluate":
+            raise agreement.ReplicaMismatch(
+                f"evaluate splits one dataset over the {len(differ)} replicas and sums their figures, but the "
+                f"replicas were given different data ({agreement.by_rank(differ)}), so its figures would be of "
+                f"no replica's data. Give every replica the same dataset; for each replica's own figures, "
+                f"predict(model, its_data) gives every replica its own rows to score"
+            )
+        mode = "single"  # each replica predicts its own data, every row of it, alone
     return Runner(model, precision, mode)
 
 
@@ -42,7 +55,10 @@ def predict(
     cores (SPMD; inside a ``torch_xla.launch`` each process gets every
     prediction), and without torch_xla (CUDA or CPU). Batches are padded to one
     shape (one compile); outputs stay on the device and move to the host every
-    16 batches in one transfer.
+    16 batches in one transfer. In a job of several processes, the same dataset
+    on every process is split over them and each gets every row; a process given
+    data of its own (another length, or other samples) predicts it alone and gets
+    its own rows.
 
     Outputs must be batch-first: a tensor whose dim 0 is the batch, or tuples,
     lists and dicts of them (nested), which come back in the same structure.
@@ -93,7 +109,7 @@ def predict(
     if tta is not None and (isinstance(tta, (str, bytes)) or not all(callable(t) for t in tta)):
         raise TypeError(f"tta must be a list of batch transforms (callables), but given {tta!r}")
     spec = _every_sample_once(unpack_loader(data, batch_size, "data"))
-    runner = _runner(model, cores, precision)
+    runner = _runner(model, cores, precision, spec, "predict")
     try:
         return runner.predict(runner.eval_loader(spec), predict_step or default_predict_step, tta, progress)
     finally:
@@ -129,7 +145,9 @@ def evaluate(
 ) -> dict[str, float]:
     """Exact loss and metrics over every sample (each counted once on any number of cores).
 
-    The same figures ``one_cycle_fit`` reports per epoch for ``valid_data``.
+    The same figures ``one_cycle_fit`` reports per epoch for ``valid_data``. In a job
+    of several processes every process must be given the same dataset, which is split
+    over them (``ReplicaMismatch`` otherwise, before any batch).
 
     Args:
         model: The model (left on its device and in its mode afterwards).
@@ -151,7 +169,7 @@ def evaluate(
     """
     spec = unpack_loader(data, batch_size, "data")
     table = resolve_metrics(metrics, loss_fn is None)
-    runner = _runner(model, cores, precision)
+    runner = _runner(model, cores, precision, spec, "evaluate")
     try:
         metric_set = MetricSet(table, loss_fn or nn.CrossEntropyLoss(), runner.device)
         loader, step = runner.eval_loader(spec), eval_step or default_eval_step

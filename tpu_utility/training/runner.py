@@ -580,7 +580,9 @@ class Runner:
         if not pending:
             return []
         flat = [t for leaves, index in pending for t in (*leaves, index)]
-        moved = iter(backend.to_cpu(backend.all_gather(flat)))
+        if self.topology.replicas > 1:  # one replica of several, each with its share of the samples
+            flat = backend.all_gather(flat)
+        moved = iter(backend.to_cpu(flat))
         width = len(pending[0][0])
         result = []
         for _ in pending:

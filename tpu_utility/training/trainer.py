@@ -200,6 +200,11 @@ def train(model: nn.Module, plan: FitPlan) -> tuple[nn.Module, History]:
     The master holds ``checkpoint_dir``'s lock for the whole run, so a second fit
     writing the same folder is refused at once instead of overwriting this one's files.
     """
+    with backend.naming_stalls("one_cycle_fit"):  # a replica that stopped answering is named, not only the wait
+        return _locked_train(model, plan)
+
+
+def _locked_train(model: nn.Module, plan: FitPlan) -> tuple[nn.Module, History]:
     if plan.checkpoint_dir is None:
         return _train(model, plan)
     if not backend.is_master():

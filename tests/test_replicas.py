@@ -1,0 +1,198 @@
+"""Replicas that must agree are checked to agree, and one that stops answering is named.
+
+The native backend with gloo on the CPU: our launcher (2 processes) and two ``torchrun``
+agents on localhost as two "nodes", each with its own checkpoint folder for a disk.
+"""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT, run_python, run_script
+from test_native import COMMON, NATIVE, _ranks
+
+pytestmark = pytest.mark.multidevice
+
+
+def test_replicas_given_different_things_are_refused_alike_before_any_step(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    run_script(tmp_path, "differ.py", COMMON + f"""
+from tpu_utility import evaluate, launch, one_cycle_fit, predict
+
+
+def attempt(fn):
+    try:
+        fn()
+        return "ran"
+    except Exception as error:
+        return f"{{type(error).__name__}}: {{error}}"
+
+
+def work(rank, out):
+    steps = []
+    class Count:
+        def on_step_end(self, loop):
+            steps.append(rank)
+
+    def fit(model=None, train=None, **kwargs):
+        return one_cycle_fit(model or mlp(), train or blobs(96), epochs=1, max_lr=1e-2, batch_size=8,
+                             progress=False, callbacks=[Count()], **kwargs)
+
+    seen = {{
+        "sizes": attempt(lambda: fit(train=blobs(96 if rank == 0 else 64))),
+        "shards": attempt(lambda: fit(train=blobs(96, seed=rank))),
+        "valid": attempt(lambda: fit(valid_data=blobs(40 + 16 * rank, seed=5))),
+        "model": attempt(lambda: fit(model=nn.Sequential(nn.Linear(8, 16 + rank), nn.ReLU(), nn.Linear(16 + rank, 3)))),
+        "argument": attempt(lambda: fit(max_grad_norm=1.0 + rank)),
+        "evaluate": attempt(lambda: evaluate(mlp(), blobs(50, seed=rank), batch_size=8)),
+    }}
+    seen["steps before the same run"] = len(steps)
+    seen["same"] = attempt(lambda: fit(valid_data=blobs(40, seed=5)))
+    seen["steps"] = len(steps)
+    mine = blobs(101 if rank == 0 else 57, seed=rank)   # each replica its own data, of its own length
+    preds = predict(mlp(), mine, batch_size=8, progress=False)
+    seen["own rows"] = [list(preds.shape), torch.allclose(preds, mlp().eval()(mine.tensors[0]), atol=1e-5)]
+    write(out, rank, **seen)
+
+
+if __name__ == "__main__":
+    launch(work, args=({str(out)!r},), nprocs=2)
+""", env=NATIVE)
+    ranks = _ranks(out, 2)
+    assert ranks[0].pop("own rows") == [[101, 3], True]  # rank 0's own 101 rows: model(its data), row for row
+    assert ranks[1].pop("own rows") == [[57, 3], True]
+    assert ranks[0] == ranks[1]  # the same error, word for word, on every replica
+    seen = ranks[0]
+    fixes = {
+        "sizes": ["train_data samples: rank 0: 96; rank 1: 64", "train_data batches per epoch: rank 0: 6; rank 1: 4",
+                  "Fix: give every replica the same train_data"],
+        "shards": ["train_data sampled digest: rank 0: ", "one_cycle_fit splits it over the replicas itself"],
+        "valid": ["valid_data samples: rank 0: 40; rank 1: 56", "Fix: give every replica the same valid_data"],
+        "model": ["parameters (trainable): rank 0: 195 in 4 tensors", "rank 1: 207 in 4 tensors",
+                  "Fix: build the same model on every replica"],
+        "argument": ["argument max_grad_norm: rank 0: 1.0; rank 1: 2.0", "with the same arguments on every replica"],
+        "evaluate": ["evaluate splits one dataset over the 2 replicas", "rank 0: 50 samples, sampled digest",
+                     "predict(model, its_data) gives every replica its own rows"],
+    }  # fmt: skip
+    for case, parts in fixes.items():
+        assert seen[case].startswith("ReplicaMismatch: "), (case, seen[case])
+        for part in parts:
+            assert part in seen[case], (case, part, seen[case])
+    assert "nothing has run yet" in seen["sizes"] and "train_data samples" not in seen["shards"]
+    assert seen["steps before the same run"] == 0  # refused before any optimizer step
+    assert seen["same"] == "ran" and seen["steps"] == 96 // 8 // 2  # then the same run trains, split over both
+
+
+def test_a_replica_that_stops_answering_is_named_by_the_one_that_waited(tmp_path):
+    r = run_python(f"""
+import os, runpy, signal
+open({str(tmp_path / "stall.py")!r}, "w").write('''
+import os, signal
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+from tpu_utility import Callback, launch, one_cycle_fit
+
+
+class Stall(Callback):
+    def on_step_end(self, loop):
+        if loop.step == 3 and os.environ["RANK"] == "1":
+            os.kill(os.getpid(), signal.SIGSTOP)   # alive, sockets open, never answering
+
+
+def work(rank):
+    data = TensorDataset(torch.randn(256, 8, generator=torch.Generator().manual_seed(0)), torch.arange(256) % 3)
+    one_cycle_fit(nn.Linear(8, 3), data, epochs=2, max_lr=1e-2, batch_size=8, progress=False, callbacks=[Stall()])
+
+
+if __name__ == "__main__":
+    launch(work, nprocs=2)
+''')
+runpy.run_path({str(tmp_path / "stall.py")!r}, run_name="__main__")
+""", env={**NATIVE, "TPU_UTILITY_COLLECTIVE_TIMEOUT": "5"}, timeout=300)
+    assert r.returncode != 0
+    said = r.stderr.splitlines()
+    named = [line for line in said if line.startswith("tpu_utility.backend.api.CollectiveTimeout")]
+    assert named, r.stderr[-3000:]
+    assert "rank 1 of 2 did not arrive" in named[-1] and "rank 0 waited" in named[-1], named
+    assert "one_cycle_fit, waiting in backward (the gradient all-reduce of DDP)" in named[-1]
+    assert "a collective timed out after 5 s on rank 0" in named[-1]
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+NODE = COMMON + """
+from tpu_utility import backend, one_cycle_fit
+from tpu_utility.training.agreement import ReplicaMismatch
+
+disk = sys.argv[1]   # this node's own disk
+rank = backend.rank()   # joins the job on the first call; 0 before it
+history = one_cycle_fit(mlp(), blobs(), valid_data=blobs(300, seed=1), epochs=2, max_lr=3e-2, batch_size=16,
+                        metrics=whole_set_metrics(), checkpoint_dir=os.path.join(disk, "ckpt"), progress=False)
+rank = backend.rank()
+x, y = blobs(300, seed=1).tensors
+with torch.no_grad():   # the validation figures, by hand, in this one process
+    out = history.model.eval()(x)
+plain = {"valid_loss": nn.functional.cross_entropy(out, y).item(), "accuracy": (out.argmax(1) == y).float().mean().item()}
+try:   # each node resumes from its own disk: node 0's has last.pt, node 1's none
+    one_cycle_fit(mlp(), blobs(), valid_data=blobs(300, seed=1), epochs=2, max_lr=3e-2, batch_size=16,
+                  metrics=whole_set_metrics(), checkpoint_dir=os.path.join(disk, "ckpt"), resume=True, progress=False)
+    resumed = "ran"
+except ReplicaMismatch as error:
+    resumed = str(error)
+write(disk, rank, world=backend.world_size(), record=history.records[-1].metrics, valid_loss=history.records[-1].valid_loss,
+      plain=plain, files=sorted(os.listdir(os.path.join(disk, "ckpt"))), resumed=resumed)
+"""
+
+
+def test_two_torchrun_nodes_train_as_one_job_and_refuse_a_resume_from_their_own_disks(tmp_path):
+    script = tmp_path / "node.py"
+    script.write_text(NODE)
+    env = {**os.environ, "PYTHONPATH": ROOT, **{k: v for k, v in NATIVE.items() if v is not None}}
+    for key in [k for k, v in NATIVE.items() if v is None]:
+        env.pop(key, None)
+    port = _free_port()
+    disks = [tmp_path / f"node{n}" for n in range(2)]
+    agents = []
+    for disk in disks:
+        disk.mkdir()
+        agents.append(subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+             "--rdzv-backend", "c10d", "--rdzv-endpoint", f"localhost:{port}", "--rdzv-id", "two-nodes",
+             "--max-restarts", "0", str(script), str(disk)],
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        ))  # fmt: skip
+    said = []
+    for agent in agents:
+        try:
+            said.append(agent.communicate(timeout=300))
+        except subprocess.TimeoutExpired:
+            for a in agents:
+                a.kill()
+            pytest.fail("a torchrun node was still running after 300 s")
+    assert all(a.returncode == 0 for a in agents), [err[-3000:] for _, err in said]
+    found = {}
+    for disk in disks:
+        for name in os.listdir(disk):
+            if name.endswith(".json"):
+                found[name] = json.load(open(disk / name))
+    assert sorted(found) == ["rank0.json", "rank1.json"]
+    ranks = [found["rank0.json"], found["rank1.json"]]
+    for seen in ranks:
+        assert seen["world"] == 2
+        assert seen["record"]["n"] == 300  # every validation sample counted once over both nodes
+        assert seen["valid_loss"] == pytest.approx(seen["plain"]["valid_loss"], abs=1e-5)  # exact, not per node
+        assert seen["record"]["accuracy"] == pytest.approx(seen["plain"]["accuracy"], abs=1e-6)
+        assert "resume point: rank 0: after epoch 2 (step " in seen["resumed"], seen["resumed"]
+        assert "rank 1: epoch 1, afresh" in seen["resumed"] and "gs://bucket/run" in seen["resumed"]
+    assert ranks[0]["record"] == ranks[1]["record"]
+    assert "last.pt" in ranks[0]["files"] and ranks[1]["files"] == []  # one writer: rank 0, on its node's disk
