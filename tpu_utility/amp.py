@@ -34,6 +34,7 @@ from typing import Any, Literal
 import torch
 
 from . import backend
+from .arguments import check_keywords, parameter_names
 from .device import get_device
 from .optim import step_optimizer
 
@@ -71,6 +72,8 @@ def plan_autocast(device_type: str, dtype: torch.dtype | None, hardware: str | N
 
     Raises:
         ValueError: ``dtype`` is not None, torch.float16 or torch.bfloat16.
+        TypeError: a keyword ``torch.amp.GradScaler`` does not take (checked on every
+            device, though only CUDA float16 uses them).
     """
     _check_dtype(dtype)
     if device_type == "cuda":
@@ -195,6 +198,8 @@ def grad_scaler(
         >>> scaler = grad_scaler(device)   # doctest: +SKIP
     """
     _check_dtype(dtype)
+    # checked on every device: off CUDA float16 the arguments are unused, but a misspelt one is still a mistake
+    check_keywords(kwargs, parameter_names(torch.amp.GradScaler.__init__, ("self", "device")), "grad_scaler")
     device = get_device() if device is None else torch.device(device)
     if device.type == "cuda" and dtype in (None, torch.float16):
         return torch.amp.GradScaler("cuda", **kwargs)

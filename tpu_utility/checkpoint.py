@@ -28,6 +28,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from . import backend, remote
+from .arguments import close_name
 from .files import atomic_write, remove_stale_temporaries
 
 CHECKPOINT_NAME = "last.pt"
@@ -120,12 +121,16 @@ def save_checkpoint(path: str, model: torch.nn.Module | None = None, optimizer: 
 
     Raises:
         TypeError: a model or optimizer of the wrong type, or a value that
-            ``weights_only`` loading could not read back (a numpy array, an object).
+            ``weights_only`` loading could not read back (a numpy array, an object);
+            an extra name close to ``model`` or ``optimizer`` while that one is not
+            given (``optimiser=``, ``optimizer_state=``: ``load_checkpoint`` would find
+            no optimizer in the file), or a model or optimizer given under another name.
 
     Example:
         >>> # was: torch.save({"model": model.state_dict(), "epoch": epoch}, "ckpt.pt")
         >>> save_checkpoint("ckpt.pt", model=model, optimizer=optimizer, epoch=epoch)  # doctest: +SKIP
     """
+    _check_extra(extra, {"model": model, "optimizer": optimizer})
     state: dict[str, Any] = {}
     if model is not None:
         if not isinstance(model, torch.nn.Module):
@@ -141,6 +146,27 @@ def save_checkpoint(path: str, model: torch.nn.Module | None = None, optimizer: 
     if backend.rank() == 0:
         _write(to_cpu(state), path)
     backend.barrier("tpu_utility.save_checkpoint")
+
+
+def _check_extra(extra: dict[str, Any], parameters: dict[str, Any]) -> None:
+    """Refuses an extra that was meant as ``model=`` or ``optimizer=``: stored under its own name, it would
+    not be what ``load_checkpoint(path, model, optimizer)`` restores."""
+    for key, value in extra.items():
+        kind = "model" if isinstance(value, torch.nn.Module) else "optimizer" if isinstance(value, torch.optim.Optimizer) else None
+        if kind is not None:
+            raise TypeError(
+                f"save_checkpoint got {key}= holding a {class_name(value)}; {'an' if kind == 'optimizer' else 'a'} "
+                f"{kind} is saved as {kind}= (its "
+                f"state_dict, which load_checkpoint(path, {kind}={kind}) restores). Extra state must be tensors, "
+                f"numbers, strings or containers of them (for a second {kind}: {key}={key}.state_dict())"
+            )
+        near = close_name(key, [name for name, given in parameters.items() if given is None])
+        if near is not None:
+            raise TypeError(
+                f"save_checkpoint got {key}=, close to its parameter {near}=, which was not given; stored as "
+                f"{key!r} it would not be what load_checkpoint(path, {near}=...) restores. Give {near}=..., "
+                f"or store this state under a name not close to {near!r}"
+            )
 
 
 class DamagedCheckpointError(ValueError):
@@ -204,12 +230,33 @@ def _check_optimizer_state(saved: Any, saved_class: Any, optimizer: torch.optim.
         )
 
 
+_ZIP_MAGIC = b"PK\x03\x04"  # how torch.save's zip archive starts, also when its end is cut off
+
+
+def _refuse_other_file(path: str, head: bytes) -> None:
+    """A file that never was a checkpoint (a CSV, a log, a pickle) is named as such, not as damaged."""
+    if not head or head.startswith(_ZIP_MAGIC) or _LEGACY_MAGIC.startswith(head[: len(_LEGACY_MAGIC)]):
+        return  # empty, or the start of a checkpoint cut short: damaged
+    text = head.decode("utf-8", "replace")
+    if b"\x00" not in head and sum(c.isprintable() or c in "\r\n\t" for c in text) >= 0.95 * len(text):
+        first = text.splitlines()[0][:60] if text.strip() else text[:60]
+        what = f"a text file (it starts {first!r}: a CSV such as history.csv, or a log?)"
+    elif head.startswith(b"\x80"):
+        what = "a pickle that torch.save did not write (pickle.dump?)"
+    else:
+        return  # binary, but not a checkpoint's start: overwritten or cut, named as damaged
+    raise ValueError(
+        f"{path} is not a torch.save checkpoint but {what}; it is not damaged, just not a checkpoint. Give the "
+        f"path of a file save_checkpoint or one_cycle_fit wrote (last.pt, best.pt), or the folder holding last.pt"
+    )
+
+
 def load_state_into(state: dict[str, Any], path: str, model: torch.nn.Module | None,
                     optimizer: torch.optim.Optimizer | None) -> None:  # fmt: skip
     """Loads a checkpoint's ``model`` / ``optimizer`` entries into them; ``path`` names it in errors."""
     for key, target in (("model", model), ("optimizer", optimizer)):
         if target is not None and key not in state:
-            keys = ", ".join(map(repr, list(state)[:5]))
+            keys = ", ".join(map(repr, list(state)[:12])) + (", ..." if len(state) > 12 else "")
             raise ValueError(
                 f"{path} has no {key!r} entry (it holds {keys}); save it with save_checkpoint(path, {key}=...)"
                 + (", or load a bare state_dict with model.load_state_dict(load_checkpoint(path))" if key == "model" else "")
@@ -246,8 +293,9 @@ def load_checkpoint(path: str, model: torch.nn.Module | None = None,
 
     Raises:
         FileNotFoundError: no such file.
-        ValueError: the file is damaged (truncated, bytes changed, not a checkpoint),
-            or a model or optimizer is given but the file has no entry for it.
+        ValueError: the file is damaged (truncated, bytes changed), is not a checkpoint
+            at all (a CSV or text file, named as such), or a model or optimizer is given
+            but the file has no entry for it (the message lists the keys it holds).
 
     Example:
         >>> # was: model.load_state_dict(torch.load("ckpt.pt", map_location=xla_device))  (fails on XLA)
@@ -270,8 +318,10 @@ def load_checkpoint(path: str, model: torch.nn.Module | None = None,
         _check_file(source, path)
     else:
         with contextlib.nullcontext(source) if isinstance(source, io.BytesIO) else open(path, "rb") as f:
-            if f.read(len(_LEGACY_MAGIC)) != _LEGACY_MAGIC:
-                raise _damaged(path, "truncated or not a torch.save file")
+            head = f.read(512)
+        if not head.startswith(_LEGACY_MAGIC):
+            _refuse_other_file(path, head)
+            raise _damaged(path, "truncated or not a torch.save file")
     if isinstance(source, io.BytesIO):
         source.seek(0)  # the checks above read it
     try:

@@ -165,6 +165,17 @@ def _choose_spmd(spmd: bool | None, several_devices: bool) -> bool:
     return bool(spmd)
 
 
+def _check_folder(folder: str, given: str | None) -> None:
+    """The compile cache's folder (or one above it) that is a file is named, not a bare FileExistsError."""
+    probe = folder
+    while probe and not os.path.exists(probe):
+        parent = os.path.dirname(probe)
+        probe = parent if parent != probe else ""
+    if probe and not os.path.isdir(probe):
+        raise ValueError(f"cache_dir={given if given is not None else folder!r} cannot be made: {probe!r} is a file, "
+                         f"not a folder; give a folder path for the compile cache")  # fmt: skip
+
+
 def setup_tpu(
     device: DeviceChoice = "auto",
     cache_dir: str | None = None,
@@ -212,7 +223,9 @@ def setup_tpu(
 
     Raises:
         ValueError: ``device`` is not one of "auto", "TPU", "CPU", or ``backend``
-            not one of "auto", "native", "xla", "tpu".
+            not one of "auto", "native", "xla", "tpu"; ``PJRT_DEVICE`` set to
+            something other than TPU or CPU (CUDA: unset it for PyTorch's own GPU
+            device); a ``cache_dir`` that is a file.
         RuntimeError: torch, torch_xla and torchvision are not of one release (the
             message has the pip command that fixes it), ``PJRT_DEVICE=TPU`` with no TPU attached, the XLA runtime
             already runs on a different device type than the one asked for, another backend already runs,
@@ -247,6 +260,7 @@ def setup_tpu(
             f"give device='auto' with it, or backend='xla'"
         )
     user_choice = None if forced_xla is False else backends.pjrt_device()
+    backends.refuse_missing_tpu(user_choice)  # a PJRT_DEVICE we do not run (CUDA, garbage), before any other check
     if device != "auto" and user_choice is not None and user_choice != device:
         raise RuntimeError(
             f"setup_tpu(device={device!r}) conflicts with PJRT_DEVICE={user_choice!r} set in "
@@ -289,6 +303,7 @@ def setup_tpu(
             cache_note = "off (XLA:CPU cannot reload compiled programs)"
     if use_xla and compile_cache:
         chosen_cache = default_cache_dir(platform, rank, base=cache_dir)
+        _check_folder(chosen_cache, cache_dir)
         os.makedirs(chosen_cache, exist_ok=True)
         if not backends.initialize_cache(chosen_cache):
             warnings.warn(

@@ -71,6 +71,20 @@ def _is_stale(name: str, old_suffixes: tuple[str, ...]) -> bool:
     return host == _host() and not _pid_alive(int(pid))  # another host's live write is left alone
 
 
+def check_file_path(path: str | os.PathLike, what: str = "path") -> None:
+    """Refuses a path where a file is to be written that is an existing folder (a URL is not checked).
+
+    Raises:
+        ValueError: ``path`` is a folder, named with a file path inside it as the way on.
+    """
+    path = os.fspath(path)
+    if not remote.is_url(path) and os.path.isdir(path):
+        raise ValueError(
+            f"{what} {path!r} is a folder, not a file; give the path of a file to write, such as "
+            f"{os.path.join(path, 'name')!r}"
+        )
+
+
 def write_json(path: str, obj: Any, indent: int | None = None) -> None:
     """``obj`` as JSON (sorted keys), written atomically."""
     with atomic_write(path) as f:
@@ -147,7 +161,8 @@ def atomic_write(path: str, durable: bool = True, size: int | None = None) -> It
     against a kill; costly for many small files). A write that fails for lack of
     space (or another ``OSError``) raises one ``OSError`` naming the file, the free
     space and the size needed (``size``, the bytes about to be written, when the
-    caller knows it), and saying that the previous file is intact.
+    caller knows it), and saying that the previous file is intact. A ``path`` that is a
+    folder is a ``ValueError`` at once, before anything is written.
 
     Example:
         >>> # was: with open(path, "wb") as f: f.write(data)   (a kill leaves half a file)
@@ -162,6 +177,7 @@ def atomic_write(path: str, durable: bool = True, size: int | None = None) -> It
         yield upload
         remote.write_bytes(path, upload.value())
         return
+    check_file_path(path)  # os.replace onto a folder fails after the write, with advice about disk space
     tmp = temp_path(path)
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # the umask applies, as for open()

@@ -21,6 +21,7 @@ same loop runs on CUDA and CPU.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import warnings
 from typing import Any, Callable, Iterable, Iterator, Literal, get_args
 
@@ -37,7 +38,7 @@ from torch.utils.data import (
 
 from . import backend
 from .data.buckets import BucketBatchSampler
-from .data.loaders import eval_loader, unpack_loader
+from .data.loaders import eval_loader, unpack_loader, user_stacklevel
 from .device import get_device, move_to_device
 
 StartMethod = Literal["auto", "fork", "spawn"]
@@ -94,7 +95,9 @@ def device_loader(loader: Iterable, device: torch.device | None = None) -> Devic
 
     Raises:
         TypeError: ``loader`` is a map-style Dataset (single samples) or not iterable.
-        ValueError: Under SPMD, ``loader.batch_size`` is not a multiple of the cores.
+        ValueError: Under SPMD, ``loader.batch_size`` is not a multiple of the cores; a
+            ``BucketBatchSampler`` with more or fewer lengths than the dataset has samples
+            (one whose lengths are in another order is warned about).
 
     Example:
         >>> # was: for x, y in loader:
@@ -109,6 +112,8 @@ def device_loader(loader: Iterable, device: torch.device | None = None) -> Devic
         )
     if not hasattr(loader, "__iter__"):
         raise TypeError(f"device_loader takes an iterable of batches, but given {type(loader).__name__}")
+    if isinstance(loader, DataLoader) and isinstance(loader.batch_sampler, BucketBatchSampler):
+        loader.batch_sampler.check_dataset(loader.dataset, "loader", loader.collate_fn, stacklevel=user_stacklevel())
     device = get_device() if device is None else torch.device(device)
     return DeviceLoader(loader, device)
 
@@ -213,13 +218,24 @@ def inference_mode(device: torch.device | str | None = None) -> Any:
             (without starting its runtime), else plain ``torch.inference_mode()``.
 
     Returns:
-        A context manager.
+        A context manager (also a decorator, as ``@inference_mode()``). Used bare as
+        ``@inference_mode``, as ``@torch.inference_mode`` may be, it returns the
+        decorated function, run under it.
 
     Example:
         >>> # was: with torch.inference_mode():
         >>> with inference_mode():
         ...     output = model(x)        # doctest: +SKIP
     """
+    if callable(device) and not isinstance(device, (str, torch.device)):  # @inference_mode, without ()
+        function = device
+
+        @functools.wraps(function)
+        def under_inference_mode(*args: Any, **kwargs: Any) -> Any:
+            with inference_mode():  # the mode decided at the call, when the device is known
+                return function(*args, **kwargs)
+
+        return under_inference_mode
     on_xla = backend.is_lazy(device) if device is not None else backend.xla_requested()
     return torch.no_grad() if on_xla else torch.inference_mode()
 

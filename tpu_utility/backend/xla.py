@@ -78,11 +78,25 @@ def _quiet_profiler_jax_probe() -> None:
         profiler.maybe_get_jax = lambda: None
 
 
-def refuse_missing_tpu(requested: str | None) -> None:
-    """Raises RuntimeError if TPU is requested on a machine without one.
+# The PJRT devices tpu_utility runs XLA on; torch_xla knows others (CUDA, NEURON), untested and unsupported here.
+PJRT_DEVICES = ("TPU", "CPU")
 
-    torch_xla's own failure here is a C++ error deep in client start-up.
+
+def refuse_missing_tpu(requested: str | None) -> None:
+    """Refuses a ``PJRT_DEVICE`` this package does not run XLA on, and TPU on a machine without one.
+
+    torch_xla's own failures here are a plugin error, or a C++ error deep in client start-up.
+
+    Raises:
+        ValueError: ``PJRT_DEVICE`` is neither TPU nor CPU (for CUDA: unset it, for PyTorch's own GPU device).
+        RuntimeError: TPU is requested and no TPU chip is attached.
     """
+    if requested is not None and requested not in PJRT_DEVICES:
+        given = os.environ.get("PJRT_DEVICE", requested)
+        cuda = (" For a GPU, unset PJRT_DEVICE: tpu_utility then trains on CUDA through PyTorch's own device "
+                "(backend 'native')") if requested in ("CUDA", "GPU") else ""  # fmt: skip
+        raise ValueError(f"PJRT_DEVICE={given!r} is not one of {PJRT_DEVICES}, the devices tpu_utility runs XLA on; "
+                         f"set PJRT_DEVICE=TPU or CPU, or unset it.{cuda}")  # fmt: skip
     if requested == "TPU" and detect_tpu().chips == 0:
         raise RuntimeError(
             "PJRT_DEVICE='TPU' is requested but this machine has no TPU chip (no Google TPU on "

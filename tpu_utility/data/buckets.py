@@ -35,6 +35,7 @@ from torch.utils.data import Sampler
 from torch.utils.data.dataloader import default_collate
 
 from .. import backend
+from ..arguments import check_keywords, parameter_names
 
 Overflow = Literal["error", "truncate"]
 
@@ -326,6 +327,46 @@ class BucketBatchSampler(Sampler[list[int]]):
         copy.epoch = self.epoch
         return copy
 
+    def check_dataset(self, dataset: Any, name: str, collate: Any = None, stacklevel: int = 2) -> None:
+        """Refuses a dataset whose size is not the number of lengths; warns when the lengths are not its samples'.
+
+        Shorter lengths leave samples that are never drawn; longer ones draw indices the
+        dataset lacks. Lengths in another order than the dataset's (sorted, or another
+        split's) make batches of mixed lengths, most padded to the largest bucket: a few
+        evenly spaced samples are read and compared (once per dataset), and a warning
+        names them when half or more differ.
+
+        Raises:
+            ValueError: naming both counts.
+        """
+        n = len(dataset)
+        if len(self.lengths) != n:
+            what = (f"samples {len(self.lengths)} to {n - 1} would never be drawn" if len(self.lengths) < n
+                    else f"indices {n} to {len(self.lengths) - 1} are not in the dataset")  # fmt: skip
+            raise ValueError(
+                f"{name}.batch_sampler has {len(self.lengths)} lengths but {name}.dataset has {n} samples ({what}); "
+                f"give the length of every sample, in dataset order"
+            )
+        if getattr(self, "_checked", None) == id(dataset):
+            return
+        self._checked = id(dataset)
+        picks = sorted({round(j * (n - 1) / 7) for j in range(8)}) if n > 1 else [0]
+        differ = []
+        for i in picks:
+            real = _sample_length(dataset[i], i, collate)
+            if real is None:
+                return  # samples whose length cannot be told: nothing to compare
+            if real != self.lengths[i]:
+                differ.append((i, real))
+        if differ and 2 * len(differ) >= len(picks):
+            shown = ", ".join(f"sample {i} has length {real}, lengths[{i}] is {self.lengths[i]}" for i, real in differ[:3])
+            warnings.warn(
+                f"{name}.batch_sampler's lengths do not match {name}.dataset's samples ({shown}; {len(differ)} of "
+                f"{len(picks)} checked differ): in another order than the dataset's, its batches mix lengths and most "
+                f"pad to the largest bucket. Give lengths = [len(sequence) for sequence, _ in dataset], in dataset order",
+                stacklevel=stacklevel,
+            )
+
     def fingerprint(self) -> str:
         """What decides the batches (for a resumed run's check): buckets, order, and a CRC of the lengths."""
         crc = zlib.crc32(",".join(map(str, self.lengths)).encode())
@@ -336,6 +377,21 @@ class BucketBatchSampler(Sampler[list[int]]):
         share = "replicas found when drawn" if self.num_replicas is None else f"{self.num_replicas} replicas"
         return (f"BucketBatchSampler({len(self.lengths)} samples, buckets={self.buckets}, batch_size={self.batch_size}, "
                 f"shuffle={self.shuffle}, drop_last={self.drop_last}, seed={self.seed}, {share})")  # fmt: skip
+
+
+def _sample_length(sample: Any, index: int, collate: Any) -> int | None:
+    """A sample's sequence length as its BucketCollate reads it (else a pair's first part, a dict's
+    ``input_ids``), or None when it cannot be told."""
+    try:
+        if isinstance(collate, BucketCollate):
+            return collate._length(sample, index)
+        if isinstance(sample, Mapping):
+            sample = sample.get("input_ids")
+        elif isinstance(sample, (tuple, list)) and sample:
+            sample = sample[0]
+        return int(torch.as_tensor(sample).shape[0])
+    except Exception:  # a heuristic only: no check rather than a wrong one
+        return None
 
 
 # ------------------------------------------------------------ the collate
@@ -424,6 +480,7 @@ class BucketCollate:
             >>> lengths = [len(tokens) for tokens, _ in train_ds]             # doctest: +SKIP
             >>> collate = BucketCollate.from_lengths(lengths, batch_size=32)  # doctest: +SKIP
         """
+        check_keywords(kwargs, parameter_names(cls.__init__, ("self", "buckets")), "BucketCollate.from_lengths")
         values = _check_lengths(lengths)
         collate = cls(choose_buckets(values, num_buckets, multiple_of, batch_size=batch_size), **kwargs)
         collate.data_waste = padding_waste(values, collate.buckets)
@@ -550,9 +607,12 @@ class BucketCollate:
                 )
             bucket = self.buckets[-1]
         first = seqs[0]
-        if not (first.is_floating_point() or float(pad_value).is_integer()):
+        dtype = first.dtype
+        for seq in seqs[1:]:  # one int and one float sequence: float for both, never 1.5 -> 1
+            dtype = torch.promote_types(dtype, seq.dtype)
+        if not (dtype.is_floating_point or dtype.is_complex or float(pad_value).is_integer()):
             raise ValueError(
-                f"pad_value={pad_value!r} cannot fill {first.dtype} sequences without rounding; give an int"
+                f"pad_value={pad_value!r} cannot fill {dtype} sequences without rounding; give an int"
             )
         for i, seq in enumerate(seqs):
             if seq.shape[1:] != first.shape[1:]:
@@ -562,9 +622,9 @@ class BucketCollate:
                 )
         kept = seqs if longest <= bucket else [seq[:bucket] for seq in seqs]
         lengths = torch.tensor([min(n, bucket) for n in sizes])
-        tokens = torch.full((len(seqs), bucket, *first.shape[1:]), pad_value, dtype=first.dtype)
+        tokens = torch.full((len(seqs), bucket, *first.shape[1:]), pad_value, dtype=dtype)
         mask = torch.arange(bucket) < lengths[:, None]
-        tokens[mask] = torch.cat(kept).to(first.dtype)  # row by row, in one copy rather than one per sequence
+        tokens[mask] = torch.cat(kept).to(dtype)  # row by row, in one copy rather than one per sequence
         if count:
             real = int(lengths.sum())
             self.truncated_tokens += sum(sizes) - real

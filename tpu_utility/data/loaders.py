@@ -4,15 +4,17 @@ and DataLoader settings kept."""
 
 from __future__ import annotations
 
+import collections.abc
 import dataclasses
 
 import os
 import sys
 import threading
+import types
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -119,14 +121,95 @@ class MaskedPadding(Dataset):
         return self.dataset[i % self.n], (i if i < self.n else -1)
 
 
-class MaskCollate:
-    """Collates ``(sample, index)`` items into ``(batch, indices)``; picklable for workers."""
+def _layout(sample: Any) -> str:
+    """A sample's structure with its tensors' shapes: ``(Tensor(3, 8), int)``, for comparing and naming."""
+    def leaf(x: Any) -> str:
+        if isinstance(x, (torch.Tensor, np.ndarray)):
+            return f"{type(x).__name__}{tuple(x.shape)}"
+        return f"list[{len(x)}]" if isinstance(x, list) else type(x).__name__
+    leaves, spec = pytree.tree_flatten(sample, is_leaf=lambda x: isinstance(x, list) and not (
+        x and isinstance(x[0], (dict, tuple, list))))  # fmt: skip
+    return repr(pytree.tree_unflatten([_Text(leaf(x)) for x in leaves], spec))
 
-    def __init__(self, collate_fn: Callable[[list], Any] | None) -> None:
-        self.collate_fn = collate_fn or default_collate
+
+class _Text(str):
+    def __repr__(self) -> str:
+        return str(self)
+
+
+def collate_naming_sample(collate_fn: Callable[[list], Any], samples: list, indices: Sequence[int], name: str) -> Any:
+    """``collate_fn(samples)``; if it fails on a sample laid out otherwise than the batch's first (another
+    structure, or another shape), a ValueError that names that sample's dataset index and both layouts."""
+    if isinstance(collate_fn, BucketCollate):  # lengths differ by design; it names what it cannot pad itself
+        return collate_fn(samples)
+    try:
+        return collate_fn(samples)
+    except Exception as error:
+        first = _layout(samples[0])
+        odd = next((k for k, sample in enumerate(samples) if _layout(sample) != first), None)
+        if odd is None:
+            raise
+        raise ValueError(
+            f"{name}: sample {indices[odd]} is {_layout(samples[odd])}, but sample {indices[0]} of the same batch "
+            f"is {first}, so the batch cannot be collated ({type(error).__name__}: {error}). Every sample needs "
+            f"the same parts and shapes (pad variable-length sequences with BucketCollate)"
+        ) from error
+
+
+class MaskCollate:
+    """Collates ``(sample, index)`` items into ``(batch, indices)``; picklable for workers.
+
+    A sample laid out otherwise than the batch's first is named by its index (``collate_naming_sample``).
+    """
+
+    def __init__(self, collate_fn: Callable[[list], Any] | None, name: str = "data") -> None:
+        self.collate_fn, self.name = collate_fn or default_collate, name
 
     def __call__(self, items: list[tuple[Any, int]]) -> tuple[Any, torch.Tensor]:
-        return self.collate_fn([s for s, _ in items]), torch.tensor([i for _, i in items])
+        indices = [i for _, i in items]
+        return collate_naming_sample(self.collate_fn, [s for s, _ in items], indices, self.name), torch.tensor(indices)
+
+
+class _Fetched(list):
+    """One batch's samples as a loader fetched them, with their dataset ``indices``."""
+
+    indices: Sequence[int] = ()
+
+
+class IndexedFetch(Dataset):
+    """A training set as its loader fetches it: each batch's samples carry their indices, so that a
+    collate failure names the sample (``NamingCollate``). Everything else is the dataset's own."""
+
+    def __init__(self, dataset: Dataset) -> None:
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, i: int) -> Any:
+        return self.dataset[i]
+
+    def __getitems__(self, indices: list[int]) -> _Fetched:
+        own = getattr(self.dataset, "__getitems__", None)  # a Hugging Face dataset fetches a batch at once
+        fetched = _Fetched(own(indices) if own is not None else [self.dataset[i] for i in indices])
+        fetched.indices = list(indices)
+        return fetched
+
+    def __getattr__(self, name: str) -> Any:  # set_epoch, a CachedDataset's own attributes
+        if name.startswith("__") or name == "dataset":  # unpickling in a worker looks these up first
+            raise AttributeError(name)
+        return getattr(self.dataset, name)
+
+
+class NamingCollate:
+    """A training loader's collate, naming the dataset index of a sample laid out otherwise than its batch's first."""
+
+    def __init__(self, collate_fn: Callable[[list], Any] | None, name: str) -> None:
+        self.collate_fn, self.name = collate_fn or default_collate, name
+
+    def __call__(self, samples: list) -> Any:
+        indices = getattr(samples, "indices", None) or range(len(samples))
+        return collate_naming_sample(self.collate_fn, samples, indices, self.name)
 
 
 # DataLoader settings we pass on unchanged (the sampler, batch size, collate_fn and
@@ -152,6 +235,7 @@ class LoaderSpec:
     shuffle: bool = True
     settings: dict[str, Any] = field(default_factory=dict)
     batch_sampler: BucketBatchSampler | None = None
+    name: str = "data"  # the argument it came from, for errors: "train_data", "valid_data"
 
     def __len__(self) -> int:
         return len(self.sampler) if self.sampler is not None else len(self.dataset)
@@ -182,6 +266,18 @@ def _only_orders(sampler: Sampler, dataset: Dataset) -> bool:
     return False
 
 
+def _refuse_one_pass(data: Any, name: str) -> None:
+    """A generator or iterator (``iter(loader)``) can be read once: epoch 2 would get no batches."""
+    if isinstance(data, (Dataset, DataLoader)) or not isinstance(data, collections.abc.Iterator):
+        return
+    what = "a generator" if isinstance(data, types.GeneratorType) else f"an iterator ({type(data).__name__})"
+    raise TypeError(
+        f"{name} is {what}, which can be read only once: the second epoch (and every evaluation after the "
+        f"first) would get no batches. Give something that can be read again: a Dataset (a list of samples, "
+        f"torch.utils.data.TensorDataset) or the DataLoader itself, not iter(loader)"
+    )
+
+
 def unpack_loader(data: Any, batch_size: int | None, name: str) -> LoaderSpec:
     """A LoaderSpec from a Dataset or DataLoader.
 
@@ -194,6 +290,13 @@ def unpack_loader(data: Any, batch_size: int | None, name: str) -> LoaderSpec:
             f"{name} is a tuple of tensors (x, y); give a Dataset, for example "
             f"torch.utils.data.TensorDataset(x, y)"
         )
+    _refuse_one_pass(data, name)
+    spec = _spec_of(data, batch_size, name)
+    spec.name = name
+    return spec
+
+
+def _spec_of(data: Any, batch_size: int | None, name: str) -> LoaderSpec:
     if isinstance(data, DataLoader) and isinstance(data.batch_sampler, BucketBatchSampler):
         return _bucketed_spec(data, batch_size, name)
     if isinstance(data, DataLoader):
@@ -271,12 +374,8 @@ def _bucketed_spec(loader: DataLoader, batch_size: int | None, name: str) -> Loa
             f"batch_size={batch_size} differs from {name}.batch_sampler.batch_size={sampler.batch_size}; "
             f"give one of them"
         )
-    n = _check_sized(loader.dataset, f"{name}.dataset")
-    if len(sampler.lengths) != n:
-        raise ValueError(
-            f"{name}.batch_sampler has {len(sampler.lengths)} lengths but {name}.dataset has {n} samples; "
-            f"give the length of every sample, in dataset order"
-        )
+    _check_sized(loader.dataset, f"{name}.dataset")
+    sampler.check_dataset(loader.dataset, name, loader.collate_fn, stacklevel=user_stacklevel())
     if sampler.num_replicas not in (None, 1):
         raise ValueError(
             f"{name}.batch_sampler has num_replicas={sampler.num_replicas}, but the data is shared out over "
@@ -383,8 +482,10 @@ def train_loader(spec: LoaderSpec, batch_size: int, *, replicas: int, rank: int,
     under SPMD); the data is split over ``replicas`` loaders. A BucketBatchSampler
     is kept, resharded for this batch size and replica.
     """
+    named = {"collate_fn": NamingCollate(spec.collate_fn, spec.name)}  # an odd sample's failure names its index
     if spec.batch_sampler is not None:
-        return _dataloader(spec.dataset, spec, batch_sampler=_bucketed_batches(spec.batch_sampler, batch_size, replicas, rank, seed))
+        return _dataloader(IndexedFetch(spec.dataset), spec, **named,
+                           batch_sampler=_bucketed_batches(spec.batch_sampler, batch_size, replicas, rank, seed))
     if spec.sampler is None:
         sampler: Sampler = DistributedSampler(spec.dataset, num_replicas=replicas, rank=rank, shuffle=spec.shuffle, seed=seed)
     elif replicas > 1:
@@ -407,7 +508,7 @@ def train_loader(spec: LoaderSpec, batch_size: int, *, replicas: int, rank: int,
             f"on; shuffle=True, or a batch_size that divides {n}, uses them",
             stacklevel=user_stacklevel(),
         )
-    return _dataloader(spec.dataset, spec, sampler=sampler, batch_size=batch_size, drop_last=True)
+    return _dataloader(IndexedFetch(spec.dataset), spec, **named, sampler=sampler, batch_size=batch_size, drop_last=True)
 
 
 def _bucketed_batches(sampler: BucketBatchSampler, batch_size: int, replicas: int, rank: int,
@@ -460,7 +561,7 @@ def eval_loader(spec: LoaderSpec, batch_size: int, *, replicas: int, rank: int) 
     dataset = spec.dataset if spec.sampler is None else torch.utils.data.Subset(spec.dataset, sorted(spec.sampler))
     padded = MaskedPadding(dataset, padded_length(len(dataset), batch_size, replicas))
     sampler = DistributedSampler(padded, num_replicas=replicas, rank=rank, shuffle=False)
-    return _dataloader(padded, spec, sampler=sampler, batch_size=batch_size, collate_fn=MaskCollate(spec.collate_fn))
+    return _dataloader(padded, spec, sampler=sampler, batch_size=batch_size, collate_fn=MaskCollate(spec.collate_fn, spec.name))
 
 
 def real_counts(loader: DataLoader) -> list[int]:
@@ -493,6 +594,8 @@ class LabelCheck:
         self.ignore_index = ignore_index
         self.classes: int | None = None  # unknown until see(); 0 for an output with no class dimension
         self._pending: set[int] = set()  # distinct labels loaded before the class count was known
+        self._float_targets: set[tuple[int, torch.dtype]] = set()  # (dim, dtype) of float targets loaded before
+        self.output_dim: int | None = None
         self._lock = threading.Lock()
 
     def loader(self, loader: DataLoader, masked: bool = False) -> LabelCheckedLoader:
@@ -506,7 +609,14 @@ class LabelCheck:
             target = batch.get(LABELS)
         else:
             target = batch[-1] if isinstance(batch, (list, tuple)) and len(batch) >= 2 else None
-        if not isinstance(target, torch.Tensor) or target.is_floating_point() or not target.numel():
+        if not isinstance(target, torch.Tensor) or not target.numel():
+            return
+        if target.is_floating_point():  # class probabilities (the output's shape), or class ids gone float
+            with self._lock:
+                if self.classes is None:
+                    self._float_targets.add((target.dim(), target.dtype))
+                    return
+            self._check_float(target.dim(), target.dtype)
             return
         with self._lock:
             if self.classes is None:
@@ -521,9 +631,25 @@ class LabelCheck:
             return
         with self._lock:
             self.classes = output.shape[1] if isinstance(output, torch.Tensor) and output.dim() >= 2 else 0
+            self.output_dim = output.dim() if isinstance(output, torch.Tensor) else None
             pending, self._pending = self._pending, set()
+            floats, self._float_targets = self._float_targets, set()
+        for dim, dtype in sorted(floats, key=str):
+            self._check_float(dim, dtype)
         if pending:
             self._check(torch.tensor(sorted(pending)))
+
+    def _check_float(self, dim: int, dtype: torch.dtype) -> None:
+        """Float targets one dimension short of the output are class ids stored as floats: the default loss
+        would read them wrongly (or, on XLA, not fail at all)."""
+        if not self.classes or self.output_dim is None or dim != self.output_dim - 1:
+            return
+        raise ValueError(
+            f"labels are {str(dtype).replace('torch.', '')} with one value per sample, but the default loss "
+            f"(nn.CrossEntropyLoss) and accuracy take class indices as integers (int64), or class probabilities "
+            f"shaped like the output; convert the labels with .long() in the dataset (TensorDataset(x, y.long())), "
+            f"or pass loss_fn= for regression (nn.MSELoss(), with metrics= of your own)"
+        )
 
     def _check(self, target: torch.Tensor) -> None:
         if not self.classes:

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
+from ..files import check_file_path
 from .events import Callback
 
 
@@ -156,6 +157,7 @@ class CSVLogger(Callback):
     def __init__(self, path: str | os.PathLike) -> None:
         if not isinstance(path, (str, os.PathLike)):
             raise TypeError(f"CSVLogger path must be a file path, but given {path!r}")
+        check_file_path(path, "CSVLogger path")  # now, not at the end of the first epoch
         self.path = os.fspath(path)
 
     def __repr__(self) -> str:

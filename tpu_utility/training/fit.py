@@ -25,6 +25,7 @@ What a run does for you, and how:
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import io
 import math
 import os
@@ -96,6 +97,34 @@ def _positive(name: str, value: Any, kind: type = float) -> None:
     if not ok or (kind is float and not math.isfinite(value)):
         what = "a positive number" if kind is float else "a positive int"
         raise ValueError(f"{name} must be {what}, but given {value!r}")
+
+
+def _check_factory(model: Callable) -> None:
+    """A class or function given as the model must build one with no arguments; say so now, not at the call."""
+    name = getattr(model, "__qualname__", type(model).__name__)
+    if isinstance(model, type) and not issubclass(model, nn.Module):
+        raise TypeError(f"model must be an nn.Module or a zero-argument factory, but given the class {name}, "
+                        f"which is not an nn.Module")  # fmt: skip
+    try:
+        inspect.signature(model).bind()
+    except ValueError:
+        return  # no signature to read (a builtin): its own call says what it lacks
+    except TypeError as error:
+        what = f"the class {name}, not a model" if isinstance(model, type) else f"the function {name}"
+        raise TypeError(
+            f"model is {what}, and {name}() cannot build one ({error}). Give an instance, one_cycle_fit({name}(...), "
+            f"...), or a zero-argument factory, lambda: {name}(...) (functools.partial({name}, ...) under spawn)"
+        ) from None
+
+
+def _check_reduced(loss_fn: Any) -> None:
+    """A torch loss with reduction='none' gives one value per sample, where backward needs one number."""
+    if getattr(loss_fn, "reduction", None) == "none":
+        raise ValueError(
+            f"loss_fn {loss_fn!r} has reduction='none', so it returns one loss per sample, but training needs one "
+            f"number to backpropagate. Leave reduction at 'mean' (validation unreduces it itself to leave padding "
+            f"out), or pass train_step= to reduce a per-sample loss your way"
+        )
 
 
 def check_seed(seed: Any) -> int:
@@ -311,6 +340,7 @@ def one_cycle_fit(
     if not isinstance(model, nn.Module):
         if not callable(model):
             raise TypeError(f"model must be an nn.Module or a zero-argument factory, but given {model!r}")
+        _check_factory(model)
         factory = model
     elif not any(p.requires_grad for p in model.parameters()):
         raise ValueError("the model has no trainable parameters (all have requires_grad=False); unfreeze some layers")
@@ -331,6 +361,7 @@ def one_cycle_fit(
     opt_factory, opt_name = resolve_optimizer(optimizer)
     if loss_fn is not None and not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable, but given {loss_fn!r}")
+    _check_reduced(loss_fn)
     metric_table = resolve_metrics(metrics, loss_fn is None)
     callbacks = check_callbacks(callbacks)
     stop = _stop_rule(monitor, mode, early_stopping, restore_best, time_limit, (valid_data is not None, metric_table))

@@ -6,6 +6,8 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from ..files import check_file_path
+
 
 
 def closed_figure(figsize: tuple[float, float]) -> Any:
@@ -133,6 +135,8 @@ class History:
         epochs = [r.epoch for r in self.records]
         metric_names = list(dict.fromkeys(k for r in self.records for k in r.metrics))
         panels = 2 + bool(metric_names)
+        if path is not None:  # before drawing; matplotlib would write a folder "x" as "x.png" beside it
+            check_file_path(path, "plot path")
         fig = closed_figure(figsize=(5 * panels, 3.5))
         axes = fig.subplots(1, panels)
         axes[0].plot(epochs, [r.train_loss for r in self.records], "o-", label="train")

@@ -22,6 +22,9 @@ from .runner import CheckedEvalStep, Precision, Runner, default_eval_step, defau
 def _runner(model: nn.Module, cores: int | str, precision: str, spec: LoaderSpec, what: str) -> Runner:
     """The Runner for ``predict`` or ``evaluate``; the replicas of a job given different data each run alone
     (``predict``: each gets its own rows) or are refused (``evaluate``: no one figure is asked for)."""
+    if isinstance(model, type):
+        raise TypeError(f"model is the class {model.__qualname__}, not a model; give an instance, "
+                        f"{model.__qualname__}(...), with its trained weights")  # fmt: skip
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, but given {model!r}")
     _, mode = process_mode(cores)
@@ -99,7 +102,8 @@ def predict(
             does not draw every sample once; a tta transform that changes the
             output's shape.
         TypeError: an output that is not made of tensors; a tta that is not a
-            list of callables.
+            list of callables; with tta, an integer or bool output (class ids), whose
+            average would be fractions; a class given as the model.
 
     Example:
         >>> # was: model.eval(); torch.cat([model(x.cuda()).cpu() for x, _ in loader])

@@ -18,6 +18,7 @@ from torch import nn
 
 from .. import backend
 from ..data.loaders import unpack_loader
+from ..files import check_file_path
 from .builtins import LearningRates
 from .events import StopFit
 from .fit import check_number, check_seed, resolve_optimizer
@@ -44,6 +45,8 @@ class LRFinderResult:
             >>> result = find_lr(model, train_ds)   # doctest: +SKIP
             >>> result.plot()                        # doctest: +SKIP
         """
+        if path is not None:  # before drawing; matplotlib would write a folder "x" as "x.png" beside it
+            check_file_path(path, "plot path")
         fig = closed_figure(figsize=(5, 3.5))  # a notebook shows the returned figure once
         ax = fig.subplots()
         shown = readable_points(self.losses)

@@ -629,7 +629,16 @@ def _transformed(k: int, transform: Callable, batch: Batch) -> Batch:
 
 
 def _tta_mean(outputs: list[Any]) -> Any:
-    """The mean of the tta outputs, which must all have tta[0]'s structure and shapes."""
+    """The mean of the tta outputs, which must all have tta[0]'s structure and shapes, and be floats
+    (the mean of class ids 2 and 3 is no class)."""
+    for path, leaf in pytree.tree_flatten_with_path(outputs[0])[0]:  # dtypes: known without reading the device
+        if isinstance(leaf, torch.Tensor) and not (leaf.is_floating_point() or leaf.is_complex()):
+            raise TypeError(
+                f"tta averages the outputs of its transforms, but output{pytree.keystr(path)} is {leaf.dtype} "
+                f"(class ids or votes?), whose mean would be fractions of classes. Return logits or "
+                f"probabilities (and take .argmax(-1) of predict's result), or predict without tta once per "
+                f"transform and take the vote yourself (torch.mode)"
+            )
     want = _structure(outputs[0])
     for k, output in enumerate(outputs[1:], 1):
         if _structure(output) != want:

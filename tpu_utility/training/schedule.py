@@ -21,6 +21,8 @@ from dataclasses import asdict, dataclass
 from numbers import Integral, Real
 from typing import Callable, Literal, Union
 
+from ..arguments import check_keywords, parameter_names
+
 _MAX_STEPS = 2**53  # beyond this a step count is no longer exact as a float
 
 
@@ -176,6 +178,7 @@ def one_cycle_curve(total_steps: int, max_lr: float, **kwargs: float) -> tuple[l
         >>> len(lrs), round(max(lrs), 6)
         (100, 0.003)
     """
+    check_keywords(kwargs, parameter_names(one_cycle, ("step", "total_steps", "max_lr")), "one_cycle_curve")
     one_cycle(0, total_steps, max_lr, **kwargs)  # checks the arguments once, even for total_steps=0
     cycle = OneCycle(max_lr, **kwargs)
     pairs = [_one_cycle(s, total_steps, cycle) for s in range(total_steps)]

@@ -324,6 +324,10 @@ def _train_batch(loop: Loop, i: int, batch: Any, sums: list[torch.Tensor]) -> li
             f"train_step must return the loss as a tensor (so it can be backpropagated), but returned "
             f"{type(loss).__name__} {loss!r}"
         )
+    if loss.numel() != 1:  # metadata, no device read
+        raise ValueError(f"train_step must return one loss value (a 0-d tensor), but returned shape "
+                         f"{tuple(loss.shape)} (a loss with reduction='none'?); reduce it (.mean()) or use a loss "
+                         f"with reduction='mean'")  # fmt: skip
     loss = loss.float()
     precision = loop.runner.precision  # under fp16 it scales the loss, and its GradScaler steps the optimizer
     precision.backward(loss / steps.accumulate_steps if steps.accumulate_steps > 1 else loss)
