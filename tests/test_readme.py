@@ -62,7 +62,11 @@ class _Run:
         logged.append((step, figures))
     def finish(self):
         logged.append("finished")
-sys.modules["wandb"] = types.SimpleNamespace(init=lambda **kwargs: _Run())
+import importlib.machinery
+wandb = types.ModuleType("wandb")  # a module with a spec: libraries that probe for wandb (accelerate) find it
+wandb.__spec__ = importlib.machinery.ModuleSpec("wandb", None)
+wandb.init = lambda **kwargs: _Run()
+sys.modules["wandb"] = wandb
 """
 ON_DEVICE = "device = get_device(); model = model.to(device)\n"
 TEXT = "train_ds = marker_sequences(512); device = get_device(); model = MarkerClassifier().to(device); optimizer = torch.optim.AdamW(model.parameters())\n"
