@@ -14,7 +14,7 @@ import sys
 import time
 import warnings
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 os.environ.setdefault("PJRT_DEVICE", "CPU")
 warnings.filterwarnings("ignore", message="dropping the last")
@@ -52,17 +52,19 @@ def hand_written_setup(w: Workload, device: torch.device, adamw: type = torch.op
     return model, opt, nn.CrossEntropyLoss(), loader
 
 
-def ideal_loop(w: Workload, fused: bool = False) -> list[float]:
+def ideal_loop(w: Workload, fused: bool = False, one_cycle: bool = False) -> list[float]:
     """MpDeviceLoader, xm.optimizer_step, no .item(): torch_xla's recommended loop.
 
     ``fused`` swaps in torch_xla's sync-free AdamW (one XLA op per parameter), the
-    optimizer one_cycle_fit uses on XLA.
+    optimizer one_cycle_fit uses on XLA; ``one_cycle`` steps torch's OneCycleLR after
+    every step (its lr and beta1 reach the step as new Python floats each time).
     """
     from torch_xla.amp import syncfree
 
     device = torch_xla.device()
     model, opt, loss_fn, loader = hand_written_setup(w, device, syncfree.AdamW if fused else torch.optim.AdamW)
     step_args = {"found_inf": torch.zeros((), device=device)} if fused else {}
+    scheduler = _one_cycle(opt, w) if one_cycle else None
     seconds = []
     for _ in range(w.epochs):
         start = time.perf_counter()
@@ -70,6 +72,8 @@ def ideal_loop(w: Workload, fused: bool = False) -> list[float]:
             opt.zero_grad(set_to_none=True)
             loss_fn(model(x), y).backward()
             xm.optimizer_step(opt, optimizer_args=step_args)
+            if scheduler is not None:
+                scheduler.step()
         xm.wait_device_ops()
         seconds.append((time.perf_counter() - start) / len(loader))
     return seconds
@@ -171,11 +175,11 @@ def accelerate_loop(w: Workload) -> list[float]:
     return seconds
 
 
-def fit(w: Workload, callbacks: Callable[[], list] | None = None) -> list[float]:
+def fit(w: Workload, callbacks: Callable[[], list] | None = None, schedule: Any = "one_cycle") -> list[float]:
     """one_cycle_fit; ``callbacks`` makes a fresh list of callbacks for each run."""
     torch.manual_seed(0)
     history = one_cycle_fit(w.make_model(), w.dataset, epochs=w.epochs, max_lr=w.max_lr, batch_size=w.batch,
-                            progress=False, callbacks=callbacks() if callbacks else None)  # fmt: skip
+                            progress=False, callbacks=callbacks() if callbacks else None, schedule=schedule)  # fmt: skip
     return [r.seconds / w.steps for r in history.records]
 
 

@@ -41,7 +41,7 @@ from ..checkpoint import (CHECKPOINT_NAME, DamagedCheckpointError, class_name, l
                          save_atomic, to_cpu)  # fmt: skip
 from ..files import WriteError, exists, join
 from ..progress import format_duration, run_eta, write_line
-from .events import Callback
+from .events import Callback, does
 from .history import History
 from .monitor import StopRule, Watch, out_of_time
 from .schedule import LrSchedule, OneCycle, unround, warmup_steps
@@ -173,14 +173,8 @@ def _writers(loop: Any, schedule: Any, within_step: bool) -> list[str]:
             hooks = ("on_before_step",) if position > mine else ()
         else:
             hooks = _BETWEEN_STEPS + (("on_before_step",) if position < mine else ())
-        found += [f"{type(callback).__name__}.{hook}" for hook in hooks if _own_hook(callback, hook)]
+        found += [f"{type(callback).__name__}.{hook}" for hook in hooks if does(callback, hook)]
     return found
-
-
-def _own_hook(callback: Any, hook: str) -> bool:
-    """Whether ``callback`` does something at ``hook`` (``Callback``'s empty methods do nothing)."""
-    method = getattr(type(callback), hook, None) or getattr(callback, hook, None)
-    return callable(method) and method is not getattr(Callback, hook)
 
 
 class LearningRates(Callback):

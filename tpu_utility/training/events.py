@@ -129,15 +129,15 @@ class Events:
 
     def __init__(self, callbacks: Sequence[Any]) -> None:
         self.callbacks = sorted(callbacks, key=lambda c: getattr(c, "order", 0))  # stable: ties keep the given order
+        # each event's hooks, looked up once: two events fire every step, and Callback's own do nothing
+        self.hooks = {event: [(c, getattr(c, event)) for c in self.callbacks if does(c, event)] for event in EVENTS}
 
     def fire(self, event: str, loop: Any, *args: Any) -> None:
-        for callback in self.callbacks:
-            hook = getattr(callback, event, None)
-            if hook is None:
-                continue
-            if event != "on_epoch_end":
+        if event != "on_epoch_end":
+            for _, hook in self.hooks[event]:
                 hook(loop, *args)
-                continue
+            return
+        for callback, hook in self.hooks[event]:
             try:
                 hook(loop, *args)
             except StopFit as stop:  # the epoch is whole: it ends the run as loop.stop does, every callback seeing it
@@ -159,6 +159,12 @@ class Events:
                              f"written with ({sorted(states) or 'none with state'})")  # fmt: skip
         for key, callback in zip(self.keys(), stateful):
             callback.load_state_dict(states[key])
+
+
+def does(callback: Any, event: str) -> bool:
+    """Whether ``callback`` does something at ``event``: it has the hook, and not ``Callback``'s empty one."""
+    hook = getattr(callback, event, None)
+    return callable(hook) and getattr(hook, "__func__", None) is not getattr(Callback, event)
 
 
 def _stateful(callback: Any) -> bool:

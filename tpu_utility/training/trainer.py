@@ -296,22 +296,26 @@ def _train_epoch(loop: Loop, epoch: int) -> tuple[list[torch.Tensor], float]:
     loop.events.fire("on_train_epoch_start", loop, epoch)
     runner.model.train()
     loop.optimizer.zero_grad(set_to_none=True)
-    sums = _device_values(runner.device, 0.0, 0.0, _NO_BAD_STEP)  # loss sum, batches, first bad step (1-based)
+    # the loss sum, and the batches after which it was finite: a running sum stays non-finite from the first
+    # non-finite loss on, so that count is the first bad batch's number less one
+    sums = _device_values(runner.device, 0.0, 0.0)
     desc, speak = f"epoch {epoch + 1}/{plan.epochs}", plan.progress and loop.master
     bar = progress_bar(loop.batches, desc, enabled=speak)
     # the run's first epoch on XLA compiles: say so before the first batch's compile, not after
     notice = CompileNotice(bar, desc, backend.compile_count, expect=runner.lazy and epoch == loop.start_epoch, speak=speak)
+    done = 0
     try:
         for i, batch in enumerate(runner.batches(loop.train_loader)):
             sums = _train_batch(loop, i, batch, sums)
             bar.update(1)
             notice.after_step()
+            done = i + 1
     finally:
         notice.close()
         bar.close()
     loop.optimizer.zero_grad(set_to_none=True)  # a partial accumulation at the epoch's end is dropped
     loop.events.fire("on_train_epoch_end", loop)
-    return sums, notice.compile_seconds
+    return [*sums, torch.tensor(float(done))], notice.compile_seconds
 
 
 def _train_batch(loop: Loop, i: int, batch: Any, sums: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -331,11 +335,10 @@ def _train_batch(loop: Loop, i: int, batch: Any, sums: list[torch.Tensor]) -> li
     loss = loss.float()
     precision = loop.runner.precision  # under fp16 it scales the loss, and its GradScaler steps the optimizer
     precision.backward(loss / steps.accumulate_steps if steps.accumulate_steps > 1 else loss)
-    loss_sum, n_batches, bad_step = sums
-    n_batches = n_batches + 1
-    bad_step = torch.where((bad_step == _NO_BAD_STEP) & ~torch.isfinite(loss), n_batches, bad_step)
+    loss_sum, finite = sums
     loop.loss = loss.detach()
     loss_sum = loss_sum + loop.loss
+    finite = finite + torch.isfinite(loss_sum)  # two traced ops a step for the epoch's figures, nothing read
     if (i + 1) % steps.accumulate_steps == 0:
         loop.events.fire("on_before_step", loop)
         # MpDeviceLoader cuts the graph at every batch, so the step needs no barrier
@@ -344,7 +347,7 @@ def _train_batch(loop: Loop, i: int, batch: Any, sums: list[torch.Tensor]) -> li
         loop.optimizer.zero_grad(set_to_none=True)
         loop.step += 1
         loop.events.fire("on_step_end", loop)
-    return [loss_sum, n_batches, bad_step]
+    return [loss_sum, finite]
 
 
 def _device_values(device: torch.device, *values: Any) -> list[torch.Tensor]:
@@ -364,7 +367,8 @@ def _read_epoch(device: torch.device, train_sums: list[torch.Tensor], eval_sums:
                 same: list[torch.Tensor]) -> tuple[list[float], list[float], float]:  # fmt: skip
     """The epoch's one device read, reduced over replicas: sums added, the first bad step
     the minimum, figures already equal on every replica (torchmetrics, elapsed time) the maximum."""
-    loss_sum, n_batches, bad_step = train_sums
+    loss_sum, finite, n_batches = train_sums
+    bad_step = torch.where(torch.isfinite(loss_sum), _NO_BAD_STEP, finite + 1)  # the first non-finite batch, 1-based
     summed = torch.stack([t.float().reshape(()).to(device) for t in [loss_sum, n_batches, *eval_sums]])
     synced = torch.stack([t.float().reshape(()).to(device) for t in same])
     summed, synced = backend.all_reduce([summed], "sum")[0], backend.all_reduce([synced], "max")[0]
