@@ -13,7 +13,7 @@ os.environ["XDG_CACHE_HOME"] = os.path.join(os.path.dirname(__file__), "..", ".p
 import pytest  # noqa: E402
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
-from torch.utils.data import TensorDataset  # noqa: E402
+from torch.utils.data import Dataset, TensorDataset  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -166,6 +166,20 @@ def small_mlp() -> nn.Module:
 def mlp():
     torch.manual_seed(0)
     return small_mlp()
+
+
+class Counted(Dataset):
+    """A dataset of ``samples`` that counts the samples read: a refusal before training reads none (or the few a check reads)."""
+
+    def __init__(self, samples):
+        self.samples, self.reads = samples, 0
+
+    def __len__(self):
+        return len(self.samples)
+
+    def __getitem__(self, i):
+        self.reads += 1
+        return self.samples[i]
 
 
 def flat_digits(n: int | None = None) -> TensorDataset:

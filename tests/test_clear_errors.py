@@ -5,9 +5,9 @@ import math
 import pytest
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, Dataset, TensorDataset
+from torch.utils.data import DataLoader, TensorDataset
 
-from conftest import flat_digits, small_mlp
+from conftest import Counted, flat_digits, small_mlp
 from tpu_utility import load_checkpoint, one_cycle_fit, save_checkpoint
 from tpu_utility.data.buckets import BucketCollate
 
@@ -34,18 +34,6 @@ def test_restore_best_must_be_a_bool(value):
         fit(small_mlp(), flat_digits(64), restore_best=value)
 
 
-class _Counted(Dataset):
-    def __init__(self, samples):
-        self.samples, self.reads = samples, 0
-
-    def __len__(self):
-        return len(self.samples)
-
-    def __getitem__(self, i):
-        self.reads += 1
-        return self.samples[i]
-
-
 class _Bag(nn.Module):
     def __init__(self):
         super().__init__()
@@ -58,7 +46,7 @@ class _Bag(nn.Module):
 def test_a_validation_sequence_longer_than_the_largest_bucket_fails_before_training():
     g = torch.Generator().manual_seed(0)
     lengths = torch.randint(3, 17, (64,), generator=g).tolist()
-    train = _Counted([(torch.randint(1, 50, (n,), generator=g), n % 2) for n in lengths])
+    train = Counted([(torch.randint(1, 50, (n,), generator=g), n % 2) for n in lengths])
     valid = [(torch.randint(1, 50, (n,), generator=g), n % 2) for n in [8] * 20 + [40]]
     collate = BucketCollate.from_lengths([len(s) for s, _ in train.samples], num_buckets=2)
     assert collate.buckets[-1] < 40

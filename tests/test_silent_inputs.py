@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
-from conftest import flat_digits, run_python, small_mlp
+from conftest import Counted, flat_digits, run_python, small_mlp
 from tpu_utility import load_checkpoint, one_cycle_fit, predict, save_checkpoint
 from tpu_utility.amp import grad_scaler
 from tpu_utility.data.buckets import BucketBatchSampler, BucketCollate
@@ -25,20 +25,6 @@ pytestmark = pytest.mark.filterwarnings("ignore:dropping the last")
 def fit(model, train, **kwargs):
     args = {"epochs": 1, "max_lr": 3e-3, "batch_size": 32, "progress": False, **kwargs}
     return one_cycle_fit(model, train, **args)
-
-
-class _Counted(Dataset):
-    """Counts the samples read: a refusal before training reads none (or only the few a check reads)."""
-
-    def __init__(self, samples):
-        self.samples, self.reads = samples, 0
-
-    def __len__(self):
-        return len(self.samples)
-
-    def __getitem__(self, i):
-        self.reads += 1
-        return self.samples[i]
 
 
 # ------------------------------------------------------------------ 1. misspelt keywords
@@ -125,7 +111,7 @@ class _Bag(nn.Module):
 @pytest.mark.parametrize("missing", [4, -4])
 def test_a_bucket_sampler_with_more_or_fewer_lengths_than_samples_is_refused_naming_both(missing):
     samples, lengths = _sequences(64)
-    data = _Counted(samples)
+    data = Counted(samples)
     given = lengths[:-missing] if missing > 0 else lengths + [8] * -missing
     collate = BucketCollate([8, 16])
     loader = DataLoader(data, batch_sampler=BucketBatchSampler(given, collate.buckets, 8), collate_fn=collate)
