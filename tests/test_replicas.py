@@ -124,6 +124,37 @@ runpy.run_path({str(tmp_path / "stall.py")!r}, run_name="__main__")
     assert "a collective timed out after 5 s on rank 0" in named[-1]
 
 
+def test_inside_a_torchrun_job_a_replica_that_stops_answering_is_named_too(tmp_path):
+    # torchrun's ranks share the agent's TCP store (our launcher: a file store)
+    script = tmp_path / "stall.py"
+    script.write_text('''
+import os, signal
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+from tpu_utility import Callback, one_cycle_fit
+
+
+class Stall(Callback):
+    def on_step_end(self, loop):
+        if loop.step == 3 and os.environ["RANK"] == "1":
+            os.kill(os.getpid(), signal.SIGSTOP)
+
+
+data = TensorDataset(torch.randn(256, 8, generator=torch.Generator().manual_seed(0)), torch.arange(256) % 3)
+one_cycle_fit(nn.Linear(8, 3), data, epochs=2, max_lr=1e-2, batch_size=8, progress=False, callbacks=[Stall()])
+''')
+    env = {**os.environ, "PYTHONPATH": ROOT, "TPU_UTILITY_COLLECTIVE_TIMEOUT": "5",
+           **{k: v for k, v in NATIVE.items() if v is not None}}  # fmt: skip
+    for key in [k for k, v in NATIVE.items() if v is None]:
+        env.pop(key, None)
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                        str(script)], env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert r.returncode != 0
+    named = [line for line in r.stderr.splitlines() if "CollectiveTimeout: one_cycle_fit" in line]
+    assert named and "rank 1 of 2 did not arrive" in named[-1] and "rank 0 waited" in named[-1], r.stderr[-3000:]
+
+
 def _free_port():
     with socket.socket() as s:
         s.bind(("localhost", 0))
