@@ -125,10 +125,10 @@ runpy.run_path({str(tmp_path / "stall.py")!r}, run_name="__main__")
 
 
 def test_inside_a_torchrun_job_a_replica_that_stops_answering_is_named_too(tmp_path):
-    # torchrun's ranks share the agent's TCP store (our launcher: a file store)
+    # torchrun's ranks share the agent's TCP store (our launcher: a file store); rank 1 hangs in its own code
     script = tmp_path / "stall.py"
     script.write_text('''
-import os, signal
+import os, time
 import torch
 from torch import nn
 from torch.utils.data import TensorDataset
@@ -138,7 +138,7 @@ from tpu_utility import Callback, one_cycle_fit
 class Stall(Callback):
     def on_step_end(self, loop):
         if loop.step == 3 and os.environ["RANK"] == "1":
-            os.kill(os.getpid(), signal.SIGSTOP)
+            time.sleep(600)   # stuck in its own code (torchrun ends it at once when rank 0 fails)
 
 
 data = TensorDataset(torch.randn(256, 8, generator=torch.Generator().manual_seed(0)), torch.arange(256) % 3)
