@@ -223,4 +223,5 @@ def data_differences(dataset: Any, device: torch.device) -> list[str]:
     if backend.world_size() == 1:
         return []
     data = describe_data(dataset)
-    return differences(gather({"data": f"{data['samples']} samples, sampled digest {data['digest']}"}, device)).get("data", [])
+    described = f"{data['samples']} samples, sampled digest {data['digest']}"
+    return differences(gather({"data": described}, device)).get("data", [])

@@ -554,7 +554,8 @@ class Runner:
         previous: list[tuple[list[torch.Tensor], torch.Tensor]] = []
         current: list[tuple[list[torch.Tensor], torch.Tensor]] = []
         spec = None
-        bar = progress_bar(len(loader), "predict", enabled=progress and self.topology.master)
+        speak = progress and self.topology.master and backend.is_master()  # one bar per job, also when each predicts alone
+        bar = progress_bar(len(loader), "predict", enabled=speak)
         with torch.no_grad():
             for batch, index in self.batches(loader):
                 bar.update(1)
