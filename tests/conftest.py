@@ -168,6 +168,17 @@ def mlp():
     return small_mlp()
 
 
+class MaskedBag(nn.Module):
+    """Token ids (vocabulary 50) and a padding mask -> 2 classes: the mean of the unpadded embeddings."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed, self.out = nn.Embedding(50, 8), nn.Linear(8, 2)
+
+    def forward(self, tokens, mask):
+        return self.out((self.embed(tokens) * mask[..., None]).sum(1) / mask.sum(1, keepdim=True))
+
+
 class Counted(Dataset):
     """A dataset of ``samples`` that counts the samples read: a refusal before training reads none (or the few a check reads)."""
 

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from conftest import Counted, flat_digits, small_mlp
+from conftest import Counted, flat_digits, MaskedBag, small_mlp
 from tpu_utility import load_checkpoint, one_cycle_fit, save_checkpoint
 from tpu_utility.data.buckets import BucketCollate
 
@@ -34,15 +34,6 @@ def test_restore_best_must_be_a_bool(value):
         fit(small_mlp(), flat_digits(64), restore_best=value)
 
 
-class _Bag(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.embed, self.out = nn.Embedding(50, 8), nn.Linear(8, 2)
-
-    def forward(self, tokens, mask):
-        return self.out((self.embed(tokens) * mask[..., None]).sum(1) / mask.sum(1, keepdim=True))
-
-
 def test_a_validation_sequence_longer_than_the_largest_bucket_fails_before_training():
     g = torch.Generator().manual_seed(0)
     lengths = torch.randint(3, 17, (64,), generator=g).tolist()
@@ -54,11 +45,11 @@ def test_a_validation_sequence_longer_than_the_largest_bucket_fails_before_train
     args = {"loss_fn": nn.CrossEntropyLoss(), "batch_size": None}
     with pytest.raises(ValueError, match=rf"valid_data sample 20 has a sequence of length 40, longer than the largest "
                                          rf"bucket {collate.buckets[-1]} of its BucketCollate"):  # fmt: skip
-        fit(_Bag(), loader, valid_data=DataLoader(valid, batch_size=8, collate_fn=collate), **args)
+        fit(MaskedBag(), loader, valid_data=DataLoader(valid, batch_size=8, collate_fn=collate), **args)
     assert train.reads == 0  # refused before any training sample was read
     truncating = BucketCollate(collate.buckets, overflow="truncate")  # the way on the message names
     with pytest.warns(UserWarning, match="truncating sequences longer than 16 tokens"):
-        fit(_Bag(), loader, valid_data=DataLoader(valid, batch_size=8, collate_fn=truncating), **args)
+        fit(MaskedBag(), loader, valid_data=DataLoader(valid, batch_size=8, collate_fn=truncating), **args)
 
 
 def test_a_batch_of_three_parts_names_the_layout_and_the_way_on():

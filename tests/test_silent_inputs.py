@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
-from conftest import Counted, flat_digits, run_python, small_mlp
+from conftest import Counted, flat_digits, MaskedBag, run_python, small_mlp
 from tpu_utility import load_checkpoint, one_cycle_fit, predict, save_checkpoint
 from tpu_utility.amp import grad_scaler
 from tpu_utility.data.buckets import BucketBatchSampler, BucketCollate
@@ -99,15 +99,6 @@ def _sequences(n, seed=0):
     return [(torch.randint(1, 50, (k,), generator=g), k % 2) for k in lengths], lengths
 
 
-class _Bag(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.embed, self.out = nn.Embedding(50, 8), nn.Linear(8, 2)
-
-    def forward(self, tokens, mask):
-        return self.out((self.embed(tokens) * mask[..., None]).sum(1) / mask.sum(1, keepdim=True))
-
-
 @pytest.mark.parametrize("missing", [4, -4])
 def test_a_bucket_sampler_with_more_or_fewer_lengths_than_samples_is_refused_naming_both(missing):
     samples, lengths = _sequences(64)
@@ -118,7 +109,7 @@ def test_a_bucket_sampler_with_more_or_fewer_lengths_than_samples_is_refused_nam
     what = r"samples 60 to 63 would never be drawn" if missing > 0 else r"indices 64 to 67 are not in the dataset"
     with pytest.raises(ValueError, match=rf"train_data.batch_sampler has {len(given)} lengths but train_data.dataset has "
                                          rf"64 samples \({what}\); give the length of every sample"):  # fmt: skip
-        fit(_Bag(), loader, loss_fn=nn.CrossEntropyLoss(), batch_size=None)
+        fit(MaskedBag(), loader, loss_fn=nn.CrossEntropyLoss(), batch_size=None)
     with pytest.raises(ValueError, match=rf"loader.batch_sampler has {len(given)} lengths but loader.dataset has 64 "
                                          rf"samples \({what}\)"):  # fmt: skip
         device_loader(loader)  # a hand loop: was silent (fewer) or an IndexError part-way (more)
