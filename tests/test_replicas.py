@@ -18,7 +18,8 @@ from test_native import COMMON, NATIVE, _ranks
 pytestmark = pytest.mark.multidevice
 
 
-def test_replicas_given_different_things_are_refused_alike_before_any_step(tmp_path):
+@pytest.mark.parametrize("nprocs", [2, 4])
+def test_replicas_given_different_things_are_refused_alike_before_any_step(tmp_path, nprocs):
     out = tmp_path / "out"
     out.mkdir()
     run_script(tmp_path, "differ.py", COMMON + f"""
@@ -46,7 +47,7 @@ def work(rank, out):
     seen = {{
         "sizes": attempt(lambda: fit(train=blobs(96 if rank == 0 else 64))),
         "shards": attempt(lambda: fit(train=blobs(96, seed=rank))),
-        "valid": attempt(lambda: fit(valid_data=blobs(40 + 16 * rank, seed=5))),
+        "valid": attempt(lambda: fit(valid_data=blobs(40 if rank == 0 else 56, seed=5))),
         "model": attempt(lambda: fit(model=nn.Sequential(nn.Linear(8, 16 + rank), nn.ReLU(), nn.Linear(16 + rank, 3)))),
         "argument": attempt(lambda: fit(max_grad_norm=1.0 + rank)),
         "evaluate": attempt(lambda: evaluate(mlp(), blobs(50, seed=rank), batch_size=8)),
@@ -61,22 +62,23 @@ def work(rank, out):
 
 
 if __name__ == "__main__":
-    launch(work, args=({str(out)!r},), nprocs=2)
+    launch(work, args=({str(out)!r},), nprocs={nprocs})
 """, env=NATIVE)
-    ranks = _ranks(out, 2)
+    ranks = _ranks(out, nprocs)
     assert ranks[0].pop("own rows") == [[101, 3], True]  # rank 0's own 101 rows: model(its data), row for row
-    assert ranks[1].pop("own rows") == [[57, 3], True]
-    assert ranks[0] == ranks[1]  # the same error, word for word, on every replica
-    seen = ranks[0]
+    assert all(seen.pop("own rows") == [[57, 3], True] for seen in ranks[1:])
+    assert all(seen == ranks[0] for seen in ranks)  # the same error, word for word, on every replica
+    seen, others = ranks[0], "rank 1" if nprocs == 2 else "ranks 1, 2, 3"
     fixes = {
-        "sizes": ["train_data samples: rank 0: 96; rank 1: 64", "train_data batches per epoch: rank 0: 6; rank 1: 4",
+        "sizes": [f"train_data samples: rank 0: 96; {others}: 64",
+                  f"train_data batches per epoch: rank 0: {12 // nprocs}; {others}: {8 // nprocs}",
                   "Fix: give every replica the same train_data"],
         "shards": ["train_data sampled digest: rank 0: ", "one_cycle_fit splits it over the replicas itself"],
-        "valid": ["valid_data samples: rank 0: 40; rank 1: 56", "Fix: give every replica the same valid_data"],
+        "valid": [f"valid_data samples: rank 0: 40; {others}: 56", "Fix: give every replica the same valid_data"],
         "model": ["parameters (trainable): rank 0: 195 in 4 tensors", "rank 1: 207 in 4 tensors",
                   "Fix: build the same model on every replica"],
         "argument": ["argument max_grad_norm: rank 0: 1.0; rank 1: 2.0", "with the same arguments on every replica"],
-        "evaluate": ["evaluate splits one dataset over the 2 replicas", "rank 0: 50 samples, sampled digest",
+        "evaluate": [f"evaluate splits one dataset over the {nprocs} replicas", "rank 0: 50 samples, sampled digest",
                      "predict(model, its_data) gives every replica its own rows"],
     }  # fmt: skip
     for case, parts in fixes.items():
@@ -85,7 +87,7 @@ if __name__ == "__main__":
             assert part in seen[case], (case, part, seen[case])
     assert "nothing has run yet" in seen["sizes"] and "train_data samples" not in seen["shards"]
     assert seen["steps before the same run"] == 0  # refused before any optimizer step
-    assert seen["same"] == "ran" and seen["steps"] == 96 // 8 // 2  # then the same run trains, split over both
+    assert seen["same"] == "ran" and seen["steps"] == 96 // 8 // nprocs  # then the same run trains, split over all
 
 
 def test_a_replica_that_stops_answering_is_named_by_the_one_that_waited(tmp_path):

@@ -16,6 +16,8 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import os
+import traceback
 from typing import Any, Callable, ContextManager, Iterator, Sequence
 
 import torch
@@ -218,12 +220,10 @@ def naming_stalls(where: str) -> Iterator[None]:
 
 def _waiting_in(error: BaseException) -> str:
     """`` (waiting in backward, training/runner.py:374)``: the package's innermost frame outside the backend."""
-    import os
-    import traceback
-
-    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    ours = [f for f in traceback.extract_tb(error.__traceback__)
-            if f.filename.startswith(package + os.sep) and not f.filename.startswith(os.path.dirname(__file__))]  # fmt: skip
+    here = os.path.dirname(os.path.abspath(__file__))  # the backend package
+    package = os.path.dirname(here)
+    frames = traceback.extract_tb(error.__traceback__)
+    ours = [f for f in frames if f.filename.startswith(package + os.sep) and not f.filename.startswith(here)]
     if not ours:
         return ""
     frame = ours[-1]

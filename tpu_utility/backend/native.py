@@ -313,14 +313,14 @@ class NativeBackend(Backend):
         try:
             silent = _silent_ranks(me, world, waited)
         except Exception as store_error:  # the store itself does not answer: rank 0 may host it
-            silent = None
-            why = f"the job's store did not answer either ({type(store_error).__name__}), so rank 0, which may hold it, may be the one"
+            silent, why = None, type(store_error).__name__
         if silent:
-            named = f"rank{'s' if len(silent) > 1 else ''} {', '.join(map(str, silent))}"
             waiting = [r for r in range(world) if r not in silent]
-            said = f"{named} of {world} did not arrive (still running but not answering: stopped, stuck in its own code, or swapping); rank{'s' if len(waiting) > 1 else ''} {', '.join(map(str, waiting))} waited"
+            said = (f"{_ranks(silent)} of {world} did not arrive (still running but not answering: stopped, stuck "
+                    f"in its own code, or swapping); {_ranks(waiting)} waited")  # fmt: skip
         elif silent is None:
-            said = f"another replica stopped answering; {why}"
+            said = (f"another replica stopped answering; the job's store did not answer either ({why}), so rank 0, "
+                    f"which may hold it, may be the one")  # fmt: skip
         else:
             said = f"every rank of {world} timed out waiting, so none can be named as the one that stopped answering"
         return (f"a collective timed out after {COLLECTIVE_TIMEOUT_S:g} s on rank {me} ({error}): {said}. "
@@ -400,6 +400,11 @@ class NativeBackend(Backend):
 
     def autocast(self, device: torch.device, dtype: torch.dtype) -> Any:
         return torch.autocast(self.device_type, dtype=dtype)
+
+
+def _ranks(ranks: list[int]) -> str:
+    """``rank 1`` or ``ranks 0, 2``."""
+    return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
 
 
 def _silent_ranks(me: int, world: int, wait_s: float) -> list[int]:

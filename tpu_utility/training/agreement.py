@@ -4,7 +4,7 @@ Each replica of a launch (ours, ``torchrun``, ``torch_xla.launch``) builds its o
 model and resume point from what its own process was given. Where those differ, the
 replicas either train apart without a word (one node resumes at epoch 3, the other starts
 afresh) or meet in collectives of different sizes, where gloo aborts the interpreter. So,
-before any step, every replica sends a short description of what it has (``Given``) in one
+before any step, every replica sends a short description of what it has in one
 all-gather, and all of them compare the same gathered values: a difference is the same
 ``ReplicaMismatch`` on every replica, naming the ranks, the values and the fix.
 
@@ -23,7 +23,6 @@ Example:
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import random
 from typing import Any, Sequence
@@ -207,7 +206,7 @@ def gather(values: dict[str, Any], device: torch.device) -> list[dict[str, Any]]
     out = []
     for row in gathered:
         raw = bytes(row.to(torch.uint8).tolist()).rstrip(b"\0")
-        out.append(json.loads(io.BytesIO(raw).read().decode()))
+        out.append(json.loads(raw.decode()))
     return out
 
 
