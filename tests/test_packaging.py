@@ -21,15 +21,29 @@ with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
 
 @pytest.fixture(scope="module")
 def dist(tmp_path_factory):
-    """The sdist and the wheel built from it, as a user's `python -m build` makes them."""
+    """The sdist and the wheel built from it, as a user's `python -m build` makes them.
+
+    Built once for the whole run: the tests that need it may land on several xdist workers, and two
+    builds at once race in the tree (setuptools lays out tpu_utility-<version>/ and build/ beside
+    setup.py and removes them after), so a lock in the temp root every worker shares guards one build.
+    """
     pytest.importorskip("build")
-    out = tmp_path_factory.mktemp("dist")
-    # --no-isolation: the test venv has setuptools, so nothing is downloaded
-    r = subprocess.run(
-        [sys.executable, "-m", "build", "--no-isolation", "--outdir", str(out), ROOT],
-        capture_output=True, text=True, timeout=300, cwd=str(out),
-    )  # fmt: skip
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    filelock = pytest.importorskip("filelock")  # a dependency of torch
+    shared = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        shared = shared.parent  # the run's root, above each worker's own
+    out = shared / "dist"
+    with filelock.FileLock(str(shared / "dist.lock")):
+        if not out.exists():
+            building = shared / "dist.partial"
+            building.mkdir(exist_ok=True)
+            # --no-isolation: the test venv has setuptools, so nothing is downloaded
+            r = subprocess.run(
+                [sys.executable, "-m", "build", "--no-isolation", "--outdir", str(building), ROOT],
+                capture_output=True, text=True, timeout=300, cwd=str(building),
+            )  # fmt: skip
+            assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+            building.rename(out)
     (sdist,) = out.glob("*.tar.gz")
     (wheel,) = out.glob("*.whl")
     return sdist, wheel
