@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import cProfile
 import pstats
+import statistics
 import sys
 from functools import partial
 from typing import Callable
@@ -64,12 +65,13 @@ def main() -> None:
 
 
 def step_nodes(run: Callable[[Workload], list[float]], w: Workload) -> int:
-    """The IR nodes of the graph each step of ``run`` syncs (torch_xla's TensorsGraphSize, its last sample)."""
+    """The IR nodes of the graph each step of ``run`` syncs: the commonest size among the graphs of a short
+    run (torch_xla's TensorsGraphSize samples), the others being the epoch's reads and additions."""
     import torch_xla.debug.metrics as met
 
     short = Workload(TensorDataset(*(t[: BATCH * 8] for t in w.dataset.tensors)), w.make_model, BATCH, 2)
     run(short)
-    return int(met.metric_data("TensorsGraphSize")[2][-2][1])  # the last step's (the last sample: the epoch's read)
+    return int(statistics.mode(size for _, size in met.metric_data("TensorsGraphSize")[2]))
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ from torch import nn  # noqa: E402
 from torch.utils.data import DataLoader, Dataset  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from tpu_utility import get_device, one_cycle_fit, step_optimizer, backend  # noqa: E402
+from tpu_utility import Callback, backend, get_device, one_cycle_fit, step_optimizer  # noqa: E402
 
 
 @dataclass
@@ -43,6 +43,27 @@ class Workload:
         return len(self.dataset) // self.batch
 
 
+class Clock:
+    """Per epoch, per step: wall seconds, and the CPU seconds of the thread that runs the loop.
+
+    On a TPU the host's tracing is the step time for small models; here the compute threads share
+    the two cores and move every wall figure by tens of percent. The loop thread's CPU time is the
+    host work itself (tracing, the loop's Python, dispatch), which waiting for the device or being
+    descheduled does not add to: the figure to compare per-step host cost by.
+    """
+
+    def __init__(self) -> None:
+        self.wall: list[float] = []
+        self.cpu: list[float] = []
+
+    def start(self) -> None:
+        self._wall, self._cpu = time.perf_counter(), time.thread_time()
+
+    def stop(self, steps: int) -> None:
+        self.wall.append((time.perf_counter() - self._wall) / steps)
+        self.cpu.append((time.thread_time() - self._cpu) / steps)
+
+
 def hand_written_setup(w: Workload, device: torch.device, adamw: type = torch.optim.AdamW) -> tuple:
     """What the hand-written loops share: model, AdamW at a constant lr, loss, loader."""
     torch.manual_seed(0)
@@ -52,7 +73,7 @@ def hand_written_setup(w: Workload, device: torch.device, adamw: type = torch.op
     return model, opt, nn.CrossEntropyLoss(), loader
 
 
-def ideal_loop(w: Workload, fused: bool = False, one_cycle: bool = False) -> list[float]:
+def ideal_loop(w: Workload, fused: bool = False, one_cycle: bool = False) -> Clock:
     """MpDeviceLoader, xm.optimizer_step, no .item(): torch_xla's recommended loop.
 
     ``fused`` swaps in torch_xla's sync-free AdamW (one XLA op per parameter), the
@@ -65,9 +86,9 @@ def ideal_loop(w: Workload, fused: bool = False, one_cycle: bool = False) -> lis
     model, opt, loss_fn, loader = hand_written_setup(w, device, syncfree.AdamW if fused else torch.optim.AdamW)
     step_args = {"found_inf": torch.zeros((), device=device)} if fused else {}
     scheduler = _one_cycle(opt, w) if one_cycle else None
-    seconds = []
+    clock = Clock()
     for _ in range(w.epochs):
-        start = time.perf_counter()
+        clock.start()
         for x, y in pl.MpDeviceLoader(loader, device):
             opt.zero_grad(set_to_none=True)
             loss_fn(model(x), y).backward()
@@ -75,17 +96,18 @@ def ideal_loop(w: Workload, fused: bool = False, one_cycle: bool = False) -> lis
             if scheduler is not None:
                 scheduler.step()
         xm.wait_device_ops()
-        seconds.append((time.perf_counter() - start) / len(loader))
-    return seconds
+        clock.stop(len(loader))
+    return clock
 
 
-def naive_port(w: Workload) -> list[float]:
+def naive_port(w: Workload) -> Clock:
     """The two-line port of a CUDA loop that logs loss.item() every step."""
     device = get_device()
     model, opt, loss_fn, loader = hand_written_setup(w, device)
-    seconds = []
+    clock = Clock()
     for _ in range(w.epochs):
-        start, running = time.perf_counter(), 0.0
+        clock.start()
+        running = 0.0
         for x, y in loader:
             x, y = x.to(device), y.to(device)
             opt.zero_grad(set_to_none=True)
@@ -93,15 +115,15 @@ def naive_port(w: Workload) -> list[float]:
             loss.backward()
             step_optimizer(opt)
             running += loss.item()
-        seconds.append((time.perf_counter() - start) / len(loader))
-    return seconds
+        clock.stop(len(loader))
+    return clock
 
 
 def _one_cycle(opt: torch.optim.Optimizer, w: Workload) -> torch.optim.lr_scheduler.OneCycleLR:
     return torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=w.max_lr, total_steps=w.epochs * w.steps, pct_start=0.25)
 
 
-def lightning_trainer(w: Workload) -> list[float]:
+def lightning_trainer(w: Workload) -> Clock:
     """Lightning refuses XLA:CPU: XLAAccelerator.is_available() counts TPU chips only.
 
     The minimal workaround, patching is_available and auto_device_count, is
@@ -133,25 +155,24 @@ def lightning_trainer(w: Workload) -> list[float]:
             opt = torch.optim.AdamW(self.parameters(), lr=1e-3)
             return {"optimizer": opt, "lr_scheduler": {"scheduler": _one_cycle(opt, w), "interval": "step"}}
 
-    class EpochTimer(L.Callback):
-        def __init__(self) -> None:
-            self.seconds: list[float] = []
+    clock = Clock()
 
+    class EpochTimer(L.Callback):
         def on_train_epoch_start(self, trainer, module) -> None:
-            self.start = time.perf_counter()
+            clock.start()
 
         def on_train_epoch_end(self, trainer, module) -> None:
             xm.wait_device_ops()
-            self.seconds.append((time.perf_counter() - self.start) / w.steps)
+            clock.stop(w.steps)
 
     timer = EpochTimer()
     trainer = L.Trainer(accelerator="tpu", devices=1, max_epochs=w.epochs, callbacks=[timer], logger=False,
                         enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False)  # fmt: skip
     trainer.fit(Module(), DataLoader(w.dataset, batch_size=w.batch, shuffle=True, drop_last=True))
-    return timer.seconds
+    return clock
 
 
-def accelerate_loop(w: Workload) -> list[float]:
+def accelerate_loop(w: Workload) -> Clock:
     """Accelerate's documented loop; it accepts XLA:CPU as it is (DistributedType.XLA)."""
     from accelerate import Accelerator
 
@@ -162,25 +183,46 @@ def accelerate_loop(w: Workload) -> list[float]:
     loader = DataLoader(w.dataset, batch_size=w.batch, shuffle=True, drop_last=True)
     sched = _one_cycle(opt, w)
     model, opt, loader, sched = accelerator.prepare(model, opt, loader, sched)
-    seconds = []
+    clock = Clock()
     for _ in range(w.epochs):
-        start = time.perf_counter()
+        clock.start()
         for x, y in loader:
             opt.zero_grad()
             accelerator.backward(nn.functional.cross_entropy(model(x), y))
             opt.step()
             sched.step()
         xm.wait_device_ops()
-        seconds.append((time.perf_counter() - start) / len(loader))
-    return seconds
+        clock.stop(len(loader))
+    return clock
 
 
-def fit(w: Workload, callbacks: Callable[[], list] | None = None, schedule: Any = "one_cycle") -> list[float]:
-    """one_cycle_fit; ``callbacks`` makes a fresh list of callbacks for each run."""
+class _EpochClock(Callback):
+    """Starts the clock as an epoch's training begins and stops it as its training ends."""
+
+    def __init__(self, clock: Clock, steps: int) -> None:
+        self.clock, self.steps = clock, steps
+
+    def on_train_epoch_start(self, loop: Any, epoch: int) -> None:
+        self.clock.start()
+
+    def on_train_epoch_end(self, loop: Any) -> None:
+        self.clock.stop(self.steps)
+
+
+def fit(w: Workload, callbacks: Callable[[], list] | None = None, schedule: Any = "one_cycle") -> Clock:
+    """one_cycle_fit; ``callbacks`` makes a fresh list of callbacks for each run.
+
+    The wall figure is the epoch record's (the epoch's read of the loss included, as the hand loops'
+    wait for the device); the CPU one is the training's, between the epoch's first and last step.
+    """
     torch.manual_seed(0)
+    clock = Clock()
+    cpu = Clock()
     history = one_cycle_fit(w.make_model(), w.dataset, epochs=w.epochs, max_lr=w.max_lr, batch_size=w.batch,
-                            progress=False, callbacks=callbacks() if callbacks else None, schedule=schedule)  # fmt: skip
-    return [r.seconds / w.steps for r in history.records]
+                            progress=False, callbacks=[*(callbacks() if callbacks else []), _EpochClock(cpu, w.steps)],
+                            schedule=schedule)  # fmt: skip
+    clock.wall, clock.cpu = [r.seconds / w.steps for r in history.records], cpu.cpu
+    return clock
 
 
 @dataclass
@@ -191,20 +233,25 @@ class Timings:
     best: dict[str, float]  # the fastest steady epoch's s/step, over all rounds (the least disturbed)
     compiles: dict[str, list[int]]  # graphs compiled by each run
     syncs: dict[str, float]  # host syncs per step (last run)
+    cpu_per_round: dict[str, list[float]]  # median CPU s/step of the loop's thread, each round
 
-    def ratios(self, name: str, baseline: str) -> list[float]:
+    def ratios(self, name: str, baseline: str, cpu: bool = False) -> list[float]:
         """Per-round ratios to the baseline, each taken within one round (same load)."""
-        return [a / b for a, b in zip(self.per_round[name], self.per_round[baseline])]
+        figures = self.cpu_per_round if cpu else self.per_round
+        return [a / b for a, b in zip(figures[name], figures[baseline])]
 
 
-def run_interleaved(loops: dict[str, Callable[[Workload], list[float]]], w: Workload, rounds: int) -> Timings:
+def run_interleaved(loops: dict[str, Callable[[Workload], Clock]], w: Workload, rounds: int) -> Timings:
     """Runs every loop once per round, in turn, so load on the host hits them alike."""
-    t = Timings({name: [] for name in loops}, {name: float("inf") for name in loops}, {n: [] for n in loops}, {})
+    names = list(loops)
+    t = Timings({n: [] for n in names}, {n: float("inf") for n in names}, {n: [] for n in names}, {}, {n: [] for n in names})
     for _ in range(rounds):
         for name, loop in loops.items():
             backend.clear_counters()  # the counts below are this run's alone
-            seconds = loop(w)
+            clock = loop(w)
+            seconds = clock.wall
             t.per_round[name].append(statistics.median(seconds[1:]))  # epoch 1 is compilation
+            t.cpu_per_round[name].append(statistics.median(clock.cpu[1:]))
             t.best[name] = min(t.best[name], *seconds[1:])
             t.compiles[name].append(backend.compile_count())
             t.syncs[name] = backend.host_sync_count() / (w.epochs * w.steps)
@@ -215,11 +262,14 @@ def print_table(t: Timings, baseline: str, title: str) -> None:
     short = baseline.split(" (")[0]
     print(f"\n{title}")
     print(f"| loop | ms/step, median (best) | vs {short}: median (range over rounds) | best vs best "
+          f"| loop thread's CPU ms/step | its CPU vs {short}: median (range) "
           f"| graphs compiled per run | host syncs per step |")  # fmt: skip
-    print("|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|")
     for name in t.per_round:
         ms = statistics.median(t.per_round[name]) * 1000
-        r = t.ratios(name, baseline)
+        cpu_ms = statistics.median(t.cpu_per_round[name]) * 1000
+        r, c = t.ratios(name, baseline), t.ratios(name, baseline, cpu=True)
         print(f"| {name} | {ms:.2f} ({t.best[name] * 1000:.2f}) | {statistics.median(r):.2f}x "
               f"({min(r):.2f}-{max(r):.2f}) | {t.best[name] / t.best[baseline]:.2f}x "
+              f"| {cpu_ms:.2f} | {statistics.median(c):.3f}x ({min(c):.3f}-{max(c):.3f}) "
               f"| {max(t.compiles[name])} | {t.syncs[name]:.2f} |")  # fmt: skip

@@ -2,6 +2,7 @@
 checkpoints and resume, tied weights, non-finite loss, custom steps, find_lr."""
 
 import importlib.metadata
+import math
 import os
 
 import pytest
@@ -320,3 +321,71 @@ def test_a_users_own_torch_adamw_also_trains_without_recompiles(digits):
     assert history.records[-1].train_loss < 0.5 * history.records[0].train_loss
     default = fit(small_mlp(), digits[0], epochs=1)
     assert "| adamw (torch_xla sync-free, fused)" in default.summary
+
+
+# ------------------------------------------------------------- the loop's own per-step work (issue 29, item 9)
+@pytest.mark.parametrize("bad_at", [None, 0, 3, 4, 5, 10])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_the_epoch_loss_and_its_first_bad_batch_are_exact_across_the_additions(bad_at, bad):
+    from tpu_utility.training.trainer import LossTally
+
+    torch.manual_seed(0)
+    losses = [torch.rand(()) for _ in range(11)]
+    if bad_at is not None:
+        losses[bad_at] = torch.tensor(bad)
+    tally = LossTally(torch.device("cpu"), lazy=False)
+    tally.every = 4  # 11 losses: added up after 4 and 8, the last 3 by sums()
+    for loss in losses:
+        tally.make_room()
+        tally.keep(loss)
+    loss_sum, finite = (float(t) for t in tally.sums())
+    if bad_at is None:
+        assert loss_sum == pytest.approx(float(sum(losses)), rel=1e-6) and finite == 11
+    else:  # the count of batches before the first bad one, whatever came after it
+        assert not math.isfinite(loss_sum) and finite == bad_at
+
+
+def test_a_step_traces_what_the_fused_hand_loop_traces_and_a_late_nan_is_named():
+    """The step graph one_cycle_fit runs has the IR nodes of torch_xla's recommended loop (MpDeviceLoader,
+    the fused AdamW, xm.optimizer_step) and one more, the loss kept as an output for the epoch's figure:
+    the loop's bookkeeping traces nothing else per step (it traced 12 more, the running loss sum and its
+    finite count). 70 steps an epoch: the losses are added up after 64 in a graph of their own,
+    compiled in epoch 1 like the rest."""
+    import statistics
+
+    import torch_xla
+    import torch_xla.core.xla_model as xm
+    import torch_xla.debug.metrics as met
+    import torch_xla.distributed.parallel_loader as pl
+    from torch_xla.amp import syncfree
+
+    def step_nodes() -> int:  # the commonest graph size: the steps' (the epoch's read and additions are rare)
+        return int(statistics.mode(size for _, size in met.metric_data("TensorsGraphSize")[2]))
+
+    data = flat_digits(70 * 16)
+    device = torch_xla.device()
+    torch.manual_seed(0)
+    model = small_mlp().to(device)
+    opt = syncfree.AdamW(model.parameters(), lr=1e-3)
+    found_inf = torch.zeros((), device=device)
+    met.clear_all()
+    for x, y in pl.MpDeviceLoader(DataLoader(data, batch_size=16, drop_last=True), device):
+        opt.zero_grad(set_to_none=True)
+        nn.functional.cross_entropy(model(x), y).backward()
+        xm.optimizer_step(opt, optimizer_args={"found_inf": found_inf})
+    xm.wait_device_ops()
+    hand = step_nodes()
+    met.clear_all()
+    torch.manual_seed(0)
+    history = fit(small_mlp(), data, batch_size=16, epochs=2, schedule="constant")
+    assert step_nodes() == hand + 1, (step_nodes(), hand)
+    assert history.records[0].compiles == history.records[1].compiles  # the addition compiled in epoch 1
+    assert all(r.host_syncs == 0 and r.transfers == 1 for r in history.records)
+
+    class NanAt(_StopAfter):  # batch 66 of epoch 2: after the first addition
+        def __call__(self, model, batch):
+            loss = super().__call__(model, batch)
+            return loss * float("nan") if self.calls == 70 + 66 else loss
+
+    with pytest.raises(FloatingPointError, match=r"NaN or inf in epoch 2 at step 66 of 70"):
+        fit(small_mlp(), data, batch_size=16, epochs=2, train_step=NanAt(10**9))

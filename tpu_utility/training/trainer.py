@@ -6,7 +6,7 @@ fires events to: the schedule, the stop rules, checkpoints and the progress line
 (``builtins.py``), and the user's own (``events.py`` lists the events). An epoch::
 
     on_train_epoch_start
-    every batch: forward, backward, the loss summed on the device
+    every batch: forward, backward, the loss kept on the device (added up every 64 batches)
         every accumulate_steps batches: on_before_step, the optimizer step, on_step_end
         (under precision="fp16" the loss is scaled before backward, and the GradScaler steps:
         it unscales before clipping and skips a step whose gradients hold inf or NaN)
@@ -296,9 +296,7 @@ def _train_epoch(loop: Loop, epoch: int) -> tuple[list[torch.Tensor], float]:
     loop.events.fire("on_train_epoch_start", loop, epoch)
     runner.model.train()
     loop.optimizer.zero_grad(set_to_none=True)
-    # the loss sum, and the batches after which it was finite: a running sum stays non-finite from the first
-    # non-finite loss on, so that count is the first bad batch's number less one
-    sums = _device_values(runner.device, 0.0, 0.0)
+    losses = LossTally(runner.device, runner.lazy)
     desc, speak = f"epoch {epoch + 1}/{plan.epochs}", plan.progress and loop.master
     bar = progress_bar(loop.batches, desc, enabled=speak)
     # the run's first epoch on XLA compiles: say so before the first batch's compile, not after
@@ -306,7 +304,8 @@ def _train_epoch(loop: Loop, epoch: int) -> tuple[list[torch.Tensor], float]:
     done = 0
     try:
         for i, batch in enumerate(runner.batches(loop.train_loader)):
-            sums = _train_batch(loop, i, batch, sums)
+            losses.make_room()  # before this batch's step is traced
+            losses.keep(_train_batch(loop, i, batch))
             bar.update(1)
             notice.after_step()
             done = i + 1
@@ -315,12 +314,54 @@ def _train_epoch(loop: Loop, epoch: int) -> tuple[list[torch.Tensor], float]:
         bar.close()
     loop.optimizer.zero_grad(set_to_none=True)  # a partial accumulation at the epoch's end is dropped
     loop.events.fire("on_train_epoch_end", loop)
-    return [*sums, torch.tensor(float(done))], notice.compile_seconds
+    return [*losses.sums(), torch.tensor(float(done))], notice.compile_seconds
 
 
-def _train_batch(loop: Loop, i: int, batch: Any, sums: list[torch.Tensor]) -> list[torch.Tensor]:
-    """One batch, top to bottom: the loss, its gradients, the epoch's sums; the optimizer step every
-    ``accumulate_steps`` batches, between ``on_before_step`` (the schedule) and ``on_step_end``."""
+class LossTally:
+    """The epoch's training losses on the device: kept a batch at a time, added up 64 at a time.
+
+    A step only keeps its loss (a list append, nothing traced); every ``every`` losses
+    become the running sum and a count of the batches after which that sum was finite,
+    in a small graph of their own, so the step's graph stays the hand loop's plus its
+    loss as an output. The running sum stays non-finite from the first non-finite loss
+    on, so the count is the first bad batch's number less one (the NaN stop's figure).
+    Nothing is read: the epoch's one read takes ``sums()``.
+    """
+
+    every = 64  # a graph with this many losses as inputs runs every this many steps
+
+    def __init__(self, device: torch.device, lazy: bool) -> None:
+        self.loss_sum, self.finite = _device_values(device, 0.0, 0.0)
+        self.lazy, self.kept = lazy, []
+
+    def make_room(self) -> None:
+        """Adds up a full list; called between steps (the loader has cut the graph), so on XLA the
+        addition runs as a graph of its own rather than in a step's."""
+        if len(self.kept) == self.every:
+            self._add_up()
+            if self.lazy:
+                backend.sync()
+
+    def keep(self, loss: torch.Tensor) -> None:
+        self.kept.append(loss)
+
+    def sums(self) -> list[torch.Tensor]:
+        """The loss sum and the finite count, with the losses kept since the last add traced in (not run)."""
+        if self.kept:
+            self._add_up()
+        return [self.loss_sum, self.finite]
+
+    def _add_up(self) -> None:
+        losses, self.kept = torch.stack(self.kept), []
+        bad = ~torch.isfinite(losses)
+        finite_run = torch.where(bad.any(), bad.int().argmax(), len(losses))  # the losses before the first bad one
+        self.finite = self.finite + torch.where(torch.isfinite(self.loss_sum), finite_run, 0)
+        self.loss_sum = self.loss_sum + losses.sum()
+
+
+def _train_batch(loop: Loop, i: int, batch: Any) -> torch.Tensor:
+    """One batch, top to bottom: the loss and its gradients; the optimizer step every ``accumulate_steps``
+    batches, between ``on_before_step`` (the schedule) and ``on_step_end``. Returns the loss, detached."""
     steps = loop.plan.steps
     loss = loop.runner.run(loop.train_step, batch, training=True)
     if not isinstance(loss, torch.Tensor):
@@ -335,10 +376,7 @@ def _train_batch(loop: Loop, i: int, batch: Any, sums: list[torch.Tensor]) -> li
     loss = loss.float()
     precision = loop.runner.precision  # under fp16 it scales the loss, and its GradScaler steps the optimizer
     precision.backward(loss / steps.accumulate_steps if steps.accumulate_steps > 1 else loss)
-    loss_sum, finite = sums
     loop.loss = loss.detach()
-    loss_sum = loss_sum + loop.loss
-    finite = finite + torch.isfinite(loss_sum)  # two traced ops a step for the epoch's figures, nothing read
     if (i + 1) % steps.accumulate_steps == 0:
         loop.events.fire("on_before_step", loop)
         # MpDeviceLoader cuts the graph at every batch, so the step needs no barrier
@@ -347,7 +385,7 @@ def _train_batch(loop: Loop, i: int, batch: Any, sums: list[torch.Tensor]) -> li
         loop.optimizer.zero_grad(set_to_none=True)
         loop.step += 1
         loop.events.fire("on_step_end", loop)
-    return [loss_sum, finite]
+    return loop.loss
 
 
 def _device_values(device: torch.device, *values: Any) -> list[torch.Tensor]:
