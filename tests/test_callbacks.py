@@ -136,7 +136,8 @@ def test_stopfit_from_an_epoch_hook_ends_the_run_as_loop_stop_does(digits, tmp_p
             assert torch.equal(tensor.cpu(), saved["model"][name]), name
 
 
-def test_emas_average_is_torchs_averaged_model_with_its_ema_function():
+@pytest.mark.parametrize("every", [1, 3])
+def test_emas_average_is_torchs_averaged_model_with_its_ema_function(every):
     from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
     from tpu_utility import get_device
@@ -144,18 +145,20 @@ def test_emas_average_is_torchs_averaged_model_with_its_ema_function():
     device = get_device()  # on the XLA device: a CPU backward first would break this process's XLA backwards
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 3)).to(device)  # int buffer
-    reference = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(0.9), use_buffers=True)
-    ema, loop = EMA(decay=0.9), type("Loop", (), {"model": model})()
+    # every k-th step with decay ** k: the same span in steps
+    reference = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(0.9**every), use_buffers=True)
+    ema, loop = EMA(decay=0.9, every=every), type("Loop", (), {"model": model})()
     ema.on_fit_start(loop)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    for _ in range(20):
+    for step in range(1, 21):
         optimizer.zero_grad()
         x, y = torch.randn(16, 8).to(device), torch.randint(0, 3, (16,)).to(device)
         nn.functional.cross_entropy(model(x), y).backward()
         optimizer.step()
-        reference.update_parameters(model)
+        if step % every == 0:
+            reference.update_parameters(model)
         ema.on_step_end(loop)
-    assert int(ema.averaged.n_averaged) == int(reference.n_averaged) == 20
+    assert int(ema.averaged.n_averaged) == int(reference.n_averaged) == 20 // every
     for (name, ours), theirs in zip(ema.averaged.module.state_dict().items(), reference.module.state_dict().values()):
         torch.testing.assert_close(ours.cpu(), theirs.cpu(), rtol=1e-6, atol=1e-6, msg=name)  # mul+add, not lerp
 
@@ -200,15 +203,16 @@ def test_ema_and_tensorboard_make_no_host_syncs_and_log_every_epoch(digits, tmp_
     assert (tmp_path / "log.csv").read_text().count("\n") == 4  # a header and a row per epoch
 
 
-def test_ema_state_is_saved_and_a_resumed_run_matches_an_uninterrupted_one_bitwise(tmp_path):
+@pytest.mark.parametrize("every", [1, 3])  # 44 steps an epoch: with 3, the resume lands between two updates
+def test_ema_state_is_saved_and_a_resumed_run_matches_an_uninterrupted_one_bitwise(tmp_path, every):
     data = flat_digits()
     per_epoch = len(data) // 32
-    straight_ema = EMA(0.9, restore=False)
+    straight_ema = EMA(0.9, restore=False, every=every)
     straight = fit(_dropout_mlp(), data, train_step=_StopAfter(10**9), seed=3, callbacks=[straight_ema])
     with pytest.raises(KeyboardInterrupt):
         fit(_dropout_mlp(), data, train_step=_StopAfter(2 * per_epoch + 5), seed=3, checkpoint_dir=str(tmp_path),
-            callbacks=[EMA(0.9, restore=False)])  # fmt: skip
-    resumed_ema = EMA(0.9, restore=False)
+            callbacks=[EMA(0.9, restore=False, every=every)])  # fmt: skip
+    resumed_ema = EMA(0.9, restore=False, every=every)
     resumed = fit(_dropout_mlp(), data, train_step=_StopAfter(10**9), seed=3, checkpoint_dir=str(tmp_path),
                   resume=True, callbacks=[resumed_ema])  # fmt: skip
     assert [r.epoch for r in resumed.records] == [1, 2, 3, 4]
@@ -216,7 +220,7 @@ def test_ema_state_is_saved_and_a_resumed_run_matches_an_uninterrupted_one_bitwi
         assert torch.equal(a.cpu(), b.cpu())  # restore=False: the training weights, bitwise
     for a, b in zip(straight_ema.averaged.module.state_dict().values(), resumed_ema.averaged.module.state_dict().values()):
         assert torch.equal(a.cpu(), b.cpu())  # and the average, bitwise
-    assert int(resumed_ema.averaged.n_averaged) == 4 * per_epoch
+    assert int(resumed_ema.averaged.n_averaged) == 4 * per_epoch // every
 
 
 def test_a_resume_with_other_stateful_callbacks_is_refused_naming_them(tmp_path):
@@ -252,6 +256,9 @@ def test_bad_callback_arguments_name_the_value(monkeypatch):
         EMA(decay=1.5)
     with pytest.raises(TypeError, match="EMA restore must be True or False, but given 'yes'"):
         EMA(restore="yes")
+    for every in (0, 2.0, True):
+        with pytest.raises(ValueError, match=f"EMA every must be a whole number of steps, 1 or more, but given {every}"):
+            EMA(every=every)
     monkeypatch.setitem(sys.modules, "tensorboard", None)  # as on a machine without it
     with pytest.raises(ModuleNotFoundError, match="pip install tensorboard"):
         TensorBoardLogger("runs")
