@@ -41,6 +41,7 @@ from .xla import (
 _XLA = xla.XlaBackend()
 _native: dict[str, Backend] = {}
 _fixed: Backend | None = None
+_unfixed: tuple[tuple, Backend] | None = None  # the last choice not yet fixed, and what it was made from
 
 _DIST_BACKENDS = {"cuda": "nccl", "xpu": "xccl"}
 
@@ -75,13 +76,22 @@ def _choose() -> Backend:
 
 
 def current() -> Backend:
-    """The backend of this process (fixed once its runtime started)."""
-    global _fixed
+    """The backend of this process (fixed once its runtime started).
+
+    A backend that never starts a runtime (plain PyTorch in one process) is chosen again
+    only when what the choice is made from changed: the training loop asks at every step.
+    """
+    global _fixed, _unfixed
     if _fixed is not None:
         return _fixed
+    inputs = (*choice.inputs(), runtime_started())
+    if _unfixed is not None and _unfixed[0] == inputs:
+        return _unfixed[1]
     chosen = _choose()
     if chosen.started():
-        _fixed = chosen
+        _fixed, _unfixed = chosen, None
+    else:
+        _unfixed = (inputs, chosen)
     return chosen
 
 

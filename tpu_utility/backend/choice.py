@@ -57,6 +57,12 @@ def asked() -> tuple[str, str]:
     return from_environment()
 
 
+def inputs() -> tuple[str | None, str | None, str | None]:
+    """What the choice is made from and may change in a process, read without checking anything:
+    ``setup_tpu``'s argument, ``TPU_UTILITY_BACKEND`` and ``PJRT_DEVICE``."""
+    return _asked, os.environ.get(VARIABLE), os.environ.get("PJRT_DEVICE")
+
+
 def from_environment() -> tuple[str, str]:
     """(name, where) from ``TPU_UTILITY_BACKEND``, or ("auto", "") when it is not set."""
     value = os.environ.get(VARIABLE)
