@@ -153,6 +153,7 @@ bench: venv
 	$(PINNED)/bin/python -m pip install -q -r bench/requirements.txt
 	$(PINNED)/bin/python bench/run.py
 	$(PINNED)/bin/python bench/host_bench.py
+	$(PINNED)/bin/python bench/native_bench.py
 	$(PINNED)/bin/python bench/resnet_bench.py
 	$(PINNED)/bin/python bench/text_bench.py
 	$(PINNED)/bin/python bench/predict_bench.py

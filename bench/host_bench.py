@@ -21,7 +21,7 @@ import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from peers import Workload, fit, ideal_loop, print_table, run_interleaved
+from peers import Workload, fit, ideal_loop, per_step_work, print_table, run_interleaved
 from tpu_utility import EMA
 
 BATCH, EPOCHS, ROUNDS, STEPS = 64, 3, 15, 200
@@ -53,15 +53,26 @@ def main() -> None:
         "fused hand loop + torch OneCycleLR stepped every step": partial(ideal_loop, fused=True, one_cycle=True),
         "one_cycle_fit (fused AdamW, one-cycle schedule)": fit,
         "one_cycle_fit + EMA": partial(fit, callbacks=lambda: [EMA(0.99)]),
+        "one_cycle_fit + EMA(every=4)": partial(fit, callbacks=lambda: [EMA(0.99, every=4)]),
     }
     timings = run_interleaved(loops, w, ROUNDS)
     print_table(timings, IDEAL, f"Host cost per step on XLA:CPU, an MLP of 2.4k parameters ({len(w.dataset)} samples, "
                                 f"batch {BATCH}, {EPOCHS} epochs x {ROUNDS} rounds)")  # fmt: skip
-    print("\nIR nodes traced per step (exact: what the host builds each step, whatever the load)\n")
-    print("| loop | nodes per step | beyond the fused hand loop |\n|---|---|---|")
-    nodes = {name: step_nodes(run, w) for name, run in loops.items()}
-    for name, count in nodes.items():
-        print(f"| {name} | {count} | {count - nodes[IDEAL]:+d} |")
+    print_work(loops, w, IDEAL)
+
+
+def print_work(loops: dict[str, Callable[[Workload], object]], w: Workload, baseline: str, nodes: bool = True) -> None:
+    """The exact figures: what the host does per step, whatever the load (IR nodes traced, on XLA)."""
+    print("\nWork per step (exact: counted, not timed; the same on any host)\n")
+    print("| loop |" + (" IR nodes traced per step |" if nodes else "") + " Python calls per step | torch ops per step |")
+    print("|---|" + ("---|" if nodes else "") + "---|---|")
+    work = {name: per_step_work(run, w) for name, run in loops.items()}
+    graph = {name: step_nodes(run, w) for name, run in loops.items()} if nodes else {}
+    for name, (calls, ops) in work.items():
+        base_calls, base_ops = work[baseline]
+        cells = [f"{graph[name]} ({graph[name] - graph[baseline]:+d})"] if nodes else []
+        cells += [f"{calls:.0f} ({calls - base_calls:+.0f})", f"{ops:.1f} ({ops - base_ops:+.1f})"]
+        print(f"| {name} | " + " | ".join(cells) + " |")
 
 
 def step_nodes(run: Callable[[Workload], list[float]], w: Workload) -> int:
@@ -69,7 +80,7 @@ def step_nodes(run: Callable[[Workload], list[float]], w: Workload) -> int:
     run (torch_xla's TensorsGraphSize samples), the others being the epoch's reads and additions."""
     import torch_xla.debug.metrics as met
 
-    short = Workload(TensorDataset(*(t[: BATCH * 8] for t in w.dataset.tensors)), w.make_model, BATCH, 2)
+    short = Workload(TensorDataset(*(t[: w.batch * 8] for t in w.dataset.tensors)), w.make_model, w.batch, 2)
     run(short)
     return int(statistics.mode(size for _, size in met.metric_data("TensorsGraphSize")[2]))
 

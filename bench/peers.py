@@ -225,6 +225,41 @@ def fit(w: Workload, callbacks: Callable[[], list] | None = None, schedule: Any 
     return clock
 
 
+def per_step_work(run: Callable[["Workload"], Clock], w: "Workload") -> tuple[float, float]:
+    """(Python function calls, torch ops dispatched) per training step of ``run``: exact counts, which no
+    load on the host moves. Counted over a run of 3 epochs and one of 6 on the same data, so what a run
+    does once (setup, compiles, the epoch's reads) cancels out: (long - short) / the extra steps."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Ops.count += 1
+            return func(*args, **(kwargs or {}))
+
+    def counted(epochs: int) -> tuple[int, int]:
+        calls = 0
+
+        def profile(frame: Any, event: str, arg: Any) -> None:
+            nonlocal calls
+            calls += event in ("call", "c_call")
+
+        short = Workload(w.dataset, w.make_model, w.batch, epochs, w.max_lr)
+        Ops.count = 0
+        with Ops():
+            sys.setprofile(profile)
+            try:
+                run(short)
+            finally:
+                sys.setprofile(None)
+        return calls, Ops.count
+
+    (calls_3, ops_3), (calls_6, ops_6) = counted(3), counted(6)
+    steps = 3 * w.steps
+    return (calls_6 - calls_3) / steps, (ops_6 - ops_3) / steps
+
+
 @dataclass
 class Timings:
     """Steady-state seconds per step of every loop, by round, with compiles and host syncs."""
