@@ -81,6 +81,7 @@ def step_nodes(run: Callable[[Workload], list[float]], w: Workload) -> int:
     import torch_xla.debug.metrics as met
 
     short = Workload(TensorDataset(*(t[: w.batch * 8] for t in w.dataset.tensors)), w.make_model, w.batch, 2)
+    met.clear_metrics()  # this run's graphs alone
     run(short)
     return int(statistics.mode(size for _, size in met.metric_data("TensorsGraphSize")[2]))
 
