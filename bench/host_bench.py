@@ -12,16 +12,14 @@ from __future__ import annotations
 
 import cProfile
 import pstats
-import statistics
 import sys
 from functools import partial
-from typing import Callable
 
 import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from peers import Workload, fit, ideal_loop, per_step_work, print_table, run_interleaved
+from peers import Workload, fit, ideal_loop, print_table, print_work, run_interleaved
 from tpu_utility import EMA
 
 BATCH, EPOCHS, ROUNDS, STEPS = 64, 3, 15, 200
@@ -59,31 +57,6 @@ def main() -> None:
     print_table(timings, IDEAL, f"Host cost per step on XLA:CPU, an MLP of 2.4k parameters ({len(w.dataset)} samples, "
                                 f"batch {BATCH}, {EPOCHS} epochs x {ROUNDS} rounds)")  # fmt: skip
     print_work(loops, w, IDEAL)
-
-
-def print_work(loops: dict[str, Callable[[Workload], object]], w: Workload, baseline: str, nodes: bool = True) -> None:
-    """The exact figures: what the host does per step, whatever the load (IR nodes traced, on XLA)."""
-    print("\nWork per step (exact: counted, not timed; the same on any host)\n")
-    print("| loop |" + (" IR nodes traced per step |" if nodes else "") + " Python calls per step | torch ops per step |")
-    print("|---|" + ("---|" if nodes else "") + "---|---|")
-    work = {name: per_step_work(run, w) for name, run in loops.items()}
-    graph = {name: step_nodes(run, w) for name, run in loops.items()} if nodes else {}
-    for name, (calls, ops) in work.items():
-        base_calls, base_ops = work[baseline]
-        cells = [f"{graph[name]} ({graph[name] - graph[baseline]:+d})"] if nodes else []
-        cells += [f"{calls:.0f} ({calls - base_calls:+.0f})", f"{ops:.1f} ({ops - base_ops:+.1f})"]
-        print(f"| {name} | " + " | ".join(cells) + " |")
-
-
-def step_nodes(run: Callable[[Workload], list[float]], w: Workload) -> int:
-    """The IR nodes of the graph each step of ``run`` syncs: the commonest size among the graphs of a short
-    run (torch_xla's TensorsGraphSize samples), the others being the epoch's reads and additions."""
-    import torch_xla.debug.metrics as met
-
-    short = Workload(TensorDataset(*(t[: w.batch * 8] for t in w.dataset.tensors)), w.make_model, w.batch, 2)
-    met.clear_metrics()  # this run's graphs alone
-    run(short)
-    return int(statistics.mode(size for _, size in met.metric_data("TensorsGraphSize")[2]))
 
 
 if __name__ == "__main__":

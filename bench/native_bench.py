@@ -19,8 +19,8 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.utils.data import TensorDataset  # noqa: E402
 
-from host_bench import print_work  # noqa: E402
-from peers import Clock, Workload, _one_cycle, fit, hand_written_setup, print_table, run_interleaved  # noqa: E402
+from peers import (Clock, Workload, _one_cycle, fit, hand_written_setup, print_table, print_work,  # noqa: E402
+                   run_interleaved)
 from tpu_utility import EMA  # noqa: E402
 
 BATCH, EPOCHS, ROUNDS, STEPS = 32, 3, 9, 200

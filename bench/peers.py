@@ -24,7 +24,7 @@ import torch_xla  # noqa: E402
 import torch_xla.core.xla_model as xm  # noqa: E402
 import torch_xla.distributed.parallel_loader as pl  # noqa: E402
 from torch import nn  # noqa: E402
-from torch.utils.data import DataLoader, Dataset  # noqa: E402
+from torch.utils.data import DataLoader, Dataset, TensorDataset  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from tpu_utility import Callback, backend, get_device, one_cycle_fit, step_optimizer  # noqa: E402
@@ -217,11 +217,10 @@ def fit(w: Workload, callbacks: Callable[[], list] | None = None, schedule: Any 
     """
     torch.manual_seed(0)
     clock = Clock()
-    cpu = Clock()
     history = one_cycle_fit(w.make_model(), w.dataset, epochs=w.epochs, max_lr=w.max_lr, batch_size=w.batch,
-                            progress=False, callbacks=[*(callbacks() if callbacks else []), _EpochClock(cpu, w.steps)],
+                            progress=False, callbacks=[*(callbacks() if callbacks else []), _EpochClock(clock, w.steps)],
                             schedule=schedule)  # fmt: skip
-    clock.wall, clock.cpu = [r.seconds / w.steps for r in history.records], cpu.cpu
+    clock.wall = [r.seconds / w.steps for r in history.records]
     return clock
 
 
@@ -258,6 +257,31 @@ def per_step_work(run: Callable[["Workload"], Clock], w: "Workload") -> tuple[fl
     (calls_3, ops_3), (calls_6, ops_6) = counted(3), counted(6)
     steps = 3 * w.steps
     return (calls_6 - calls_3) / steps, (ops_6 - ops_3) / steps
+
+
+def print_work(loops: dict[str, Callable[[Workload], object]], w: Workload, baseline: str, nodes: bool = True) -> None:
+    """The exact figures: what the host does per step, whatever the load (IR nodes traced, on XLA)."""
+    print("\nWork per step (exact: counted, not timed; the same on any host)\n")
+    print("| loop |" + (" IR nodes traced per step |" if nodes else "") + " Python calls per step | torch ops per step |")
+    print("|---|" + ("---|" if nodes else "") + "---|---|")
+    work = {name: per_step_work(run, w) for name, run in loops.items()}
+    graph = {name: step_nodes(run, w) for name, run in loops.items()} if nodes else {}
+    for name, (calls, ops) in work.items():
+        base_calls, base_ops = work[baseline]
+        cells = [f"{graph[name]} ({graph[name] - graph[baseline]:+d})"] if nodes else []
+        cells += [f"{calls:.0f} ({calls - base_calls:+.0f})", f"{ops:.1f} ({ops - base_ops:+.1f})"]
+        print(f"| {name} | " + " | ".join(cells) + " |")
+
+
+def step_nodes(run: Callable[[Workload], Clock], w: Workload) -> int:
+    """The IR nodes of the graph each step of ``run`` syncs: the commonest size among the graphs of a short
+    run (torch_xla's TensorsGraphSize samples), the others being the epoch's reads and additions."""
+    import torch_xla.debug.metrics as met
+
+    short = Workload(TensorDataset(*(t[: w.batch * 8] for t in w.dataset.tensors)), w.make_model, w.batch, 2)
+    met.clear_metrics()  # this run's graphs alone
+    run(short)
+    return int(statistics.mode(size for _, size in met.metric_data("TensorsGraphSize")[2]))
 
 
 @dataclass
