@@ -160,7 +160,7 @@ def test_emas_average_is_torchs_averaged_model_with_its_ema_function(every):
         ema.on_step_end(loop)
     assert int(ema.averaged.n_averaged) == int(reference.n_averaged) == 20 // every
     for (name, ours), theirs in zip(ema.averaged.module.state_dict().items(), reference.module.state_dict().values()):
-        torch.testing.assert_close(ours.cpu(), theirs.cpu(), rtol=1e-6, atol=1e-6, msg=name)  # mul+add, not lerp
+        torch.testing.assert_close(ours.cpu(), theirs.cpu(), rtol=1e-6, atol=1e-6, msg=name)  # lerp, as torch's
 
 
 def test_ema_scores_as_well_as_a_plain_run_and_its_checkpoints_hold_the_average(digits, tmp_path):

@@ -218,6 +218,34 @@ if __name__ == "__main__":
     assert saved["epoch"] == len(first["epochs"]) and "EMA" in saved["callbacks"]
 
 
+def test_emas_average_on_the_native_backend_is_torchs_averaged_model_bit_for_bit():
+    # natively the update is torch's own foreach lerp_ (on XLA, a lerp and a copy back: tests/test_callbacks.py)
+    r = run_python("""
+import torch
+from torch import nn
+from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+from tpu_utility import EMA
+
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 3))  # an int buffer too
+reference = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(0.9), use_buffers=True)
+ema, loop = EMA(decay=0.9), type("Loop", (), {"model": model})()
+ema.on_fit_start(loop)
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+for step in range(20):
+    optimizer.zero_grad()
+    nn.functional.cross_entropy(model(torch.randn(16, 8)), torch.randint(0, 3, (16,))).backward()
+    optimizer.step()
+    reference.update_parameters(model)
+    ema.on_step_end(loop)
+assert not ema.lazy and int(ema.averaged.n_averaged) == 20
+for (name, ours), theirs in zip(ema.averaged.module.state_dict().items(), reference.module.state_dict().values()):
+    assert torch.equal(ours, theirs), (name, (ours - theirs).abs().max())
+print("EQUAL")
+""", env=NATIVE)
+    assert r.returncode == 0 and "EQUAL" in r.stdout, r.stderr[-3000:]
+
+
 def test_one_cycle_fit_launches_its_own_replicas_and_learns(tmp_path):
     r = run_script(tmp_path, "fit.py", COMMON + """
 from tpu_utility import evaluate, one_cycle_fit

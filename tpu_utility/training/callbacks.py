@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
+from .. import backend
 from ..files import check_file_path
 from .events import Callback
 
@@ -25,10 +26,8 @@ class EMA(Callback):
     The average is a ``torch.optim.swa_utils.AveragedModel`` (its state and
     checkpoints as torch's), updated on the device after every optimizer step
     (buffers such as batch-norm statistics averaged too, as torchvision's recipe
-    does) by two foreach ops, ``avg = decay * avg + (1 - decay) * weights``: the
-    update of ``get_ema_multi_avg_fn(decay)``, whose ``_foreach_lerp_`` torch_xla
-    runs through torch's Python reference decomposition (2 ms of host time a
-    step for a 4-tensor MLP), and without ``update_parameters``' per-step
+    does) by the update of ``get_ema_multi_avg_fn(decay)``, ``avg.lerp_(weights,
+    1 - decay)`` over all tensors at once, without ``update_parameters``' per-step
     regrouping of the tensors. After each epoch's training the averaged weights go into the
     model, so validation, the monitored figure, the best epoch, ``best.pt`` and
     ``last.pt``'s ``"model"`` are the averaged model's; the training weights are
@@ -37,10 +36,12 @@ class EMA(Callback):
     Under ``precision="bf16"`` the average is kept in the model's bf16, which
     rounds away updates smaller than 1/256 of a weight: prefer fp32 with EMA.
 
-    The update is three ops per weight tensor, traced into the step: on a TPU,
-    where the host's tracing is the step time for small and medium models, that
-    is host time every step (0.3 ms for a 4-tensor MLP, more per tensor than
-    the fused AdamW step itself). ``every=k`` updates every k-th step (as
+    On XLA the update is traced into the step: on a TPU, where the host's
+    tracing is the step time for small and medium models, that is host time
+    every step. It is torch's lerp out of place and one copy back (in-place ops
+    cost torch_xla several times as much to trace: 0.1 ms instead of 0.4 ms a
+    step for a 4-tensor MLP), about a fifth of a fused hand loop's step for a
+    small model (docs/benchmarks.md). ``every=k`` updates every k-th step (as
     Lightning's ``EMAWeightAveraging(update_every_n_steps=k)`` does) with
     ``decay ** k``: the same span in steps, 1/k of the cost, and one more step
     graph to compile.
@@ -75,6 +76,7 @@ class EMA(Callback):
         self.decay, self.restore, self.every = float(decay), restore, every
         self.update_decay = self.decay**every  # per update: the span in steps stays decay's
         self.since = 0  # steps since the last update
+        self.lazy = False  # whether the model is on a lazy (XLA) device, known at the fit's start
         self.model: torch.nn.Module | None = None
         self.averaged: AveragedModel | None = None
         self.training_weights: dict[str, torch.Tensor] | None = None  # while the average is in the model
@@ -85,6 +87,7 @@ class EMA(Callback):
 
     def on_fit_start(self, loop: Any) -> None:
         self.model, self.since = loop.model, 0
+        self.lazy = any(backend.is_lazy(p.device) for p in self.model.parameters())
         self.averaged = AveragedModel(self.model, multi_avg_fn=get_ema_multi_avg_fn(self.decay), use_buffers=True)
         # AveragedModel tests `n_averaged == 0` in Python at every update: kept on the device, that
         # test would wait for the device every step. On the host it costs nothing.
@@ -105,8 +108,10 @@ class EMA(Callback):
             torch._foreach_copy_(averaged + other_averaged, weights + other_weights)
         else:
             decay = self.update_decay
-            torch._foreach_mul_(averaged, decay)
-            torch._foreach_add_(averaged, weights, alpha=1 - decay)
+            if self.lazy:  # the in-place lerp_ is a Python decomposition in torch_xla: lerp, then one copy back
+                torch._foreach_copy_(averaged, torch._foreach_lerp(averaged, weights, 1 - decay))
+            else:
+                torch._foreach_lerp_(averaged, weights, 1 - decay)
             for mine, theirs in zip(other_averaged, other_weights):  # integer buffers, as torch's EMA does them
                 mine.copy_(mine * decay + theirs * (1 - decay))
         self.averaged.n_averaged += 1
