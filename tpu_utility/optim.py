@@ -236,7 +236,13 @@ def step_optimizer(
         >>> step_optimizer(optimizer)          # doctest: +SKIP
     """
     _check_arguments(optimizer, max_grad_norm, scaler)
-    xla_params = on_xla(optimizer)
+    return take_step(optimizer, on_xla(optimizer), scaler, barrier, max_grad_norm, optimizer_args)
+
+
+def take_step(optimizer: torch.optim.Optimizer, xla_params: bool, scaler: torch.amp.GradScaler | None,
+              barrier: bool | None, max_grad_norm: float | None, optimizer_args: dict[str, Any] | None) -> Any:  # fmt: skip
+    """``step_optimizer`` less its checks, for a loop that checked its arguments once, before its first
+    step, and knows ``xla_params`` (``on_xla(optimizer)``): nothing is asked again at every step."""
     scaling = scaler is not None and scaler.is_enabled()
     if xla_params:
         backend.reduce_gradients(optimizer)

@@ -172,16 +172,16 @@ def split_batch(batch: Batch, what: str) -> tuple[Any, Any]:
     arguments: ``(batch, batch["labels"])`` (None without labels), the labels left in
     so that a Hugging Face model computes its own loss.
     """
+    if isinstance(batch, (list, tuple)) and len(batch) >= 2:  # the common case first: no Mapping check
+        return tuple(batch[:-1]), batch[-1]
     if isinstance(batch, Mapping):
         return batch, batch.get(LABELS)
-    if not isinstance(batch, (list, tuple)) or len(batch) < 2:
-        size = f" of length {len(batch)}" if hasattr(batch, "__len__") else ""
-        fix = "give find_lr a Dataset of (inputs, target) samples" if what == "find_lr" else f"pass {what}=... to handle this batch structure"
-        raise TypeError(
-            f"the default {what} expects batches of (inputs, targets), (*inputs, targets) or a dict of model "
-            f"arguments, but a batch is {type(batch).__name__}{size}; {fix}"
-        )
-    return tuple(batch[:-1]), batch[-1]
+    size = f" of length {len(batch)}" if hasattr(batch, "__len__") else ""
+    fix = "give find_lr a Dataset of (inputs, target) samples" if what == "find_lr" else f"pass {what}=... to handle this batch structure"
+    raise TypeError(
+        f"the default {what} expects batches of (inputs, targets), (*inputs, targets) or a dict of model "
+        f"arguments, but a batch is {type(batch).__name__}{size}; {fix}"
+    )
 
 
 def without_labels(inputs: Any) -> Any:
@@ -214,7 +214,7 @@ def call_model(model: nn.Module, inputs: Any, what: str) -> Any:
 def logits_of(output: Any) -> Any:
     """The scores in a model's output: the tensor itself, or the ``logits`` of a Hugging Face
     ``ModelOutput`` or any dict that has them; other outputs as they are."""
-    if isinstance(output, Mapping) and output.get("logits") is not None:
+    if not isinstance(output, torch.Tensor) and isinstance(output, Mapping) and output.get("logits") is not None:
         return output["logits"]
     return output
 
@@ -249,7 +249,9 @@ class LossStep:
         if self.labels is not None:
             self.labels.see(scores)
         own = output.get("loss") if self.model_loss and isinstance(output, Mapping) else None
-        return own if own is not None else self.loss_fn(scores.float(), target)
+        if own is not None:
+            return own
+        return self.loss_fn(scores if scores.dtype == torch.float32 else scores.float(), target)
 
 
 def default_eval_step(model: nn.Module, batch: Batch) -> tuple[Any, Any]:

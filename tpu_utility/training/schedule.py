@@ -15,6 +15,7 @@ and ``get_scheduler("cosine")``; the cosine is also timm's ``CosineLRScheduler``
 
 from __future__ import annotations
 
+import functools
 import math
 import struct
 from dataclasses import asdict, dataclass
@@ -26,6 +27,7 @@ from ..arguments import check_keywords, parameter_names
 _MAX_STEPS = 2**53  # beyond this a step count is no longer exact as a float
 
 
+@functools.lru_cache(maxsize=256)  # a constant schedule (or a plateau) writes one value every step
 def unround(value: float) -> float:
     """``value``, or the next float32 above it where its float32 is a round number (0.9, 1e-3, 0.999).
 

@@ -32,7 +32,7 @@ from ..checkpoint import CHECKPOINT_NAME
 from ..data.loaders import LabelCheck, LoaderSpec, dropped_per_epoch, set_epoch
 from ..files import folder_lock, join, remove, remove_stale_temporaries
 from ..huggingface import restore_masks
-from ..optim import step_optimizer
+from ..optim import on_xla, take_step
 from ..progress import CompileNotice, progress_bar
 from .builtins import BEST_NAME, HISTORY_NAME
 from .events import Events, StopFit
@@ -98,6 +98,7 @@ class Loop:
         self.model, self.device = runner.model, runner.device
         self.master, self.cores = runner.topology.master, runner.topology.cores
         self.optimizer, self.fused = _optimizer(runner, plan)
+        self.on_xla = on_xla(self.optimizer)  # checks the optimizer's parameters are on the device, once
         self.lr_ratios = peak_ratios([float(g["lr"]) for g in self.optimizer.param_groups], lr_of(self.optimizer))
         # torch_xla's sync-free optimizers skip the step when found_inf is 1 (never, here)
         self.step_args = {"found_inf": _device_values(runner.device, 0.0)[0]} if self.fused else {}
@@ -373,15 +374,16 @@ def _train_batch(loop: Loop, i: int, batch: Any) -> torch.Tensor:
         raise ValueError(f"train_step must return one loss value (a 0-d tensor), but returned shape "
                          f"{tuple(loss.shape)} (a loss with reduction='none'?); reduce it (.mean()) or use a loss "
                          f"with reduction='mean'")  # fmt: skip
-    loss = loss.float()
+    if loss.dtype != torch.float32:  # a bf16 or fp16 loss; a float32 one as it is (no op to trace)
+        loss = loss.float()
     precision = loop.runner.precision  # under fp16 it scales the loss, and its GradScaler steps the optimizer
     precision.backward(loss / steps.accumulate_steps if steps.accumulate_steps > 1 else loss)
     loop.loss = loss.detach()
     if (i + 1) % steps.accumulate_steps == 0:
         loop.events.fire("on_before_step", loop)
-        # MpDeviceLoader cuts the graph at every batch, so the step needs no barrier
-        step_optimizer(loop.optimizer, scaler=precision.scaler, barrier=False, max_grad_norm=steps.max_grad_norm,
-                       optimizer_args=loop.step_args)  # fmt: skip
+        # step_optimizer's step, its arguments checked before the first epoch (FitPlan, Loop); MpDeviceLoader
+        # cuts the graph at every batch, so the step needs no barrier
+        take_step(loop.optimizer, loop.on_xla, precision.scaler, False, steps.max_grad_norm, loop.step_args)
         loop.optimizer.zero_grad(set_to_none=True)
         loop.step += 1
         loop.events.fire("on_step_end", loop)
