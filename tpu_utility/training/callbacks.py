@@ -95,12 +95,15 @@ class EMA(Callback):
         self.training_weights = None
         self.pairs = None
 
-    @torch.no_grad()
     def on_step_end(self, loop: Any) -> None:
         self.since += 1
-        if self.since < self.every:
+        if self.since < self.every:  # between updates nothing is traced (nor a no_grad entered)
             return
         self.since = 0
+        with torch.no_grad():
+            self._update()
+
+    def _update(self) -> None:
         if self.pairs is None:
             self.pairs = self._pairs()
         averaged, weights, other_averaged, other_weights = self.pairs
