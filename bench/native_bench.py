@@ -38,9 +38,14 @@ def workload() -> Workload:
     return Workload(TensorDataset(x, y), mlp, BATCH, EPOCHS)
 
 
-def hand_loop(w: Workload, one_cycle: bool = False) -> Clock:
+def hand_loop(w: Workload, one_cycle: bool = False, ema: float | None = None) -> Clock:
+    """The loop a user writes; ``ema``: torch's EMA as its docs write it (see peers.ideal_loop)."""
     model, opt, loss_fn, loader = hand_written_setup(w, torch.device("cpu"))
     scheduler = _one_cycle(opt, w) if one_cycle else None
+    if ema is not None:
+        from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+        averaged = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(ema))
     clock = Clock()
     for _ in range(w.epochs):
         clock.start()
@@ -50,6 +55,8 @@ def hand_loop(w: Workload, one_cycle: bool = False) -> Clock:
             opt.step()
             if scheduler is not None:
                 scheduler.step()
+            if ema is not None:
+                averaged.update_parameters(model)
         clock.stop(len(loader))
     return clock
 

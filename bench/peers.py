@@ -73,12 +73,14 @@ def hand_written_setup(w: Workload, device: torch.device, adamw: type = torch.op
     return model, opt, nn.CrossEntropyLoss(), loader
 
 
-def ideal_loop(w: Workload, fused: bool = False, one_cycle: bool = False) -> Clock:
+def ideal_loop(w: Workload, fused: bool = False, one_cycle: bool = False, ema: float | None = None) -> Clock:
     """MpDeviceLoader, xm.optimizer_step, no .item(): torch_xla's recommended loop.
 
     ``fused`` swaps in torch_xla's sync-free AdamW (one XLA op per parameter), the
     optimizer one_cycle_fit uses on XLA; ``one_cycle`` steps torch's OneCycleLR after
-    every step (its lr and beta1 reach the step as new Python floats each time).
+    every step (its lr and beta1 reach the step as new Python floats each time); ``ema``
+    keeps torch's EMA as its docs write it, ``AveragedModel(model,
+    multi_avg_fn=get_ema_multi_avg_fn(ema))`` and ``update_parameters(model)`` after every step.
     """
     from torch_xla.amp import syncfree
 
@@ -86,6 +88,10 @@ def ideal_loop(w: Workload, fused: bool = False, one_cycle: bool = False) -> Clo
     model, opt, loss_fn, loader = hand_written_setup(w, device, syncfree.AdamW if fused else torch.optim.AdamW)
     step_args = {"found_inf": torch.zeros((), device=device)} if fused else {}
     scheduler = _one_cycle(opt, w) if one_cycle else None
+    if ema is not None:
+        from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+        averaged = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(ema))
     clock = Clock()
     for _ in range(w.epochs):
         clock.start()
@@ -95,6 +101,8 @@ def ideal_loop(w: Workload, fused: bool = False, one_cycle: bool = False) -> Clo
             xm.optimizer_step(opt, optimizer_args=step_args)
             if scheduler is not None:
                 scheduler.step()
+            if ema is not None:
+                averaged.update_parameters(model)
         xm.wait_device_ops()
         clock.stop(len(loader))
     return clock
