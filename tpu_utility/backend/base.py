@@ -64,6 +64,8 @@ def patch_tensor_methods(wrappers: dict[str, Callable[[Callable], Callable]]) ->
 
 def move_to_device(batch: Any, device: torch.device) -> Any:
     """Every tensor in a (nested) batch, moved to ``device``; other values unchanged."""
+    if type(batch) in (tuple, list) and all(isinstance(t, torch.Tensor) for t in batch):  # (x, y): no tree walk
+        return type(batch)(t.to(device, non_blocking=True) for t in batch)
     return pytree.tree_map(lambda t: t.to(device, non_blocking=True) if isinstance(t, torch.Tensor) else t, batch)
 
 
