@@ -40,7 +40,7 @@ class EMA(Callback):
     tracing is the step time for small and medium models, that is host time
     every step. It is torch's lerp out of place and one copy back (in-place ops
     cost torch_xla several times as much to trace: 0.1 ms instead of 0.4 ms a
-    step for a 4-tensor MLP), about a fifth of a fused hand loop's step for a
+    step for a 4-tensor MLP), about a quarter of a fused hand loop's step for a
     small model (docs/benchmarks.md). ``every=k`` updates every k-th step (as
     Lightning's ``EMAWeightAveraging(update_every_n_steps=k)`` does) with
     ``decay ** k``: the same span in steps, 1/k of the cost, and one more step
