@@ -74,15 +74,14 @@ def _loops(kind: str) -> tuple[dict, object, str]:
     w = bench.workload()
     w = peers.Workload(TensorDataset(*(t[: w.batch * STEPS] for t in w.dataset.tensors)), w.make_model, w.batch, EPOCHS)
     fit = peers.fit
+    hand_loop = bench.hand_loop if kind == "native" else partial(peers.ideal_loop, fused=True)
     loops = {
-        hand: bench.hand_loop if kind == "native" else partial(peers.ideal_loop, fused=True),
+        hand: hand_loop,
         "one_cycle_fit, schedule='constant'": partial(fit, schedule="constant"),
-        "the same hand loop + torch OneCycleLR stepped every step": (
-            partial(bench.hand_loop, one_cycle=True) if kind == "native" else partial(peers.ideal_loop, fused=True, one_cycle=True)),
+        "the same hand loop + torch OneCycleLR stepped every step": partial(hand_loop, one_cycle=True),
         "one_cycle_fit (one-cycle schedule)": fit,
         "one_cycle_fit + EMA": partial(fit, callbacks=lambda: [EMA(0.99)]),
-        "the fused hand loop + torch's EMA (AveragedModel, update_parameters every step)": (
-            partial(bench.hand_loop, ema=0.99) if kind == "native" else partial(peers.ideal_loop, fused=True, ema=0.99)),
+        "the same hand loop + torch's EMA (AveragedModel, update_parameters every step)": partial(hand_loop, ema=0.99),
         "one_cycle_fit + EMA(every=4)": partial(fit, callbacks=lambda: [EMA(0.99, every=4)]),
         "one_cycle_fit + EMA(every=8)": partial(fit, callbacks=lambda: [EMA(0.99, every=8)]),
     }

@@ -19,8 +19,8 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.utils.data import TensorDataset  # noqa: E402
 
-from peers import (Clock, Workload, _one_cycle, fit, hand_written_setup, print_table, print_work,  # noqa: E402
-                   run_interleaved)
+from peers import (Clock, Workload, fit, hand_written_extras, hand_written_setup, print_table,  # noqa: E402
+                   print_work, run_interleaved)
 from tpu_utility import EMA  # noqa: E402
 
 BATCH, EPOCHS, ROUNDS, STEPS = 32, 3, 9, 200
@@ -39,13 +39,9 @@ def workload() -> Workload:
 
 
 def hand_loop(w: Workload, one_cycle: bool = False, ema: float | None = None) -> Clock:
-    """The loop a user writes; ``ema``: torch's EMA as its docs write it (see peers.ideal_loop)."""
+    """The loop a user writes; ``one_cycle``, ``ema``: peers.hand_written_extras."""
     model, opt, loss_fn, loader = hand_written_setup(w, torch.device("cpu"))
-    scheduler = _one_cycle(opt, w) if one_cycle else None
-    if ema is not None:
-        from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
-
-        averaged = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(ema))
+    after_step = hand_written_extras(model, opt, w, one_cycle, ema)
     clock = Clock()
     for _ in range(w.epochs):
         clock.start()
@@ -53,10 +49,7 @@ def hand_loop(w: Workload, one_cycle: bool = False, ema: float | None = None) ->
             opt.zero_grad(set_to_none=True)
             loss_fn(model(x), y).backward()
             opt.step()
-            if scheduler is not None:
-                scheduler.step()
-            if ema is not None:
-                averaged.update_parameters(model)
+            after_step()
         clock.stop(len(loader))
     return clock
 

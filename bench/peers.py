@@ -73,25 +73,39 @@ def hand_written_setup(w: Workload, device: torch.device, adamw: type = torch.op
     return model, opt, nn.CrossEntropyLoss(), loader
 
 
+def hand_written_extras(model: nn.Module, opt: torch.optim.Optimizer, w: Workload, one_cycle: bool,
+                        ema: float | None) -> Callable[[], None]:  # fmt: skip
+    """What a hand-written loop does after each optimizer step: step torch's OneCycleLR (``one_cycle``),
+    update torch's EMA as its docs write it (``ema``: ``AveragedModel(model,
+    multi_avg_fn=get_ema_multi_avg_fn(ema)).update_parameters(model)``); either, both or nothing."""
+    from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+    scheduler = _one_cycle(opt, w) if one_cycle else None
+    averaged = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(ema)) if ema is not None else None
+
+    def after_step() -> None:
+        if scheduler is not None:
+            scheduler.step()
+        if averaged is not None:
+            averaged.update_parameters(model)
+
+    return after_step
+
+
 def ideal_loop(w: Workload, fused: bool = False, one_cycle: bool = False, ema: float | None = None) -> Clock:
     """MpDeviceLoader, xm.optimizer_step, no .item(): torch_xla's recommended loop.
 
     ``fused`` swaps in torch_xla's sync-free AdamW (one XLA op per parameter), the
     optimizer one_cycle_fit uses on XLA; ``one_cycle`` steps torch's OneCycleLR after
     every step (its lr and beta1 reach the step as new Python floats each time); ``ema``
-    keeps torch's EMA as its docs write it, ``AveragedModel(model,
-    multi_avg_fn=get_ema_multi_avg_fn(ema))`` and ``update_parameters(model)`` after every step.
+    keeps torch's EMA (``hand_written_extras``).
     """
     from torch_xla.amp import syncfree
 
     device = torch_xla.device()
     model, opt, loss_fn, loader = hand_written_setup(w, device, syncfree.AdamW if fused else torch.optim.AdamW)
     step_args = {"found_inf": torch.zeros((), device=device)} if fused else {}
-    scheduler = _one_cycle(opt, w) if one_cycle else None
-    if ema is not None:
-        from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
-
-        averaged = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(ema))
+    after_step = hand_written_extras(model, opt, w, one_cycle, ema)
     clock = Clock()
     for _ in range(w.epochs):
         clock.start()
@@ -99,10 +113,7 @@ def ideal_loop(w: Workload, fused: bool = False, one_cycle: bool = False, ema: f
             opt.zero_grad(set_to_none=True)
             loss_fn(model(x), y).backward()
             xm.optimizer_step(opt, optimizer_args=step_args)
-            if scheduler is not None:
-                scheduler.step()
-            if ema is not None:
-                averaged.update_parameters(model)
+            after_step()
         xm.wait_device_ops()
         clock.stop(len(loader))
     return clock
