@@ -115,8 +115,11 @@ class EMA(Callback):
                 torch._foreach_copy_(averaged, torch._foreach_lerp(averaged, weights, 1 - decay))
             else:
                 torch._foreach_lerp_(averaged, weights, 1 - decay)
-            for mine, theirs in zip(other_averaged, other_weights):  # integer buffers, as torch's EMA does them
-                mine.copy_(mine * decay + theirs * (1 - decay))
+            # integer buffers (batch-norm's step counter, a transformer's position ids) are not averaged but
+            # copied, as timm's ModelEmaV3 does: torch's EMA truncates a mean of integers into them, and on XLA
+            # writing such a mean into an expanded buffer (BERT's position_ids) deleted a buffer still in use
+            if other_averaged:
+                torch._foreach_copy_(other_averaged, other_weights)
         self.averaged.n_averaged += 1
 
     def _pairs(self) -> tuple[list[torch.Tensor], ...]:
