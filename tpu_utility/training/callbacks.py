@@ -25,8 +25,10 @@ class EMA(Callback):
 
     The average is a ``torch.optim.swa_utils.AveragedModel`` (its state and
     checkpoints as torch's), updated on the device after every optimizer step
-    (buffers such as batch-norm statistics averaged too, as torchvision's recipe
-    does) by the update of ``get_ema_multi_avg_fn(decay)``, ``avg.lerp_(weights,
+    (floating-point buffers such as batch-norm statistics averaged too, as
+    torchvision's recipe does; integer ones, a step counter or position ids,
+    copied, as timm's ``ModelEmaV3`` does) by the update of
+    ``get_ema_multi_avg_fn(decay)``, ``avg.lerp_(weights,
     1 - decay)`` over all tensors at once, without ``update_parameters``' per-step
     regrouping of the tensors. After each epoch's training the averaged weights go into the
     model, so validation, the monitored figure, the best epoch, ``best.pt`` and
