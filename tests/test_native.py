@@ -247,6 +247,46 @@ print("EQUAL")
     assert r.returncode == 0 and "EQUAL" in r.stdout, r.stderr[-3000:]
 
 
+def test_the_native_loops_steps_ask_the_backend_nothing_and_move_nothing_on_the_cpu():
+    """Per step, a hand loop on the CPU calls the model, the loss, backward and the optimizer; one_cycle_fit's
+    step adds its bookkeeping and no more: the backend is chosen, the world size asked and the compile count
+    read once per run or epoch, not per step (each reads the environment: 0.19 M of a 3 M-instruction
+    step went to such asks, docs/benchmarks.md), and a batch already on the CPU is not moved again.
+    Counted over two runs of 2 epochs, of 20 and of 60 steps: what is per step grows by 80, what is per
+    run or per epoch not at all."""
+    r = run_python("""
+import torch
+from torch.utils.data import TensorDataset
+from tpu_utility import backend, one_cycle_fit
+from tpu_utility.backend import api
+
+asked = {"current": 0, "to": 0}
+current, to = api.current, torch.Tensor.to
+def counted_current():
+    asked["current"] += 1
+    return current()
+def counted_to(self, *args, **kwargs):
+    asked["to"] += 1
+    return to(self, *args, **kwargs)
+api.current, torch.Tensor.to = counted_current, counted_to
+
+torch.manual_seed(0)
+data = TensorDataset(torch.randn(960, 8), torch.randint(0, 3, (960,)))
+counts = []
+for steps in (20, 60):
+    asked.update(current=0, to=0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+    part = TensorDataset(*(t[: steps * 16] for t in data.tensors))
+    history = one_cycle_fit(model, part, epochs=2, max_lr=1e-2, batch_size=16, progress=False)
+    assert backend.current().name == "cpu" and history.records[-1].train_loss < history.records[0].train_loss
+    counts.append(dict(asked))
+print("PER_STEP", {k: (counts[1][k] - counts[0][k]) / 80 for k in asked})
+""", env=NATIVE)
+    assert r.returncode == 0, r.stderr[-3000:]
+    per_step = eval(r.stdout.split("PER_STEP", 1)[1])
+    assert per_step == {"current": 0, "to": 0}, per_step
+
+
 def test_one_cycle_fit_launches_its_own_replicas_and_learns(tmp_path):
     r = run_script(tmp_path, "fit.py", COMMON + """
 from tpu_utility import evaluate, one_cycle_fit

@@ -316,6 +316,31 @@ def test_weight_decay_reaches_the_named_optimizer_and_is_refused_for_a_factory()
         fit(small_mlp(), flat_digits(), optimizer=lambda p: torch.optim.SGD(p, lr=0.1), weight_decay=0.1)
 
 
+def test_a_tensor_datasets_labels_are_checked_at_once_and_its_batches_are_not_looked_at():
+    """A TensorDataset holds every label in one tensor: checked together as the class count is learnt
+    (before the first loss), so the loop does no label work per step; a Subset's are checked per batch,
+    as only the samples it draws count."""
+    from torch.utils.data import Subset
+
+    from tpu_utility.data.loaders import LabelCheck, LabelCheckedLoader
+
+    data = TensorDataset(torch.randn(8, 2), torch.tensor([0, 1, 2, 0, 1, 2, 0, 5]))
+    labels = LabelCheck()
+    whole = DataLoader(data, batch_size=4, shuffle=True)
+    assert labels.loader(whole) is whole
+    with pytest.raises(ValueError, match=r"in \[0, 3\) .* but the dataset holds \[5\]"):
+        labels.see(torch.zeros(4, 3))
+    labels = LabelCheck()
+    part = labels.loader(DataLoader(Subset(data, range(7)), batch_size=4))  # sample 7 (label 5) never drawn
+    assert isinstance(part, LabelCheckedLoader)
+    assert sum(len(y) for _, y in part) == 7 and labels.see(torch.zeros(4, 3)) is None
+    x, y = flat_digits().tensors
+    y = y.clone()
+    y[-1] = 10
+    with pytest.raises(ValueError, match=r"but the dataset holds \[10\]"):
+        fit(small_mlp(), TensorDataset(x, y))
+
+
 def test_the_label_check_reads_the_class_dimension_of_a_per_pixel_model():
     x = torch.randn(96, 1, 8, 8)
     y = (x[:, 0] > 0).long() + (x[:, 0] > 1).long()  # 3 classes per pixel, a (N, 8, 8) target

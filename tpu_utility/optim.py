@@ -240,13 +240,15 @@ def step_optimizer(
 
 
 def take_step(optimizer: torch.optim.Optimizer, xla_params: bool, scaler: torch.amp.GradScaler | None,
-              barrier: bool | None, max_grad_norm: float | None, optimizer_args: dict[str, Any] | None) -> Any:  # fmt: skip
+              barrier: bool | None, max_grad_norm: float | None, optimizer_args: dict[str, Any] | None,
+              alone: bool = False) -> Any:  # fmt: skip
     """``step_optimizer`` less its checks, for a loop that checked its arguments once, before its first
-    step, and knows ``xla_params`` (``on_xla(optimizer)``): nothing is asked again at every step."""
+    step, and knows ``xla_params`` (``on_xla(optimizer)``) and whether this process trains ``alone`` (world
+    size 1: no gradients of other processes to average): nothing is asked again at every step."""
     scaling = scaler is not None and scaler.is_enabled()
     if xla_params:
         backend.reduce_gradients(optimizer)
-    elif _averages(optimizer):
+    elif not alone and _averages(optimizer):
         if scaling and _unscaled(scaler, optimizer):
             raise RuntimeError(
                 f"step_optimizer: scaler.unscale_(optimizer) ran before step_optimizer, on this process's own "

@@ -596,19 +596,33 @@ class LabelCheck:
         self._pending: set[int] = set()  # distinct labels loaded before the class count was known
         self._float_targets: set[tuple[int, torch.dtype]] = set()  # (dim, dtype) of float targets loaded before
         self.output_dim: int | None = None
+        self._held: list[torch.Tensor] = []  # whole datasets' labels, checked at once when the class count is known
         self._lock = threading.Lock()
 
-    def loader(self, loader: DataLoader, masked: bool = False) -> LabelCheckedLoader:
-        """``loader`` with each batch's target checked; ``masked`` for an eval_loader's ``(batch, index)``."""
-        return LabelCheckedLoader(loader, self, masked)
+    def loader(self, loader: DataLoader, masked: bool = False) -> DataLoader | LabelCheckedLoader:
+        """``loader`` with each batch's target checked; ``masked`` for an eval_loader's ``(batch, index)``.
+
+        A loader whose batches' targets are all in one tensor it is handed as it is (a TensorDataset's
+        integer labels, default collation, every sample drawn): those labels are checked together, once,
+        as the class count is learnt, and its batches are not looked at (no host work per step).
+        """
+        held = _held_labels(loader)
+        if held is None:
+            return LabelCheckedLoader(loader, self, masked)
+        with self._lock:
+            if self.classes is None:
+                self._held.append(held)
+                return loader
+        self._check(held, "the dataset")
+        return loader
 
     def target(self, batch: Any) -> None:
         """Checks (or keeps, before the class count is known) the target of a host batch ``(*inputs, target)``
         or a dict batch's ``labels``."""
-        if isinstance(batch, Mapping):
-            target = batch.get(LABELS)
+        if isinstance(batch, (list, tuple)):  # the common case first: no Mapping check
+            target = batch[-1] if len(batch) >= 2 else None
         else:
-            target = batch[-1] if isinstance(batch, (list, tuple)) and len(batch) >= 2 else None
+            target = batch.get(LABELS) if isinstance(batch, Mapping) else None
         if not isinstance(target, torch.Tensor) or not target.numel():
             return
         if target.is_floating_point():  # class probabilities (the output's shape), or class ids gone float
@@ -618,10 +632,11 @@ class LabelCheck:
                     return
             self._check_float(target.dim(), target.dtype)
             return
-        with self._lock:
-            if self.classes is None:
-                self._pending.update(torch.unique(target).tolist())
-                return
+        if self.classes is None:  # set once, never unset: the lock only while it may still be None
+            with self._lock:
+                if self.classes is None:
+                    self._pending.update(torch.unique(target).tolist())
+                    return
         self._check(target)
 
     def see(self, output: Any) -> None:
@@ -634,8 +649,11 @@ class LabelCheck:
             self.output_dim = output.dim() if isinstance(output, torch.Tensor) else None
             pending, self._pending = self._pending, set()
             floats, self._float_targets = self._float_targets, set()
+            held, self._held = self._held, []
         for dim, dtype in sorted(floats, key=str):
             self._check_float(dim, dtype)
+        for labels in held:
+            self._check(labels, "the dataset")
         if pending:
             self._check(torch.tensor(sorted(pending)))
 
@@ -651,20 +669,43 @@ class LabelCheck:
             f"or pass loss_fn= for regression (nn.MSELoss(), with metrics= of your own)"
         )
 
-    def _check(self, target: torch.Tensor) -> None:
+    def _check(self, target: torch.Tensor, where: str = "a batch") -> None:
         if not self.classes:
             return
         if target.dtype != torch.bool:  # every batch: three ops, not the mask's seven
-            low, high = (int(v) for v in torch.aminmax(target))
-            if low >= 0 and high < self.classes:
+            low, high = torch.aminmax(target)
+            if int(low) >= 0 and int(high) < self.classes:
                 return
         bad = ((target < 0) & (target != self.ignore_index)) | (target >= self.classes)
         if bool(bad.any()):
             raise ValueError(
                 f"labels must be class indices in [0, {self.classes}) for a model with {self.classes} "
-                f"outputs, but a batch holds {sorted(set(target[bad].tolist()))[:5]}; check the "
+                f"outputs, but {where} holds {sorted(set(target[bad].tolist()))[:5]}; check the "
                 f"dataset's targets or the model's last layer"
             )
+
+
+def _held_labels(loader: Any) -> torch.Tensor | None:
+    """Every target a loader yields, as one tensor, when its dataset holds them so: a TensorDataset's last
+    tensor of integer class ids, under the package's own wrappers only (a Subset's parent holds samples it
+    never draws), collated by default_collate (a collate_fn of one's own may change them), every sample
+    drawn (a sampler of one's own may leave some out)."""
+    dataset = getattr(loader, "dataset", None)
+    while isinstance(dataset, (IndexedFetch, MaskedPadding)):
+        dataset = dataset.dataset
+    if not isinstance(dataset, torch.utils.data.TensorDataset) or len(dataset.tensors) < 2:
+        return None
+    collate = getattr(loader, "collate_fn", None)
+    if isinstance(collate, (NamingCollate, MaskCollate)):
+        collate = collate.collate_fn
+    if collate is not default_collate:
+        return None
+    if not isinstance(loader.sampler, (RandomSampler, SequentialSampler, DistributedSampler)):
+        return None
+    if isinstance(loader.sampler, RandomSampler) and (loader.sampler.replacement or loader.sampler.num_samples != len(dataset)):
+        return None
+    labels = dataset.tensors[-1]
+    return labels if not labels.is_floating_point() and labels.dtype != torch.bool and labels.numel() else None
 
 
 class LabelCheckedLoader:

@@ -134,20 +134,23 @@ class _Driver:
                     group["betas"] = (value(self.moms[i]), group["betas"][1])
                 elif group.get("momentum", 0) > 0:
                     group["momentum"] = value(self.moms[i])
+        # each group's lr as written, with its tensor's version (None for a float): what changed() compares
         lrs = [g["lr"] for g in opt.param_groups]
-        self.written = [(lr, lr._version if isinstance(lr, torch.Tensor) else 0) for lr in lrs]
+        self.written = [(lr, lr._version if isinstance(lr, torch.Tensor) else None) for lr in lrs]
         return self.lrs[i]
 
     def changed(self, opt: torch.optim.Optimizer) -> tuple[int, str] | None:
         """The first param group whose lr someone else wrote since ``before_step``, and how; None if none did."""
         for k, (group, (mine, version)) in enumerate(zip(opt.param_groups, self.written or [])):
             now = group["lr"]
-            if isinstance(mine, torch.Tensor) and now is mine and now._version != version:
-                return k, "its lr tensor written in place"
-            if isinstance(mine, torch.Tensor) and now is not mine:
-                return k, "its lr tensor replaced"
-            if not isinstance(mine, torch.Tensor) and (isinstance(now, torch.Tensor) or now != mine):
-                return k, "its lr replaced by a tensor" if isinstance(now, torch.Tensor) else f"{mine:.4g} -> {now:.4g}"
+            if now is mine and (version is None or now._version == version):
+                continue  # the very value written (every step's case: one identity test)
+            if version is not None:
+                return k, "its lr tensor written in place" if now is mine else "its lr tensor replaced"
+            if isinstance(now, torch.Tensor):
+                return k, "its lr replaced by a tensor"
+            if now != mine:
+                return k, f"{mine:.4g} -> {now:.4g}"
         return None
 
 

@@ -192,7 +192,7 @@ def without_labels(inputs: Any) -> Any:
 def call_model(model: nn.Module, inputs: Any, what: str) -> Any:
     """``model(**inputs)`` for a dict, ``model(*inputs)`` for a tuple; a forward that cannot take
     that many inputs is named with the batch's layout."""
-    if isinstance(inputs, Mapping):
+    if not isinstance(inputs, tuple) and isinstance(inputs, Mapping):  # a tuple first: no Mapping check
         return model(**inputs)
     try:
         return model(*inputs)
@@ -242,15 +242,16 @@ class LossStep:
 
     def __call__(self, model: nn.Module, batch: Any) -> torch.Tensor:
         inputs, target = split_batch(batch, "train_step")
-        if isinstance(inputs, Mapping) and target is None:
+        if target is None and isinstance(inputs, Mapping):
             raise _no_labels("train_step", inputs)
         output = call_model(model, inputs if self.model_loss else without_labels(inputs), "train_step")
         scores = logits_of(output)
         if self.labels is not None:
             self.labels.see(scores)
-        own = output.get("loss") if self.model_loss and isinstance(output, Mapping) else None
-        if own is not None:
-            return own
+        if self.model_loss and not isinstance(output, torch.Tensor) and isinstance(output, Mapping):  # a ModelOutput's own loss
+            own = output.get("loss")
+            if own is not None:
+                return own
         return self.loss_fn(scores if scores.dtype == torch.float32 else scores.float(), target)
 
 
@@ -493,6 +494,8 @@ class Runner:
             spmd = self.topology.mode == "spmd"
             devices = self.topology.devices if spmd else None
             return backend.device_loader(loader, self.device, devices, minibatch=spmd and self.topology.hosts > 1)
+        if self.device.type == "cpu":  # the loader's batches are where the model is: nothing to move
+            return iter(loader)
         return (move_to_device(b, self.device) for b in loader)
 
     def first_batch(self, loader: Any) -> Batch:
@@ -509,9 +512,12 @@ class Runner:
 
     def run(self, step: Step, batch: Batch, training: bool = False) -> Any:
         """``step(model, batch)`` under this precision (the replica wrapper when ``training``)."""
+        model = self.train_model if training else self.model
+        if self.precision.mode == "fp32":  # nothing to cast or enter
+            return step(model, batch)
         batch = self.precision.inputs(batch)
         with self.precision.context():
-            return step(self.train_model if training else self.model, batch)
+            return step(model, batch)
 
     # -- the loops that do not train
     def eval_sums(self, loader: Any, metrics: MetricSet, eval_step: Step) -> tuple[list[torch.Tensor], list[torch.Tensor]]:

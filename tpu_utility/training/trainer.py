@@ -99,6 +99,7 @@ class Loop:
         self.master, self.cores = runner.topology.master, runner.topology.cores
         self.optimizer, self.fused = _optimizer(runner, plan)
         self.on_xla = on_xla(self.optimizer)  # checks the optimizer's parameters are on the device, once
+        self.alone = backend.world_size() == 1  # no other process's gradients to average (asked once, not per step)
         self.lr_ratios = peak_ratios([float(g["lr"]) for g in self.optimizer.param_groups], lr_of(self.optimizer))
         # torch_xla's sync-free optimizers skip the step when found_inf is 1 (never, here)
         self.step_args = {"found_inf": _device_values(runner.device, 0.0)[0]} if self.fused else {}
@@ -302,13 +303,15 @@ def _train_epoch(loop: Loop, epoch: int) -> tuple[list[torch.Tensor], float]:
     bar = progress_bar(loop.batches, desc, enabled=speak)
     # the run's first epoch on XLA compiles: say so before the first batch's compile, not after
     notice = CompileNotice(bar, desc, backend.compile_count, expect=runner.lazy and epoch == loop.start_epoch, speak=speak)
+    watch = runner.lazy  # only a lazy backend compiles during the steps: an eager one's count never moves
     done = 0
     try:
         for i, batch in enumerate(runner.batches(loop.train_loader)):
             losses.make_room()  # before this batch's step is traced
             losses.keep(_train_batch(loop, i, batch))
             bar.update(1)
-            notice.after_step()
+            if watch:
+                notice.after_step()
             done = i + 1
     finally:
         notice.close()
@@ -383,7 +386,7 @@ def _train_batch(loop: Loop, i: int, batch: Any) -> torch.Tensor:
         loop.events.fire("on_before_step", loop)
         # step_optimizer's step, its arguments checked before the first epoch (FitPlan, Loop); MpDeviceLoader
         # cuts the graph at every batch, so the step needs no barrier
-        take_step(loop.optimizer, loop.on_xla, precision.scaler, False, steps.max_grad_norm, loop.step_args)
+        take_step(loop.optimizer, loop.on_xla, precision.scaler, False, steps.max_grad_norm, loop.step_args, loop.alone)
         loop.optimizer.zero_grad(set_to_none=True)
         loop.step += 1
         loop.events.fire("on_step_end", loop)
