@@ -40,10 +40,13 @@ class EMA(Callback):
 
     On XLA the update is traced into the step: on a TPU, where the host's
     tracing is the step time for small and medium models, that is host time
-    every step. It is torch's lerp out of place and one copy back (in-place ops
-    cost torch_xla several times as much to trace: 0.1 ms instead of 0.4 ms a
-    step for a 4-tensor MLP), about a quarter of a fused hand loop's step for a
-    small model (docs/benchmarks.md). ``every=k`` updates every k-th step (as
+    every step. There it is torch's lerp out of place, its weight a device
+    tensor made once (a Python float would be uploaded as device data at every
+    step): the new average is kept as the lerp's outputs and written into
+    ``averaged`` when that is read (after each epoch's training, or by you),
+    as in-place ops cost torch_xla several times as much to trace. For a
+    4-tensor MLP the update is about a ninth of a fused hand loop's step on the
+    host (docs/benchmarks.md). ``every=k`` updates every k-th step (as
     Lightning's ``EMAWeightAveraging(update_every_n_steps=k)`` does) with
     ``decay ** k``: the same span in steps, 1/k of the cost, and one more step
     graph to compile.
@@ -80,9 +83,17 @@ class EMA(Callback):
         self.since = 0  # steps since the last update
         self.lazy = False  # whether the model is on a lazy (XLA) device, known at the fit's start
         self.model: torch.nn.Module | None = None
-        self.averaged: AveragedModel | None = None
+        self._averaged: AveragedModel | None = None
         self.training_weights: dict[str, torch.Tensor] | None = None  # while the average is in the model
         self.pairs: tuple[list[torch.Tensor], ...] | None = None  # (averaged, model) floats, then the rest
+        self.pending: list[torch.Tensor] | None = None  # on XLA: the average's floats, not yet in `averaged`
+        self.lerp_weights: list[torch.Tensor] | None = None  # on XLA: 1 - decay ** every per float, on the device
+
+    @property
+    def averaged(self) -> AveragedModel | None:
+        """The ``AveragedModel`` (None before the fit), the latest update in it."""
+        self._write_back()
+        return self._averaged
 
     def __repr__(self) -> str:
         return f"EMA(decay={self.decay}, restore={self.restore}" + (f", every={self.every})" if self.every > 1 else ")")
@@ -90,12 +101,12 @@ class EMA(Callback):
     def on_fit_start(self, loop: Any) -> None:
         self.model, self.since = loop.model, 0
         self.lazy = any(backend.is_lazy(p.device) for p in self.model.parameters())
-        self.averaged = AveragedModel(self.model, multi_avg_fn=get_ema_multi_avg_fn(self.decay), use_buffers=True)
+        self._averaged = AveragedModel(self.model, multi_avg_fn=get_ema_multi_avg_fn(self.decay), use_buffers=True)
         # AveragedModel tests `n_averaged == 0` in Python at every update: kept on the device, that
         # test would wait for the device every step. On the host it costs nothing.
-        self.averaged.n_averaged = self.averaged.n_averaged.cpu()
+        self._averaged.n_averaged = self._averaged.n_averaged.cpu()
         self.training_weights = None
-        self.pairs = None
+        self.pairs = self.pending = self.lerp_weights = None
 
     def on_step_end(self, loop: Any) -> None:
         self.since += 1
@@ -109,25 +120,35 @@ class EMA(Callback):
         if self.pairs is None:
             self.pairs = self._pairs()
         averaged, weights, other_averaged, other_weights = self.pairs
-        if int(self.averaged.n_averaged) == 0:  # the first update copies, as AveragedModel's does
+        if int(self._averaged.n_averaged) == 0:  # the first update copies, as AveragedModel's does
             torch._foreach_copy_(averaged + other_averaged, weights + other_weights)
         else:
-            decay = self.update_decay
-            if self.lazy:  # the in-place lerp_ is a Python decomposition in torch_xla: lerp, then one copy back
-                torch._foreach_copy_(averaged, torch._foreach_lerp(averaged, weights, 1 - decay))
+            if self.lazy:  # out of place (torch_xla's lerp_ is a Python decomposition); written back when read
+                if self.lerp_weights is None:
+                    made = {t.dtype: torch.tensor(1 - self.update_decay, dtype=t.dtype, device=t.device) for t in averaged}
+                    self.lerp_weights = [made[t.dtype] for t in averaged]
+                start = averaged if self.pending is None else self.pending
+                self.pending = torch._foreach_lerp(start, weights, self.lerp_weights)
             else:
-                torch._foreach_lerp_(averaged, weights, 1 - decay)
+                torch._foreach_lerp_(averaged, weights, 1 - self.update_decay)
             # integer buffers (batch-norm's step counter, a transformer's position ids) are not averaged but
             # copied, as timm's ModelEmaV3 does: torch's EMA truncates a mean of integers into them, and on XLA
             # writing such a mean into an expanded buffer (BERT's position_ids) deleted a buffer still in use
             if other_averaged:
                 torch._foreach_copy_(other_averaged, other_weights)
-        self.averaged.n_averaged += 1
+        self._averaged.n_averaged += 1
+
+    def _write_back(self) -> None:
+        """Puts the latest average (XLA's lerp outputs) into the AveragedModel's own tensors."""
+        if self.pending is not None:
+            with torch.no_grad():
+                torch._foreach_copy_(self.pairs[0], self.pending)
+            self.pending = None
 
     def _pairs(self) -> tuple[list[torch.Tensor], ...]:
         """The averaged model's tensors and the model's, in AveragedModel's order (parameters, then buffers),
         floating-point ones first; taken once per epoch, as loading weights between epochs keeps the tensors."""
-        pairs = zip(itertools.chain(self.averaged.module.parameters(), self.averaged.module.buffers()),
+        pairs = zip(itertools.chain(self._averaged.module.parameters(), self._averaged.module.buffers()),
                     itertools.chain(self.model.parameters(), self.model.buffers()))  # fmt: skip
         floats, other = [], []
         for mine, theirs in pairs:
@@ -139,6 +160,7 @@ class EMA(Callback):
 
     def on_train_epoch_start(self, loop: Any, epoch: int) -> None:
         self._training_in()
+        self._write_back()
         self.pairs = None  # a resume or a restore between epochs may have given the model new tensors
 
     def on_fit_end(self, loop: Any) -> None:
@@ -151,12 +173,13 @@ class EMA(Callback):
         """The training weights (the model holds the average when a checkpoint is written), the update
         count, and the steps since the last update (so a resumed run updates at the same steps)."""
         held = self.training_weights if self.training_weights is not None else None
-        return {"training_weights": held, "n_averaged": int(self.averaged.n_averaged), "since": self.since}
+        return {"training_weights": held, "n_averaged": int(self._averaged.n_averaged), "since": self.since}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """After the checkpoint's ``"model"`` (the average) was loaded into the model: back to training weights."""
-        self.averaged.module.load_state_dict(self.model.state_dict())
-        self.averaged.n_averaged.fill_(int(state["n_averaged"]))
+        self.pending = None  # the checkpoint's average replaces any in the making
+        self._averaged.module.load_state_dict(self.model.state_dict())
+        self._averaged.n_averaged.fill_(int(state["n_averaged"]))
         self.since = int(state.get("since", 0))  # checkpoints before `every` had none: every step updated
         if state["training_weights"] is not None:
             self.model.load_state_dict(state["training_weights"])
@@ -196,6 +219,12 @@ class CSVLogger(Callback):
         check_file_path(path, "CSVLogger path")  # now, not at the end of the first epoch
         self.path = os.fspath(path)
 
+    @property
+    def averaged(self) -> AveragedModel | None:
+        """The ``AveragedModel`` (None before the fit), the latest update in it."""
+        self._write_back()
+        return self._averaged
+
     def __repr__(self) -> str:
         return f"CSVLogger({self.path!r})"
 
@@ -229,6 +258,12 @@ class TensorBoardLogger(Callback):
             raise TypeError(f"TensorBoardLogger log_dir must be a folder path, but given {log_dir!r}")
         self.log_dir = os.fspath(log_dir)
         self.writer: Any = None
+
+    @property
+    def averaged(self) -> AveragedModel | None:
+        """The ``AveragedModel`` (None before the fit), the latest update in it."""
+        self._write_back()
+        return self._averaged
 
     def __repr__(self) -> str:
         return f"TensorBoardLogger({self.log_dir!r})"
