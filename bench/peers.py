@@ -8,6 +8,7 @@ reported here, never asserted in tests.
 
 from __future__ import annotations
 
+import math
 import os
 import statistics
 import sys
@@ -216,16 +217,29 @@ def accelerate_loop(w: Workload) -> Clock:
 
 
 class _EpochClock(Callback):
-    """Starts the clock as an epoch's training begins and stops it as its training ends."""
+    """Starts the clock as an epoch's first step is about to run and stops it as its last step has run.
 
-    def __init__(self, clock: Clock, steps: int) -> None:
-        self.clock, self.steps = clock, steps
+    Two of them (``_EpochClock.pair``): the start is the last hook of ``on_train_epoch_start`` and the
+    stop the first of ``on_train_epoch_end``, so the callbacks' own epoch work (EMA puts the averaged
+    weights in at the epoch's end and the training weights back at its start) is an epoch's cost,
+    not a step's, as in a hand loop whose clock runs around its steps.
+    """
+
+    def __init__(self, clock: Clock, steps: int, start: bool) -> None:
+        self.clock, self.steps, self.start = clock, steps, start
+        self.order = math.inf if start else -math.inf
+
+    @classmethod
+    def pair(cls, clock: Clock, steps: int) -> list[Callback]:
+        return [cls(clock, steps, start=True), cls(clock, steps, start=False)]
 
     def on_train_epoch_start(self, loop: Any, epoch: int) -> None:
-        self.clock.start()
+        if self.start:
+            self.clock.start()
 
     def on_train_epoch_end(self, loop: Any) -> None:
-        self.clock.stop(self.steps)
+        if not self.start:
+            self.clock.stop(self.steps)
 
 
 def fit(w: Workload, callbacks: Callable[[], list] | None = None, schedule: Any = "one_cycle") -> Clock:
@@ -237,7 +251,7 @@ def fit(w: Workload, callbacks: Callable[[], list] | None = None, schedule: Any 
     torch.manual_seed(0)
     clock = Clock()
     history = one_cycle_fit(w.make_model(), w.dataset, epochs=w.epochs, max_lr=w.max_lr, batch_size=w.batch,
-                            progress=False, callbacks=[*(callbacks() if callbacks else []), _EpochClock(clock, w.steps)],
+                            progress=False, callbacks=[*(callbacks() if callbacks else []), *_EpochClock.pair(clock, w.steps)],
                             schedule=schedule)  # fmt: skip
     clock.wall = [r.seconds / w.steps for r in history.records]
     return clock
