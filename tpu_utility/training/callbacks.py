@@ -45,7 +45,7 @@ class EMA(Callback):
     step): the new average is kept as the lerp's outputs and written into
     ``averaged`` when that is read (after each epoch's training, or by you),
     as in-place ops cost torch_xla several times as much to trace. For a
-    4-tensor MLP the update is about a ninth of a fused hand loop's step on the
+    4-tensor MLP the update is about a fifth of a fused hand loop's step on the
     host (docs/benchmarks.md). ``every=k`` updates every k-th step (as
     Lightning's ``EMAWeightAveraging(update_every_n_steps=k)`` does) with
     ``decay ** k``: the same span in steps, 1/k of the cost, and one more step
