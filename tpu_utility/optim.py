@@ -236,19 +236,22 @@ def step_optimizer(
         >>> step_optimizer(optimizer)          # doctest: +SKIP
     """
     _check_arguments(optimizer, max_grad_norm, scaler)
-    return take_step(optimizer, on_xla(optimizer), scaler, barrier, max_grad_norm, optimizer_args)
+    return take_step(optimizer, True if on_xla(optimizer) else None, scaler, barrier, max_grad_norm, optimizer_args)
 
 
-def take_step(optimizer: torch.optim.Optimizer, xla_params: bool, scaler: torch.amp.GradScaler | None,
-              barrier: bool | None, max_grad_norm: float | None, optimizer_args: dict[str, Any] | None,
-              alone: bool = False) -> Any:  # fmt: skip
+def take_step(optimizer: torch.optim.Optimizer, reduce: bool | None, scaler: torch.amp.GradScaler | None,
+              barrier: bool | None, max_grad_norm: float | None, optimizer_args: dict[str, Any] | None) -> Any:  # fmt: skip
     """``step_optimizer`` less its checks, for a loop that checked its arguments once, before its first
-    step, and knows ``xla_params`` (``on_xla(optimizer)``) and whether this process trains ``alone`` (world
-    size 1: no gradients of other processes to average): nothing is asked again at every step."""
+    step: nothing is asked again at every step.
+
+    ``reduce``: True for an optimizer on XLA (``on_xla(optimizer)``: its gradients reduced over the
+    cores, the graph cut after the step), False for a process that trains alone (world size 1: no
+    other gradients to average), None to average only where other processes' gradients differ.
+    """
     scaling = scaler is not None and scaler.is_enabled()
-    if xla_params:
+    if reduce:
         backend.reduce_gradients(optimizer)
-    elif not alone and _averages(optimizer):
+    elif reduce is None and _averages(optimizer):
         if scaling and _unscaled(scaler, optimizer):
             raise RuntimeError(
                 f"step_optimizer: scaler.unscale_(optimizer) ran before step_optimizer, on this process's own "
@@ -267,7 +270,7 @@ def take_step(optimizer: torch.optim.Optimizer, xla_params: bool, scaler: torch.
         scaler.update()
     else:
         result = optimizer.step(**(optimizer_args or {}))
-    if xla_params and barrier is not False:
+    if reduce and barrier is not False:
         backend.sync()
         backend.skip_next_loader_sync()  # a device_loader's next batch need not cut the graph again
     return result

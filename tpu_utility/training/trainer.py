@@ -98,8 +98,9 @@ class Loop:
         self.model, self.device = runner.model, runner.device
         self.master, self.cores = runner.topology.master, runner.topology.cores
         self.optimizer, self.fused = _optimizer(runner, plan)
-        self.on_xla = on_xla(self.optimizer)  # checks the optimizer's parameters are on the device, once
-        self.alone = backend.world_size() == 1  # no other process's gradients to average (asked once, not per step)
+        # take_step's `reduce`, asked once (on_xla checks the optimizer's parameters are on the device): True on
+        # XLA, False for a process that trains alone, None to average where other processes' gradients differ
+        self.reduce = True if on_xla(self.optimizer) else (False if backend.world_size() == 1 else None)
         self.lr_ratios = peak_ratios([float(g["lr"]) for g in self.optimizer.param_groups], lr_of(self.optimizer))
         # torch_xla's sync-free optimizers skip the step when found_inf is 1 (never, here)
         self.step_args = {"found_inf": _device_values(runner.device, 0.0)[0]} if self.fused else {}
@@ -386,7 +387,7 @@ def _train_batch(loop: Loop, i: int, batch: Any) -> torch.Tensor:
         loop.events.fire("on_before_step", loop)
         # step_optimizer's step, its arguments checked before the first epoch (FitPlan, Loop); MpDeviceLoader
         # cuts the graph at every batch, so the step needs no barrier
-        take_step(loop.optimizer, loop.on_xla, precision.scaler, False, steps.max_grad_norm, loop.step_args, loop.alone)
+        take_step(loop.optimizer, loop.reduce, precision.scaler, False, steps.max_grad_norm, loop.step_args)
         loop.optimizer.zero_grad(set_to_none=True)
         loop.step += 1
         loop.events.fire("on_step_end", loop)
