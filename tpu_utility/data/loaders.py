@@ -702,6 +702,8 @@ def _held_labels(loader: Any) -> torch.Tensor | None:
         return None
     if not isinstance(loader.sampler, (RandomSampler, SequentialSampler, DistributedSampler)):
         return None
+    if type(getattr(loader, "batch_sampler", None)) not in (torch.utils.data.BatchSampler, type(None)):
+        return None  # a batch sampler of one's own draws what it likes
     if isinstance(loader.sampler, RandomSampler) and (loader.sampler.replacement or loader.sampler.num_samples != len(dataset)):
         return None
     labels = dataset.tensors[-1]
