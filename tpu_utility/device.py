@@ -105,8 +105,21 @@ def move_model(model: nn.Module, device: torch.device) -> nn.Module:
     """``model.to(device)`` that keeps tied weights tied.
 
     Moving to XLA replaces each parameter with a new one, so an output layer that
-    shared the embedding weight gets its own copy and the tie is silently lost.
-    We record the ties before the move and restore them after.
+    shares the embedding weight (GPT-2, Gemma, Bloom, any model with
+    ``tie_word_embeddings=True`` or ``self.head.weight = self.embed.weight``) gets its
+    own copy and the tie is silently lost: two matrices train where the model has one.
+    The ties are recorded before the move and restored after it. On CUDA and the CPU
+    ``model.to`` keeps ties itself, and this is the same call.
+
+    Args:
+        model: the module to move, in place.
+        device: where to, as ``get_device()`` gives it.
+
+    Returns:
+        The same module, for chaining as ``model.to`` is.
+
+    Example:
+        >>> model = move_model(GPT2LMHeadModel(config), get_device())  # was: model.to("cuda")  # doctest: +SKIP
     """
     groups = tied_parameter_groups(model)
     model.to(device)
