@@ -27,8 +27,8 @@ from .data import (BucketBatchSampler, BucketCollate, CachedDataset, PresizeRepo
                    group_batches, make_sampler, padding_waste, presize_images)
 
 # the trainer: one call that trains, keeps the best epoch and predicts
-from .training import (EMA, Callback, CSVLogger, EpochMetric, EpochRecord, History, LRFinderResult, StopFit,
-                       TensorBoardLogger, evaluate, find_lr, one_cycle, one_cycle_curve, one_cycle_fit, predict)
+from .training import (EMA, Callback, CSVLogger, EpochMetric, EpochRecord, GradientCheckpointing, History, LRFinderResult,
+                       StopFit, TensorBoardLogger, evaluate, find_lr, one_cycle, one_cycle_curve, one_cycle_fit, predict)
 
 # diagnosis: doctor (run time), check (this machine); `python -m tpu_utility.port` (your source)
 from .diagnostics import DoctorError, DoctorReport, doctor
@@ -61,6 +61,7 @@ __all__ = [
     "find_lr",
     "get_device",
     "grad_scaler",
+    "GradientCheckpointing",
     "group_batches",
     "History",
     "inference_mode",

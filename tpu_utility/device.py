@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from . import backend
+from .huggingface import save_through_cpu
 from .backend.base import move_to_device  # noqa: F401 - the hand-loop kit's name for it
 
 
@@ -109,7 +110,9 @@ def move_model(model: nn.Module, device: torch.device) -> nn.Module:
     ``tie_word_embeddings=True`` or ``self.head.weight = self.embed.weight``) gets its
     own copy and the tie is silently lost: two matrices train where the model has one.
     The ties are recorded before the move and restored after it. On CUDA and the CPU
-    ``model.to`` keeps ties itself, and this is the same call.
+    ``model.to`` keeps ties itself, and this is the same call. On XLA a Hugging Face
+    or peft model's ``save_pretrained`` is made to save a CPU copy of the weights
+    (safetensors cannot read XLA tensors), so ``model.save_pretrained(dir)`` works there.
 
     Args:
         model: the module to move, in place.
@@ -127,4 +130,6 @@ def move_model(model: nn.Module, device: torch.device) -> nn.Module:
         keep = model.get_parameter(names[0])
         for name in names[1:]:
             _set_parameter(model, name, keep)
+    if backend.is_lazy(device):  # save_pretrained reads storage pointers, which XLA tensors lack
+        save_through_cpu(model)
     return model

@@ -19,6 +19,7 @@ Example:
 from __future__ import annotations
 
 import sys
+from functools import partial
 from typing import Any
 
 from torch import nn
@@ -30,6 +31,73 @@ def is_transformers_model(model: Any) -> bool:
     """Whether ``model`` is a transformers ``PreTrainedModel`` (found without importing transformers)."""
     transformers = sys.modules.get("transformers")
     return transformers is not None and isinstance(model, getattr(transformers, "PreTrainedModel", ()))
+
+
+def is_causal_lm(model: Any) -> bool:
+    """Whether a transformers model (or a peft model around one) is a causal LM, whose own loss pairs
+    position t's logits with label t + 1 (found without importing transformers)."""
+    base = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
+    if not is_transformers_model(base):
+        return False
+    if getattr(base, "loss_type", None) == "ForCausalLM":
+        return True
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    names = {n for v in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values() for n in ((v,) if isinstance(v, str) else v)}
+    return type(base).__name__ in names
+
+
+def use_checkpoint_function(model: nn.Module, function: Any) -> list[tuple[nn.Module, Any]]:
+    """Gives every module that transformers checkpoints (``gradient_checkpointing_enable()``) ``function``
+    in place of torch's ``checkpoint``, its keyword arguments kept; returns what to give back.
+
+    Example:
+        >>> found = use_checkpoint_function(model, backend.checkpoint_function())   # doctest: +SKIP
+    """
+    found = []
+    for module in model.modules():
+        current = module.__dict__.get("_gradient_checkpointing_func")
+        if current is None or getattr(current, "func", current) is function:
+            continue
+        found.append((module, current))
+        keywords = getattr(current, "keywords", None) or {}
+        module._gradient_checkpointing_func = partial(function, **keywords) if keywords else function
+    return found
+
+
+def give_back_checkpoint_functions(found: list[tuple[nn.Module, Any]]) -> None:
+    """Undoes ``use_checkpoint_function``."""
+    for module, function in found:
+        module._gradient_checkpointing_func = function
+
+
+class SavedThroughCpu:
+    """A model's own ``save_pretrained``, handed the model's state dict copied to the CPU.
+
+    safetensors reads each tensor's storage pointer, which XLA tensors do not have:
+    ``save_pretrained`` of a model (or a peft model) on XLA fails with "Attempted to
+    access the data pointer on an invalid python storage". transformers' and peft's
+    ``save_pretrained`` take ``state_dict=``; this passes the weights copied to the CPU
+    in one transfer (as Hugging Face's Trainer does on XLA), unless the caller gave one.
+    """
+
+    def __init__(self, model: nn.Module, save: Any) -> None:
+        self.model, self.save = model, save
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("state_dict") is None:
+            from . import backend
+
+            state = self.model.state_dict()
+            kwargs["state_dict"] = dict(zip(state, backend.to_cpu(list(state.values()))))
+        return self.save(*args, **kwargs)
+
+
+def save_through_cpu(model: nn.Module) -> None:
+    """Makes ``model.save_pretrained(...)`` work while the model lives on XLA (``SavedThroughCpu``); once."""
+    save = getattr(model, "save_pretrained", None)
+    if callable(save) and not isinstance(save, SavedThroughCpu):
+        model.__dict__["save_pretrained"] = SavedThroughCpu(model, save)
 
 
 def _always_built_sdpa_mask(*args: Any, **kwargs: Any) -> Any:

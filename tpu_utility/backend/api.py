@@ -283,6 +283,10 @@ def hardware(dev: torch.device) -> str | None:
     return current().hardware(dev)
 
 
+def checkpoint_function() -> Callable[..., Any]:
+    return current().checkpoint_function()
+
+
 def fused_optimizer(name: str) -> type | None:
     return current().fused_optimizer(name)
 

@@ -179,6 +179,12 @@ class Backend:
     def autocast(self, device: torch.device, dtype: torch.dtype) -> Any:
         return contextlib.nullcontext()
 
+    def checkpoint_function(self) -> Callable[..., Any]:
+        """The activation-checkpointing function for this backend's tensors: torch's, here."""
+        from torch.utils.checkpoint import checkpoint
+
+        return checkpoint
+
     # ---------------------------------------------------------- optimizers
     def fused_optimizer(self, name: str) -> type | None:
         """A backend's own optimizer class for ``name`` ("adam", "adamw"), or None."""

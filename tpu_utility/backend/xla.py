@@ -301,6 +301,20 @@ def fused_optimizer(name: str) -> type | None:
     return {"adam": syncfree.Adam, "adamw": syncfree.AdamW}.get(name)
 
 
+def checkpoint(function: Callable[..., Any], *args: Any, use_reentrant: bool | None = None, **kwargs: Any) -> Any:
+    """torch_xla's activation checkpoint, called as torch's is.
+
+    torch's ``torch.utils.checkpoint.checkpoint`` fails on XLA tensors (it looks up
+    ``torch.xla`` for their RNG state), and XLA's common-subexpression pass would undo
+    its recomputation; torch_xla's keeps it with an optimization barrier. It runs only
+    the re-entrant variant, so ``use_reentrant=False`` (transformers' default) is run
+    re-entrantly: transformers makes the inputs require grad for that case.
+    """
+    from torch_xla.utils.checkpoint import checkpoint as xla_checkpoint
+
+    return xla_checkpoint(function, *args, use_reentrant=True, **kwargs)
+
+
 def is_fused_optimizer(optimizer: Any) -> bool:
     if not xla_loaded():
         return False
@@ -711,6 +725,9 @@ class XlaBackend(Backend):
                 return pjrt_device() or ("TPU" if detect_tpu().chips else None)
             self._hardware = started
         return self._hardware
+
+    def checkpoint_function(self) -> Callable[..., Any]:
+        return checkpoint
 
     def fused_optimizer(self, name: str) -> type | None:
         return fused_optimizer(name)

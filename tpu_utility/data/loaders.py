@@ -296,6 +296,87 @@ def unpack_loader(data: Any, batch_size: int | None, name: str) -> LoaderSpec:
     return spec
 
 
+def _number_list(value: Any) -> bool:
+    """A (nested) list of Python numbers: what a tokenized ``datasets`` split gives without ``set_format``."""
+    while isinstance(value, list) and value:
+        value = value[0]
+    return isinstance(value, (bool, int, float)) and not isinstance(value, list)
+
+
+class TensorFields(Dataset):
+    """A dataset whose dict samples hold lists of numbers, each list given as a tensor.
+
+    A tokenized Hugging Face ``datasets`` split yields ``{"input_ids": [101, 2023, ...]}``
+    until ``set_format("torch")``; collated by default, each list becomes a list of
+    per-position tensors, and the model fails deep inside. These fields become tensors
+    as ``set_format("torch")`` makes them (int64 for ints, float32 for floats); other
+    fields are left as they are. Everything else is the dataset's own.
+    """
+
+    def __init__(self, dataset: Any, fields: Sequence[str]) -> None:
+        self.dataset, self.fields = dataset, tuple(fields)
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def _tensors(self, sample: Any) -> Any:
+        if not isinstance(sample, Mapping):
+            return sample
+        return {k: torch.tensor(v) if k in self.fields and isinstance(v, list) else v for k, v in sample.items()}
+
+    def __getitem__(self, i: int) -> Any:
+        return self._tensors(self.dataset[i])
+
+    def __getitems__(self, indices: list[int]) -> list:
+        own = getattr(self.dataset, "__getitems__", None)  # a Hugging Face dataset fetches a batch at once
+        return [self._tensors(s) for s in (own(indices) if own is not None else [self.dataset[i] for i in indices])]
+
+    def __getattr__(self, name: str) -> Any:  # set_epoch, column_names: the dataset's own
+        if name.startswith("__") or name == "dataset":
+            raise AttributeError(name)
+        return getattr(self.dataset, name)
+
+
+def with_tensor_fields(dataset: Any) -> Any:
+    """``dataset`` as ``TensorFields`` when its first sample is a dict holding lists of numbers, else itself."""
+    first = dataset[0]
+    fields = [k for k, v in first.items() if _number_list(v)] if isinstance(first, Mapping) else []
+    return TensorFields(dataset, fields) if fields else dataset
+
+
+def check_padding_collate(dataset: Any, collate_fn: Callable, batch_size: int, name: str, batches: int = 4) -> None:
+    """Warns when ``collate_fn`` pads each batch to its own longest sample: on XLA each new length compiles again.
+
+    Hugging Face's ``DataCollatorWithPadding`` and ``DataCollatorForLanguageModeling`` do
+    this without ``pad_to_multiple_of``; the recompiles come in every epoch until each
+    length was seen once, silently. Seen here from the first ``batches`` batches in
+    dataset order (only when the samples' sequence lengths differ at all), before training.
+    """
+    if collate_fn is default_collate or isinstance(collate_fn, BucketCollate) or not backend.current().lazy:
+        return
+    n = min(len(dataset), batch_size * batches)
+    first = _field_shapes(dataset[0])
+    if n < 2 * batch_size or not any(len(shape) == 1 for shape in first.values()):  # no sequences: nothing to pad
+        return
+    if all(_field_shapes(dataset[i]) == first for i in range(1, min(n, 2 * batch_size))):
+        return  # one length for all: any collate gives one shape
+    with torch.random.fork_rng(devices=[]):  # a masking collator draws from torch's generator: left as it was
+        made = [collate_fn([dataset[i] for i in range(k, k + batch_size)]) for k in range(0, n - batch_size + 1, batch_size)]
+    shapes = [_field_shapes(dict(b) if isinstance(b, Mapping) else b) for b in made]  # a BatchEncoding is no dict
+    varying = next((key for key in shapes[0] if len({s.get(key) for s in shapes}) > 1), None)
+    if varying is None:
+        return
+    seen = ", ".join(str(s[varying][-1] if len(s[varying]) == 2 else list(s[varying][1:])) for s in shapes)
+    warnings.warn(
+        f"{name}'s collate_fn {type(collate_fn).__name__} pads each batch to its own longest sample: its first "
+        f"{len(shapes)} batches hold {varying} of lengths {seen}, and on XLA every new length compiles the step "
+        f"again (minutes each on a TPU, in epoch after epoch). Pad to a few fixed lengths: "
+        f"{type(collate_fn).__name__}(..., pad_to_multiple_of=64) for a Hugging Face collator, or "
+        f"collate_fn=BucketCollate([...]) (from tpu_utility; choose_buckets(lengths) picks the lengths)",
+        stacklevel=user_stacklevel(),
+    )
+
+
 def _spec_of(data: Any, batch_size: int | None, name: str) -> LoaderSpec:
     if isinstance(data, DataLoader) and isinstance(data.batch_sampler, BucketBatchSampler):
         return _bucketed_spec(data, batch_size, name)
@@ -311,12 +392,16 @@ def _spec_of(data: Any, batch_size: int | None, name: str) -> LoaderSpec:
                 f"give one of them"
             )
         _check_sized(data.dataset, f"{name}.dataset")
+        dataset = data.dataset
         if data.collate_fn is default_collate:
-            check_fixed_shapes(data.dataset, data.batch_size, name)
+            dataset = with_tensor_fields(dataset)
+            check_fixed_shapes(dataset, data.batch_size, name)
+        else:
+            check_padding_collate(dataset, data.collate_fn, data.batch_size, name)
         own = data.sampler
         shuffle = own.shuffle if isinstance(own, DistributedSampler) else not isinstance(own, SequentialSampler)
         return LoaderSpec(
-            data.dataset, data.batch_size, data.collate_fn, data.num_workers,
+            dataset, data.batch_size, data.collate_fn, data.num_workers,
             sampler=None if _only_orders(own, data.dataset) else own, shuffle=shuffle,
             settings=_loader_settings(data),
         )  # fmt: skip
@@ -324,6 +409,7 @@ def _spec_of(data: Any, batch_size: int | None, name: str) -> LoaderSpec:
     size = 64 if batch_size is None else batch_size
     if isinstance(size, bool) or not isinstance(size, int) or size < 1:
         raise ValueError(f"batch_size must be a positive int, but given {size!r}")
+    data = with_tensor_fields(data)
     check_fixed_shapes(data, size, name)
     return LoaderSpec(data, size)
 
@@ -570,6 +656,28 @@ def real_counts(loader: DataLoader) -> list[int]:
     return [sum(i < n for i in indices[k : k + size]) for k in range(0, len(indices), size)]
 
 
+IGNORE_INDEX = -100  # torch's cross_entropy default: a target that counts in no loss and no metric
+
+
+def class_dim(output: torch.Size | tuple[int, ...], target: torch.Size | tuple[int, ...]) -> int:
+    """The dimension of ``output`` that holds the classes for a ``target`` of class ids.
+
+    torch's ``cross_entropy`` reads ``(N, C, ...)`` against ``(N, ...)``: dimension 1.
+    Sequence models give ``(N, T, C)`` against ``(N, T)`` (a language model's tokens, a
+    tagger's labels): the last dimension. A 3-d output whose shape fits both readings
+    (T == C) is read as a sequence's, the far more common case.
+
+    Example:
+        >>> class_dim((8, 10), (8,)), class_dim((8, 64, 50), (8, 64)), class_dim((8, 5, 32, 32), (8, 32, 32))
+        (1, 2, 1)
+    """
+    output, target = tuple(output), tuple(target)
+    if len(output) >= 3 and output[:-1] == target:
+        if len(output) == 3 or (output[0], *output[2:]) != target:
+            return len(output) - 1
+    return 1
+
+
 class LabelCheck:
     """Class labels checked on the host against the class count of the model's first real output.
 
@@ -639,14 +747,20 @@ class LabelCheck:
                     return
         self._check(target)
 
-    def see(self, output: Any) -> None:
-        """Learns the class count from the model's first output (dim 1 of ``(N, C, ...)``, as
-        cross_entropy reads it) and checks the labels loaded so far."""
+    def see(self, output: Any, target: Any = None, own_loss: bool = False) -> None:
+        """Learns the class count from the model's first output and checks the labels loaded so far.
+
+        The class dimension is the one the loss reads (``class_dim``): dim 1 of ``(N, C, ...)``,
+        the last of ``(N, T, C)`` against ``(N, T)`` targets. A model that computed its own loss
+        from the labels (``own_loss``: a Hugging Face model) is trusted with their layout (a
+        causal LM's logits may be longer than its labels, prompt tuning's virtual tokens); its
+        labels are still checked against its scores' last dimension (the vocabulary).
+        """
         if self.classes is not None:
             return
         with self._lock:
-            self.classes = output.shape[1] if isinstance(output, torch.Tensor) and output.dim() >= 2 else 0
-            self.output_dim = output.dim() if isinstance(output, torch.Tensor) else None
+            self.classes = _class_count(output, target, own_loss)
+            self.output_dim = output.dim() if isinstance(output, torch.Tensor) and not own_loss else None
             pending, self._pending = self._pending, set()
             floats, self._float_targets = self._float_targets, set()
             held, self._held = self._held, []
@@ -683,6 +797,17 @@ class LabelCheck:
                 f"outputs, but {where} holds {sorted(set(target[bad].tolist()))[:5]}; check the "
                 f"dataset's targets or the model's last layer"
             )
+
+
+def _class_count(output: Any, target: Any, own_loss: bool) -> int:
+    """The classes a target's ids index in ``output`` (0: no class dimension to check against)."""
+    if not isinstance(output, torch.Tensor) or output.dim() < 2:
+        return 0
+    if own_loss:
+        return output.shape[-1]
+    if isinstance(target, torch.Tensor):
+        return output.shape[class_dim(output.shape, target.shape)]
+    return output.shape[1]
 
 
 def _held_labels(loader: Any) -> torch.Tensor | None:

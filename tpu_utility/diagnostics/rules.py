@@ -84,8 +84,8 @@ RULES_LIST: tuple[Rule, ...] = (
          "build the optimizer after the move: model.to(device); optimizer = AdamW(model.parameters())",
          replaces="optimizer = AdamW(model.parameters()) before model.to(device)", tools=_BOTH),
     Rule("tied_weights", "tied weights that model.to(device) split apart train independently",
-         "re-tie after the move (model.out.weight = model.emb.weight), or move with "
-         "tpu_utility.device.move_model(model, device), which keeps ties"),
+         "move with move_model(model, device) (from tpu_utility import move_model), which keeps ties, "
+         "or re-tie after the move (model.out.weight = model.emb.weight; model.tie_weights() for Hugging Face)"),
     Rule("batch_split", "a batch that does not divide across the cores", "use a batch size that is a multiple of the cores"),
     Rule("graph_growth", "a graph that grows every step: nothing cuts it, so each step compiles and runs more",
          "end each step with step_optimizer(optimizer) (or torch_xla.sync())"),

@@ -7,13 +7,13 @@ Read it top down:
 - ``trainer.py``: the epoch loop each process runs: the per-batch path, validation, one read per epoch; it fires events.
 - ``builtins.py``: the callbacks one_cycle_fit's arguments become: schedule, stop rules, checkpoints, progress line.
 - ``schedule.py``, ``monitor.py``, ``metrics.py``: the one-cycle policy, the best-epoch and stop rules, exact metrics.
-- ``events.py``, ``callbacks.py``: the loop's events, the ``Callback`` base, and the shipped callbacks (EMA, loggers).
+- ``events.py``, ``callbacks.py``: the loop's events, the ``Callback`` base, and the shipped callbacks (EMA, gradient checkpointing, loggers).
 - ``history.py``: ``History``, what ``one_cycle_fit`` returns.
 - ``inference.py``: ``predict()`` and ``evaluate()`` in dataset order on any number of cores.
 - ``lr_finder.py``: ``find_lr()``, the same loop with a learning-rate sweep for its schedule.
 """
 
-from .callbacks import EMA, CSVLogger, TensorBoardLogger
+from .callbacks import EMA, CSVLogger, GradientCheckpointing, TensorBoardLogger
 from .events import Callback, StopFit
 from .fit import one_cycle_fit
 from .history import EpochRecord, History
@@ -26,6 +26,7 @@ __all__ = [
     "Callback",
     "CSVLogger",
     "EMA",
+    "GradientCheckpointing",
     "TensorBoardLogger",
     "EpochMetric",
     "EpochRecord",

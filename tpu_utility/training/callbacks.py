@@ -17,6 +17,7 @@ from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
 from .. import backend
 from ..files import check_file_path
+from ..huggingface import give_back_checkpoint_functions, use_checkpoint_function
 from .events import Callback
 
 
@@ -202,6 +203,71 @@ def _figures(record: Any) -> dict[str, float]:
     return {k: v for k, v in figures.items() if isinstance(v, (int, float)) and math.isfinite(v)}
 
 
+class GradientCheckpointing(Callback):
+    """Activation (gradient) checkpointing of a Hugging Face model's layers for the run.
+
+    Each layer's activations are recomputed in the backward pass instead of kept: the
+    memory of a long sequence or a large batch for about a third more compute. It calls
+    the model's own ``gradient_checkpointing_enable()`` at the start and switches it off
+    again at the end if it was off. On XLA the checkpoint is torch_xla's (torch's fails
+    there, and XLA would merge its recomputation away); a model whose
+    ``gradient_checkpointing_enable()`` you called yourself gets torch_xla's too, with or
+    without this callback.
+
+    Args:
+        every_n_layers: Checkpoint every n-th layer only (transformers 5's
+            ``activation_checkpointing_enable``; 1: all of them).
+
+    Example:
+        >>> # was: model.gradient_checkpointing_enable() before a CUDA loop
+        >>> one_cycle_fit(model, train_ds, epochs=1, max_lr=2e-4,       # doctest: +SKIP
+        ...               callbacks=[GradientCheckpointing()])
+    """
+
+    def __init__(self, every_n_layers: int = 1) -> None:
+        if isinstance(every_n_layers, bool) or not isinstance(every_n_layers, int) or every_n_layers < 1:
+            raise ValueError(f"every_n_layers must be an int >= 1, but given {every_n_layers!r}")
+        self.every_n_layers = every_n_layers
+        self._switched_on = False
+        self._found: list[Any] = []
+
+    def __repr__(self) -> str:
+        every = f"every_n_layers={self.every_n_layers}" if self.every_n_layers > 1 else ""
+        return f"GradientCheckpointing({every})"
+
+    def on_fit_start(self, loop: Any) -> None:
+        model = loop.model
+        enable = getattr(model, "activation_checkpointing_enable", None)
+        kwargs = {"every_n_layers": self.every_n_layers} if self.every_n_layers > 1 else {}
+        if enable is None and not kwargs:
+            enable = getattr(model, "gradient_checkpointing_enable", None)
+        if not callable(enable):
+            needs = "activation_checkpointing_enable (transformers 5)" if kwargs else "gradient_checkpointing_enable()"
+            raise TypeError(
+                f"GradientCheckpointing needs a Hugging Face model with {needs}, but the model is "
+                f"{type(model).__name__}; for a model of your own, wrap its blocks' forward in "
+                f"torch.utils.checkpoint.checkpoint (torch_xla.utils.checkpoint.checkpoint on XLA)"
+            )
+        if not _checkpointing(model):
+            enable(**kwargs)
+            self._switched_on = True
+        if loop.runner.lazy:
+            self._found = use_checkpoint_function(model, backend.checkpoint_function())
+
+    def on_fit_end(self, loop: Any) -> None:
+        if self._switched_on:
+            disable = getattr(loop.model, "activation_checkpointing_disable", None)
+            (disable or loop.model.gradient_checkpointing_disable)()
+            self._switched_on = False
+        give_back_checkpoint_functions(self._found)
+        self._found = []
+
+
+def _checkpointing(model: Any) -> bool:
+    """Whether a transformers model checkpoints its layers already."""
+    return any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules())
+
+
 class CSVLogger(Callback):
     """Writes the history so far to a CSV file after every epoch (the master process only).
 
@@ -218,12 +284,6 @@ class CSVLogger(Callback):
             raise TypeError(f"CSVLogger path must be a file path, but given {path!r}")
         check_file_path(path, "CSVLogger path")  # now, not at the end of the first epoch
         self.path = os.fspath(path)
-
-    @property
-    def averaged(self) -> AveragedModel | None:
-        """The ``AveragedModel`` (None before the fit), the latest update in it."""
-        self._write_back()
-        return self._averaged
 
     def __repr__(self) -> str:
         return f"CSVLogger({self.path!r})"
@@ -258,12 +318,6 @@ class TensorBoardLogger(Callback):
             raise TypeError(f"TensorBoardLogger log_dir must be a folder path, but given {log_dir!r}")
         self.log_dir = os.fspath(log_dir)
         self.writer: Any = None
-
-    @property
-    def averaged(self) -> AveragedModel | None:
-        """The ``AveragedModel`` (None before the fit), the latest update in it."""
-        self._write_back()
-        return self._averaged
 
     def __repr__(self) -> str:
         return f"TensorBoardLogger({self.log_dir!r})"

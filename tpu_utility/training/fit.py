@@ -47,7 +47,7 @@ from .builtins import (BestEpoch, Checkpoints, MultiplierSchedule, OneCycleSched
 from .agreement import ReplicaAgreement
 from .events import Events, check_callbacks
 from .history import History
-from .metrics import METRICS, accuracy, per_sample_loss, resolve_metrics
+from .metrics import METRICS, CrossEntropy, accuracy, per_sample_loss, resolve_metrics
 from .monitor import Mode, StopRule, parse_duration, resolve_mode
 from .runner import (Precision, Strategy, available_cores, check_precision, choose_strategy, process_mode,
                      resolve_cores)  # fmt: skip
@@ -238,7 +238,11 @@ def one_cycle_fit(
         max_lr: Peak learning rate (``OneCycleLR``'s name); with ``schedule=None`` the
             lr every param group starts from (your scheduler's base lr).
         valid_data: Dataset or DataLoader evaluated after every epoch.
-        loss_fn: Default ``nn.CrossEntropyLoss()``. Reduced in fp32.
+        loss_fn: Default: a model that computes its own loss from ``labels`` (a Hugging Face
+            model given a dict batch: causal and masked LMs, classifiers, peft models) trains
+            on that loss; otherwise ``nn.CrossEntropyLoss()`` over the class dimension (the
+            last for ``(N, T, C)`` scores against ``(N, T)`` targets). Targets of -100 count in
+            no loss or metric. Reduced in fp32.
         optimizer: "adamw", "adam", "sgd", ``params -> Optimizer``, or ``model -> Optimizer``
             (first parameter named ``model``, or timm's ``model_or_params``) building its own param groups.
         batch_size: Per-core batch size (default 64, or the DataLoader's own).
@@ -368,7 +372,7 @@ def one_cycle_fit(
     n_cores, run_mode = process_mode(cores, strategy)
     processes = n_cores if run_mode == "multiprocess" else 1
     train_spec, valid_spec = _loader_specs(train_data, valid_data, batch_size, num_workers, processes)
-    loss = loss_fn if loss_fn is not None else nn.CrossEntropyLoss()
+    loss = loss_fn if loss_fn is not None else CrossEntropy()
     if valid_spec is not None:
         per_sample_loss(loss)  # fail now, not after the first epoch
         _check_buckets(valid_spec, "valid_data")  # a long sequence would fail only after an epoch of training

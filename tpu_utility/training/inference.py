@@ -15,8 +15,9 @@ from torch import nn
 from .. import backend
 from . import agreement
 from ..data.loaders import LabelCheck, LoaderSpec, unpack_loader
-from .metrics import MetricSet, resolve_metrics
-from .runner import CheckedEvalStep, Precision, Runner, default_eval_step, default_predict_step, process_mode
+from ..huggingface import is_causal_lm
+from .metrics import CrossEntropy, MetricSet, resolve_metrics
+from .runner import EvalStep, Precision, Runner, default_eval_step, default_predict_step, process_mode
 
 
 def _runner(model: nn.Module, cores: int | str, precision: str, spec: LoaderSpec, what: str) -> Runner:
@@ -159,7 +160,8 @@ def evaluate(
         metrics: Names ("accuracy"), functions ``(output, target) -> values`` (per
             sample or a per-batch mean), torchmetrics ``Metric`` objects, or a dict
             naming them. Default "accuracy" with the default loss.
-        loss_fn: Default ``nn.CrossEntropyLoss()``.
+        loss_fn: Default ``nn.CrossEntropyLoss()`` over the class dimension (the last for ``(N, T, C)``
+            scores against ``(N, T)`` targets); targets of -100 count in no figure.
         cores, batch_size, precision: As for ``predict``.
         eval_step: ``(model, batch) -> (output, target)``.
 
@@ -175,11 +177,11 @@ def evaluate(
     table = resolve_metrics(metrics, loss_fn is None)
     runner = _runner(model, cores, precision, spec, "evaluate")
     try:
-        metric_set = MetricSet(table, loss_fn or nn.CrossEntropyLoss(), runner.device)
+        metric_set = MetricSet(table, loss_fn or CrossEntropy(), runner.device)
         loader, step = runner.eval_loader(spec), eval_step or default_eval_step
         if loss_fn is None and eval_step is None:  # on XLA an out-of-range label would not raise: check on the host
-            labels = LabelCheck()
-            loader, step = labels.loader(loader, masked=True), CheckedEvalStep(labels)
+            labels = LabelCheck()  # and a causal LM's scores and labels paired as its own loss pairs them
+            loader, step = labels.loader(loader, masked=True), EvalStep(labels, causal=is_causal_lm(model))
         runner.check_eval(loader, metric_set, step)
         sums, computed = runner.eval_sums(loader, metric_set, step)
         sums = backend.all_reduce([torch.stack(sums)], "sum")[0]

@@ -23,6 +23,7 @@ from .builtins import LearningRates
 from .events import StopFit
 from .fit import check_number, check_seed, resolve_optimizer
 from .history import closed_figure
+from .metrics import CrossEntropy
 from .runner import Placement
 from .trainer import FitPlan, Steps, train
 
@@ -151,7 +152,7 @@ def find_lr(
     # loss trains on a Hugging Face model's own output.loss
     plan = FitPlan(
         epochs=num_steps, train=unpack_loader(train_data, batch_size, "train_data"), valid=None,
-        steps=Steps(loss_fn or nn.CrossEntropyLoss(), default_loss=loss_fn is None), optimizer=make_opt,
+        steps=Steps(loss_fn or CrossEntropy(), default_loss=loss_fn is None), optimizer=make_opt,
         optimizer_name=name, optimizer_args={}, metrics={}, seed=check_seed(seed), progress=False, builtins=[sweep],
     )  # fmt: skip
     found, saved = Placement.of(model), {k: v.detach().clone() for k, v in model.state_dict().items()}

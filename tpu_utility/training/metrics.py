@@ -14,19 +14,37 @@ from __future__ import annotations
 
 import copy
 import inspect
+import math
 from functools import partial
 from typing import Any, Callable, Sequence
 
 import torch
+from torch import nn
 
 from .. import backend
+from ..data.loaders import IGNORE_INDEX, class_dim
 
 MetricFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
+class CrossEntropy(nn.CrossEntropyLoss):
+    """``nn.CrossEntropyLoss`` that also takes ``(N, T, C)`` scores against ``(N, T)`` targets.
+
+    The default loss of ``one_cycle_fit``, ``evaluate`` and ``find_lr``: the class
+    dimension is chosen by ``class_dim``, so a token classifier's or a language model's
+    logits need no ``transpose(1, 2)``; targets equal to ``ignore_index`` (-100) count
+    in no mean, as in torch.
+    """
+
+    def forward(self, input: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        if input.dim() >= 3 and class_dim(input.shape, target.shape) != 1:
+            input = input.movedim(-1, 1)
+        return super().forward(input, target)
+
+
 def accuracy(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """Per-sample correctness of the arg-max class (1.0 or 0.0)."""
-    return (output.argmax(dim=-1) == target).float()
+    """Per-sample (per-token, for sequences) correctness of the arg-max class (1.0 or 0.0)."""
+    return (output.argmax(dim=class_dim(output.shape, target.shape)) == target).float()
 
 
 METRICS: dict[str, MetricFn] = {"accuracy": accuracy}
@@ -166,6 +184,8 @@ class MetricSet:
 
     def __init__(self, metrics: dict[str, Any], loss_fn: Callable | None, device: torch.device) -> None:
         self.loss = per_sample_loss(loss_fn) if loss_fn is not None else None
+        # targets equal to it count in no figure (the loss's own ignore_index, else torch's -100)
+        self.ignore_index = getattr(loss_fn, "ignore_index", IGNORE_INDEX)
         self.functions = {k: m for k, m in metrics.items() if not is_torchmetric(m) and not isinstance(m, EpochMetric)}
         self.whole = {k: m for k, m in metrics.items() if isinstance(m, EpochMetric)}
         # each batch's [output, target] and dataset index (-1: padding), kept on the device for the EpochMetrics
@@ -180,12 +200,12 @@ class MetricSet:
             if sync_fn is not None:  # one process per core on XLA: sync their states over XLA collectives
                 metric.dist_sync_fn = sync_fn
                 metric.distributed_available_fn = lambda: True
-        self.sums = self.count = None  # created by reset(), at the start of each evaluation
+        self.sums = self.counts = None  # created by reset(), at the start of each evaluation
 
     def reset(self) -> None:
         width = 1 + len(self.functions)
         self.sums = torch.zeros(width, device=self.device)
-        self.count = torch.zeros((), device=self.device)
+        self.counts = torch.zeros(width, device=self.device)  # what each sum is over: samples, or counted targets
         self.outputs, self.whole_values = [], {}
         for metric in self.torchmetrics.values():
             metric.reset()
@@ -194,10 +214,10 @@ class MetricSet:
         """Adds one batch; ``index`` is -1 for padding, ``real`` the real samples (host-known)."""
         weight = (index >= 0).float()
         rows = [self._sum("the loss", self.loss, output, target, weight, real) if self.loss is not None
-                else torch.zeros((), device=output.device)]  # fmt: skip
+                else (torch.zeros((), device=output.device), weight.sum())]  # fmt: skip
         rows += [self._sum(f"metric {k!r}", fn, output, target, weight, real) for k, fn in self.functions.items()]
-        self.sums = self.sums + torch.stack(rows)
-        self.count = self.count + weight.sum()
+        self.sums = self.sums + torch.stack([total for total, _ in rows])
+        self.counts = self.counts + torch.stack([count for _, count in rows])
         for metric in self.torchmetrics.values():
             if real == output.shape[0]:
                 metric.update(output, target)
@@ -216,9 +236,14 @@ class MetricSet:
                 raise kind(f"metric {name!r} failed on the evaluation's outputs (shape {tuple(outputs.shape)}) "
                            f"and targets ({_describe(targets)}): {error}") from error  # fmt: skip
 
-    @staticmethod
-    def _sum(what: str, fn: Callable, output: torch.Tensor, target: Any, weight: torch.Tensor, real: int) -> torch.Tensor:
-        """The sum of ``fn``'s values over the real samples of one batch."""
+    def _sum(self, what: str, fn: Callable, output: torch.Tensor, target: Any, weight: torch.Tensor,
+             real: int) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """The sum of ``fn``'s values over one batch's real samples, and what it is a sum over.
+
+        Values shaped like an integer target (one per sample, or per token) count where the
+        target is not ``ignore_index``, as torch's loss counts them; other per-sample values
+        (a sample's mean) count once per real sample.
+        """
         values = fn(output, target)
         batch = output.shape[0]
         if not isinstance(values, torch.Tensor):
@@ -226,27 +251,31 @@ class MetricSet:
         if values.dim() == 0:  # a per-batch mean: exact when computed on the real samples only
             if 0 < real < batch:
                 values = fn(output[:real], _head(target, real))
-            return values.float() * real
+            return values.float() * real, weight.sum()
         if values.shape[0] != batch:
             raise ValueError(
                 f"{what} returned shape {tuple(values.shape)}; it must give one value per sample "
                 f"(first dimension {batch}) or one value per batch (a 0-d tensor)"
             )
-        return (values.reshape(batch, -1).float().mean(dim=1) * weight).sum()
+        if isinstance(target, torch.Tensor) and values.shape == target.shape and not target.is_floating_point():
+            counted = (target != self.ignore_index) & (weight.reshape(batch, *[1] * (target.dim() - 1)) > 0)
+            return torch.where(counted, values.float(), 0.0).sum(), counted.sum().float()
+        return (values.reshape(batch, -1).float().mean(dim=1) * weight).sum(), weight.sum()
 
     def figures(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Device scalars, not read: sums to add over replicas (loss, functions, count),
-        and each torchmetric's value (already the same on every replica)."""
+        """Device scalars, not read: sums to add over replicas (the loss's and the functions', then
+        what each is over), and each torchmetric's value (already the same on every replica)."""
         computed = [m.compute().float().reshape(()) for m in self.torchmetrics.values()]
-        return [*self.sums.unbind(0), self.count], computed
+        return [*self.sums.unbind(0), *self.counts.unbind(0)], computed
 
     def values(self, sums: Sequence[float], computed: Sequence[float]) -> tuple[float | None, dict[str, float]]:
-        """(mean loss or None, {name: value}) from the read figures."""
-        count = sums[-1]
-        by_name = {k: v / count for k, v in zip(self.functions, sums[1:-1])}
+        """(mean loss or None, {name: value}) from the read figures; a figure over no counted target is NaN."""
+        width = len(sums) // 2
+        means = [total / count if count else math.nan for total, count in zip(sums[:width], sums[width:])]
+        by_name = dict(zip(self.functions, means[1:]))
         by_name.update(zip(self.torchmetrics, computed))
         by_name.update(self.whole_values)
-        loss = sums[0] / count if self.loss is not None else None
+        loss = means[0] if self.loss is not None else None
         return loss, {name: float(by_name[name]) for name in self.names}
 
     def check(self, output: Any, target: Any) -> None:

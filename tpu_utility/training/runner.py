@@ -25,9 +25,9 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from .. import backend
-from ..data.loaders import LABELS, LabelCheck, LoaderSpec, eval_loader, real_counts, train_loader
+from ..data.loaders import IGNORE_INDEX, LABELS, LabelCheck, LoaderSpec, eval_loader, real_counts, train_loader
 from ..device import get_device, move_model, move_to_device
-from ..huggingface import restore_masks, static_masks
+from ..huggingface import give_back_checkpoint_functions, restore_masks, static_masks, use_checkpoint_function
 from .metrics import MetricSet
 from ..progress import progress_bar
 
@@ -246,12 +246,13 @@ class LossStep:
             raise _no_labels("train_step", inputs)
         output = call_model(model, inputs if self.model_loss else without_labels(inputs), "train_step")
         scores = logits_of(output)
-        if self.labels is not None:
-            self.labels.see(scores)
+        own = None
         if self.model_loss and not isinstance(output, torch.Tensor) and isinstance(output, Mapping):  # a ModelOutput's own loss
             own = output.get("loss")
-            if own is not None:
-                return own
+        if self.labels is not None:
+            self.labels.see(scores, target, own_loss=own is not None)
+        if own is not None:
+            return own
         return self.loss_fn(scores if scores.dtype == torch.float32 else scores.float(), target)
 
 
@@ -262,15 +263,40 @@ def default_eval_step(model: nn.Module, batch: Batch) -> tuple[Any, Any]:
     return logits_of(call_model(model, without_labels(inputs), "eval_step")), target
 
 
-class CheckedEvalStep:
-    """``default_eval_step`` that shows its output to a LabelCheck (which learns the class count from the first)."""
+def next_token_targets(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A causal LM's scores and targets paired as its own loss pairs them: position t predicts label t + 1.
 
-    def __init__(self, labels: LabelCheck) -> None:
-        self.labels = labels
+    Logits longer than the labels (peft's prompt tuning prepends virtual tokens) get the labels
+    right-aligned, the virtual positions ignored (-100), as peft and transformers do.
+
+    Example:
+        >>> logits, labels = torch.zeros(2, 5, 11), torch.arange(5).repeat(2, 1)
+        >>> [tuple(t.shape) for t in next_token_targets(logits, labels)]
+        [(2, 4, 11), (2, 4)]
+    """
+    extra = logits.shape[1] - labels.shape[1]
+    if extra > 0:
+        labels = torch.cat([labels.new_full((labels.shape[0], extra), IGNORE_INDEX), labels], dim=1)
+    return logits[:, :-1], labels[:, 1:]
+
+
+class EvalStep:
+    """``default_eval_step`` whose scores and targets are paired as the default loss reads them.
+
+    ``causal``: a causal LM's (``next_token_targets``), so the validation loss is the
+    model's own. ``labels``: a LabelCheck shown each output (it learns the class count
+    from the first).
+    """
+
+    def __init__(self, labels: LabelCheck | None = None, causal: bool = False) -> None:
+        self.labels, self.causal = labels, causal
 
     def __call__(self, model: nn.Module, batch: Batch) -> tuple[Any, Any]:
         output, target = default_eval_step(model, batch)
-        self.labels.see(output)
+        if self.causal and isinstance(output, torch.Tensor) and isinstance(target, torch.Tensor):
+            output, target = next_token_targets(output, target)
+        if self.labels is not None:
+            self.labels.see(output, target)
         return output, target
 
 
@@ -466,6 +492,8 @@ class Runner:
             model.to(torch.bfloat16)
         # a transformers model's masks built on the device: no host read per forward on XLA (given back after)
         self.found_attention = static_masks(model) if self.lazy else None
+        # gradient_checkpointing_enable()'s torch checkpoint fails on XLA: torch_xla's in its place (given back after)
+        self.found_checkpointing = use_checkpoint_function(model, backend.checkpoint_function()) if self.lazy else []
 
     @property
     def lazy(self) -> bool:
@@ -476,6 +504,7 @@ class Runner:
         """Puts the model back on the device, dtype and mode it was found in."""
         self.found.restore(self.model)
         restore_masks(self.model, self.found_attention)
+        give_back_checkpoint_functions(self.found_checkpointing)
         if self.found_weights is not None:
             self.model.load_state_dict(self.found_weights)
 

@@ -31,14 +31,14 @@ from .. import backend
 from ..checkpoint import CHECKPOINT_NAME
 from ..data.loaders import LabelCheck, LoaderSpec, dropped_per_epoch, set_epoch
 from ..files import folder_lock, join, remove, remove_stale_temporaries
-from ..huggingface import restore_masks
+from ..huggingface import is_causal_lm, restore_masks
 from ..optim import on_xla, take_step
 from ..progress import CompileNotice, progress_bar
 from .builtins import BEST_NAME, HISTORY_NAME
 from .events import Events, StopFit
 from .history import EpochRecord, History
 from .metrics import MetricSet
-from .runner import CheckedEvalStep, LossStep, Runner, default_eval_step
+from .runner import EvalStep, LossStep, Runner
 from .schedule import peak_ratios, total_optimizer_steps
 
 _NO_BAD_STEP = float(2**24)  # "no non-finite loss yet"; exact in float32
@@ -133,13 +133,14 @@ class Loop:
         self.train_loader = runner.train_loader(plan.train, plan.seed)
         self.valid_loader = runner.eval_loader(plan.valid) if plan.valid is not None else None
         self.metrics = MetricSet(plan.metrics, steps.loss_fn, runner.device) if plan.valid is not None else None
-        self.eval_step = steps.eval_step or default_eval_step
         # the default loss's labels, checked on the host against the first real output's class count
         labels = LabelCheck() if steps.default_loss and steps.train_step is None else None
         if labels is not None:
             self.train_loader = labels.loader(self.train_loader)
-            if self.valid_loader is not None and steps.eval_step is None:
-                self.valid_loader, self.eval_step = labels.loader(self.valid_loader, masked=True), CheckedEvalStep(labels)
+        # the default validation loss of a causal LM pairs its scores and labels as the model's own loss does
+        self.eval_step = steps.eval_step or EvalStep(labels, causal=steps.default_loss and is_causal_lm(runner.model))
+        if self.valid_loader is not None and labels is not None and steps.eval_step is None:
+            self.valid_loader = labels.loader(self.valid_loader, masked=True)
         self.train_step = steps.train_step or LossStep(steps.loss_fn, labels, model_loss=steps.default_loss)
         self.batches = len(self.train_loader)
 

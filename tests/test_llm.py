@@ -1,0 +1,241 @@
+"""Decoder LLMs fine-tuned as people write them: causal LMs, token labels, LoRA and prompt tuning.
+
+Tiny GPT-2, Llama (tied and not), Gemma and BERT models built from their configs train
+through ``one_cycle_fit`` with no step function (the model computes its own loss from
+``labels``), and their per-epoch losses equal the plain CPU loop's (``llm_models``).
+Validation leaves -100 targets out, as the model's own loss does; a ``datasets`` split
+goes in without ``set_format``; a collator that pads each batch to its longest is named
+before training; gradient checkpointing runs on XLA; ``save_pretrained`` works on what
+``one_cycle_fit`` hands back. The same on 4 SPMD devices and natively, in one child each.
+"""
+
+import copy
+import warnings
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from conftest import run_python
+from llm_models import VOCAB, adamw, causal_lm, counting, lora, own_loss_mean, plain_cpu_losses, prompt_tuning
+from tpu_utility import GradientCheckpointing, doctor, evaluate, get_device, move_model, one_cycle_fit, predict
+
+LR, BATCH = 3e-3, 8
+
+
+def fit(model, data, epochs=2, **kwargs):
+    return one_cycle_fit(model, data, epochs=epochs, max_lr=LR, batch_size=BATCH, schedule="constant",
+                         optimizer=adamw(LR), progress=False, **kwargs)  # fmt: skip
+
+
+def same(a, b, rel=1e-4):
+    return a == pytest.approx(b, rel=rel), (a, b)
+
+
+@pytest.mark.parametrize("kind, tied", [("gpt2", True), ("llama", True), ("gemma", True)])  # untied: every other test
+def test_a_causal_lm_trains_with_no_step_function_as_the_plain_cpu_loop(kind, tied, tmp_path):
+    data = counting(32, seed=0)
+    history = fit(causal_lm(kind, tied), data)
+    losses = [r.train_loss for r in history.records]
+    assert losses[-1] < losses[0]
+    assert same(losses, plain_cpu_losses(causal_lm(kind, tied), data, 2, BATCH, LR))
+    assert [r.host_syncs for r in history.records] == [0, 0]
+    assert history.records[-1].compiles == history.records[0].compiles  # flat after epoch 1
+    model = history.model
+    tie = model.get_input_embeddings().weight is model.get_output_embeddings().weight
+    assert tie == tied, "the tie of the embeddings and the LM head is the model's own, kept on XLA"
+    if kind == "gpt2":  # save_pretrained of the model one_cycle_fit hands back, on XLA
+        model.save_pretrained(tmp_path)
+        reloaded = type(model).from_pretrained(tmp_path).eval()
+        batch = {k: torch.stack([s[k] for s in data[:BATCH]]) for k in ("input_ids", "attention_mask")}
+        with torch.no_grad():
+            torch.testing.assert_close(reloaded(**batch).logits, predict(model, data[:BATCH], progress=False),
+                                       atol=1e-5, rtol=1e-5)  # fmt: skip
+
+
+@pytest.mark.parametrize("wrap", [lora, prompt_tuning], ids=["lora", "prompt_tuning"])
+def test_peft_models_train_as_the_plain_cpu_loop_and_a_lora_adapter_reloads(wrap, tmp_path):
+    import peft
+
+    data = counting(32, seed=0)
+    model = wrap(causal_lm("llama"))
+    base = {k: v.clone() for k, v in model.get_base_model().state_dict().items() if "lora_" not in k}
+    history = fit(model, data)
+    losses = [r.train_loss for r in history.records]
+    assert losses[-1] < losses[0]
+    assert same(losses, plain_cpu_losses(wrap(causal_lm("llama")), data, 2, BATCH, LR))
+    if wrap is prompt_tuning:  # its logits are longer than its labels (the virtual tokens): no loss_fn needed
+        return
+    after = {k: v.cpu() for k, v in history.model.get_base_model().state_dict().items() if "lora_" not in k}
+    assert all(torch.equal(base[k], after[k]) for k in base), "the base weights stay as they were"
+    history.model.save_pretrained(tmp_path)  # the adapter, from the model on XLA
+    reloaded = peft.PeftModel.from_pretrained(causal_lm("llama"), tmp_path)
+    lora_b = [p for name, p in reloaded.named_parameters() if "lora_B" in name]
+    assert lora_b and all(p.abs().sum() > 0 for p in lora_b)  # trained: lora_B starts at zero otherwise
+    trained = {k: v.cpu() for k, v in history.model.state_dict().items() if "lora_B" in k}
+    assert all(torch.equal(v, reloaded.state_dict()[k]) for k, v in trained.items())
+
+
+def test_the_validation_loss_of_a_causal_lm_is_its_own_loss_with_ignored_targets_left_out():
+    train, valid = counting(32, seed=0), counting(20, seed=1, ignored=5)  # 20: the last batch is padded
+    history = fit(causal_lm("llama"), train, epochs=1, valid_data=valid)
+    own = own_loss_mean(copy.deepcopy(history.model), valid, BATCH)
+    assert same(history.records[-1].valid_loss, own, rel=1e-5)
+    figures = evaluate(history.model, valid, batch_size=BATCH)
+    assert same(figures["loss"], own, rel=1e-5)
+    assert 0 < figures["accuracy"] < 1  # the next token, over the targets that count
+
+
+class Tagger(nn.Module):
+    """A token classifier of one's own: (N, T) tokens to (N, T, C) scores, trained on (N, T) labels."""
+
+    def __init__(self, classes=5):
+        super().__init__()
+        self.emb, self.out = nn.Embedding(VOCAB, 16), nn.Linear(16, classes)
+
+    def forward(self, tokens):
+        return self.out(self.emb(tokens))
+
+
+def _tags(n, seed, bad=None):
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, VOCAB, (n, 12), generator=g)
+    tags = tokens % 5
+    tags[:, :3] = -100  # positions that count in no loss: padding, a prompt
+    if bad is not None:
+        tags[n - 1, 5] = bad
+    return TensorDataset(tokens, tags)
+
+
+def test_a_token_classifier_trains_on_the_default_loss_and_its_figures_leave_ignored_targets_out():
+    train, valid = _tags(64, 0), _tags(20, 1)
+    torch.manual_seed(0)
+    history = one_cycle_fit(Tagger(), train, valid_data=valid, epochs=3, max_lr=3e-2, batch_size=BATCH, progress=False)
+    assert history.records[-1].train_loss < 0.6 * history.records[0].train_loss
+    assert history.records[-1].metrics["accuracy"] > 0.7
+    model = copy.deepcopy(history.model).cpu()
+    tokens, tags = valid.tensors
+    with torch.no_grad():
+        logits = model(tokens)
+    counted = tags != -100
+    expected = nn.functional.cross_entropy(logits.transpose(1, 2), tags)  # torch leaves the -100s out
+    assert same(history.records[-1].valid_loss, expected.item(), rel=1e-5)
+    accuracy = (logits.argmax(-1) == tags)[counted].float().mean().item()
+    assert history.records[-1].metrics["accuracy"] == pytest.approx(accuracy, abs=1e-6)
+    figures = evaluate(history.model, valid, batch_size=BATCH)
+    assert same(figures["loss"], expected.item(), rel=1e-5)
+
+
+def test_a_token_label_out_of_the_class_range_is_named_before_training():
+    with pytest.raises(ValueError, match=r"class indices in \[0, 5\).*holds \[7\]"):
+        one_cycle_fit(Tagger(), _tags(32, 0, bad=7), epochs=1, max_lr=1e-2, batch_size=BATCH, progress=False)
+
+
+def test_a_datasets_split_without_set_format_trains_as_with_it():
+    import datasets
+
+    data = counting(32, seed=0)
+    columns = {k: [s[k].tolist() for s in data] for k in data[0]}
+    split = datasets.Dataset.from_dict(columns)
+    assert isinstance(split[0]["input_ids"], list)  # what a tokenized split gives
+    as_lists = fit(causal_lm("llama"), split, epochs=1)
+    as_tensors = fit(causal_lm("llama"), split.with_format("torch"), epochs=1)
+    assert as_lists.records[0].train_loss == as_tensors.records[0].train_loss
+    rows = predict(as_lists.model, split, batch_size=BATCH, progress=False)
+    assert rows.shape == (32, 16, VOCAB)
+
+
+def test_a_collator_that_pads_each_batch_to_its_longest_is_named_before_training():
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from transformers import DataCollatorForLanguageModeling, PreTrainedTokenizerFast
+
+    vocab = {"[PAD]": 0, "[UNK]": 1, **{f"w{i}": i for i in range(2, VOCAB)}}
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(WordLevel(vocab, unk_token="[UNK]")),
+                                        pad_token="[PAD]", unk_token="[UNK]")  # fmt: skip
+    g = torch.Generator().manual_seed(0)
+    samples = [{"input_ids": counting(1, seed=k, length=int(torch.randint(6, 20, (1,), generator=g)))[0]["input_ids"]
+                .tolist()} for k in range(16)]  # fmt: skip
+    with pytest.warns(UserWarning, match=r"DataCollatorForLanguageModeling pads each batch to its own longest.*"
+                                         r"pad_to_multiple_of=64.*BucketCollate"):  # fmt: skip
+        one_cycle_fit(causal_lm("llama"), DataLoader(samples, batch_size=BATCH,
+                      collate_fn=DataCollatorForLanguageModeling(tokenizer, mlm=False)),
+                      epochs=1, max_lr=LR, progress=False)  # fmt: skip
+    fixed = DataLoader(samples, batch_size=BATCH, collate_fn=DataCollatorForLanguageModeling(tokenizer, mlm=False,
+                                                                                           pad_to_multiple_of=32))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*pads each batch.*")
+        history = one_cycle_fit(causal_lm("llama"), fixed, epochs=2, max_lr=LR, progress=False)
+    assert history.records[1].compiles == history.records[0].compiles
+
+
+def test_gradient_checkpointing_trains_on_xla_with_the_losses_of_a_run_without():
+    data = counting(32, seed=0)
+    plain = fit(causal_lm("llama"), data, epochs=1).records[0].train_loss
+    model = causal_lm("llama")
+    model.gradient_checkpointing_enable()  # as every LLM notebook does: torch's checkpoint fails on XLA
+    assert same(fit(model, data, epochs=1).records[0].train_loss, plain, rel=1e-5)
+    model = causal_lm("llama")
+    assert same(fit(model, data, epochs=1, callbacks=[GradientCheckpointing()]).records[0].train_loss, plain, rel=1e-5)
+    assert not any(getattr(m, "gradient_checkpointing", False) for m in model.modules()), "switched off after"
+    with pytest.raises(TypeError, match="GradientCheckpointing needs a Hugging Face model.*Tagger"):
+        one_cycle_fit(Tagger(), _tags(32, 0), epochs=1, max_lr=1e-2, batch_size=BATCH, progress=False,
+                      callbacks=[GradientCheckpointing()])  # fmt: skip
+
+
+def test_doctor_names_the_tie_that_model_to_split_and_move_model_keeps_it():
+    batches = [{k: torch.stack([s[k] for s in counting(BATCH, seed=j)]) for k in ("input_ids", "labels")} for j in range(3)]
+    split = causal_lm("gpt2").to(get_device())  # the README's two-line port, as it was
+    report = doctor(split, batches=batches, optimizer=torch.optim.AdamW(split.parameters()), steps=1, warmup=1)
+    assert "tied_weights" in report.kinds() and "move_model(model, device)" in str(report), str(report)
+    kept = move_model(causal_lm("gpt2"), get_device())
+    assert kept.get_input_embeddings().weight is kept.get_output_embeddings().weight
+
+
+CHILD = """
+import copy, json, sys
+sys.path.insert(0, "tests")
+import torch
+from llm_models import adamw, causal_lm, counting, lora, own_loss_mean, plain_cpu_losses, prompt_tuning
+from tpu_utility import evaluate, one_cycle_fit
+CORES, PER_CORE, LR = {cores!r}, {per_core}, 3e-3
+train, valid = counting(64, seed=0), counting(20, seed=1, ignored=5)
+out = {{}}
+for name, make in [("llama", lambda: causal_lm("llama", tied=True)), ("lora", lambda: lora(causal_lm("llama"))),
+                   ("prompt_tuning", lambda: prompt_tuning(causal_lm("llama")))]:
+    h = one_cycle_fit(make(), train, valid_data=valid, epochs=2, max_lr=LR, batch_size=PER_CORE, cores=CORES,
+                      schedule="constant", optimizer=adamw(LR), progress=False)
+    out[name] = {{"losses": [r.train_loss for r in h.records], "summary": h.summary,
+                 "plain": plain_cpu_losses(make(), train, 2, {global_batch}, LR),
+                 "valid": h.records[-1].valid_loss, "own": own_loss_mean(copy.deepcopy(h.model), valid, 8),
+                 "evaluate": evaluate(h.model, valid, batch_size=PER_CORE, cores=CORES)["loss"]}}
+print("RESULT", json.dumps(out))
+"""
+
+
+def _child(env, cores, per_core, global_batch):
+    r = run_python(CHILD.format(cores=cores, per_core=per_core, global_batch=global_batch), env=env, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    import json
+
+    return json.loads(r.stdout.split("RESULT ")[1])
+
+
+def _check(runs, where):
+    for name, run in runs.items():
+        assert where in run["summary"], run["summary"]
+        assert run["losses"][-1] < run["losses"][0], (name, run["losses"])
+        assert same(run["losses"], run["plain"]), name
+        assert same(run["valid"], run["own"], rel=1e-5), name
+        assert same(run["evaluate"], run["own"], rel=1e-5), name
+
+
+@pytest.mark.multidevice
+def test_on_four_spmd_devices_causal_lms_and_peft_models_train_as_the_plain_cpu_loop():
+    _check(_child({"CPU_NUM_DEVICES": "4"}, "all", 2, 8), "spmd on 4 CPU core(s) | batch 2 per core, 8 global")
+
+
+def test_natively_causal_lms_and_peft_models_train_as_the_plain_cpu_loop():
+    native = {"PJRT_DEVICE": None, "CPU_NUM_DEVICES": None, "TPU_UTILITY_BACKEND": "native"}
+    _check(_child(native, 1, 8, 8), "single on 1 cpu core(s)")
