@@ -82,28 +82,27 @@ def test_greedy_tokens_are_the_cpus_model_generate_with_and_without_eos(cases, f
     assert any(len(r) < NEW for r in stopped) and any(len(r) == NEW for r in stopped)  # EOS stops some rows only
     got = generate(model, few, max_new_tokens=NEW, eos_token_id=eos, batch_size=4, buckets=[40], progress=False)
     assert got == stopped
-    if family == "llama":  # the graph without stop flags too
-        assert generate(model, few, max_new_tokens=NEW, batch_size=4, buckets=[40], progress=False) == plain
+    # the graph without stop flags: the 64-prompt test compares it with the CPU's tokens
     assert next(model.parameters()).device.type == "cpu" and not model.training
 
 
 def test_64_prompts_compile_buckets_plus_few_graphs_then_nothing_and_read_every_k_steps(cases):
     model = copy.deepcopy(cases["llama"][0])
     many, new_ones = prompts(64, seed=2), prompts(64, seed=3)  # noqa: F821
-    want = on_cpu(model, many, 12)  # noqa: F821
+    want = on_cpu(model, many, 8)  # noqa: F821
     buckets = choose_buckets([len(p) for p in many], num_buckets=4, multiple_of=8)
     model.to(backend.device())  # already on the device: restoring it moves nothing, so transfers are generate's own
 
     def run(data, **kw):
         backend.clear_counters()
-        got = generate(model, data, max_new_tokens=12, batch_size=16, read_every=4, progress=False, **kw)
+        got = generate(model, data, max_new_tokens=8, batch_size=16, read_every=4, progress=False, **kw)
         return got, backend.counters()
 
     got, first = run(many)
     assert got == want
     assert first.compiles <= len(buckets) + 4, (first, buckets)
-    batches = len(GenerationPlan.of([len(p) for p in many], buckets, 16, 12).batches)
-    assert first.transfers <= batches * (12 // 4 + 2), (first, batches)
+    batches = len(GenerationPlan.of([len(p) for p in many], buckets, 16, 8).batches)
+    assert first.transfers <= batches * (8 // 4 + 2), (first, batches)
     again, second = run(many)
     assert again == want and second.compiles == 0, second
     _, fresh = run(new_ones, buckets=buckets)
