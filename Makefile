@@ -159,6 +159,7 @@ bench: venv
 	$(PINNED)/bin/python bench/resnet_bench.py
 	$(PINNED)/bin/python bench/text_bench.py
 	$(PINNED)/bin/python bench/predict_bench.py
+	$(PINNED)/bin/python bench/generate_bench.py
 	$(PINNED)/bin/python bench/cache_bench.py
 	PJRT_DEVICE=CPU $(PINNED)/bin/python bench/port_bench.py
 

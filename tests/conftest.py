@@ -84,6 +84,7 @@ TORCH_RELEASE = {  # code whose behaviour moved between torch/torch_xla 2.8 and 
     "test_callbacks.py": "swa_utils' AveragedModel and torch.utils.tensorboard",
     "test_checkpoint.py": "torch.save/torch.load(weights_only=True) formats",
     "test_huggingface.py": "transformers' mask code branches on the torch version",
+    "test_generate.py": "compile and transfer counts of generate's graphs, SPMD sharding of its KV cache",
     "test_readme.py": "every README and docs block, as a user runs it",
     "test_notebook.py": "the quickstart notebook end to end",
     "test_porter.py": "ported 1.x kernels and CUDA loops run on this torch_xla (the API table's premise)",

@@ -18,7 +18,7 @@ LAYERS = [
     {"data.loaders", "training.metrics", "training.callbacks", "training.builtins", "training.agreement"},
     {"data", "loop"},
     {"training.runner"},
-    {"training.trainer", "training.inference", "diagnostics.doctor"},
+    {"training.trainer", "training.inference", "training.generate", "diagnostics.doctor"},
     {"training.fit"},
     {"training.lr_finder", "training", "diagnostics.check", "diagnostics"},
     {"demo", "check", "port", "__init__"},

@@ -74,6 +74,22 @@ TEXT_STEP = """
     tokens, mask, target = tokens.to(device), mask.to(device), target.to(device)
     optimizer.zero_grad(); nn.functional.cross_entropy(model(tokens, mask), target).backward(); step_optimizer(optimizer)
 """
+LLM = """
+import pandas as pd
+from transformers import LlamaConfig, LlamaForCausalLM
+torch.manual_seed(0)
+model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, pad_token_id=0, eos_token_id=2))
+class Characters:  # a stand-in tokenizer (no download): a character is a token
+    def __call__(self, text):
+        return {"input_ids": [3 + ord(c) % 60 for c in text]}
+    def batch_decode(self, rows, skip_special_tokens=True):
+        return ["".join(chr(97 + t % 26) for t in row if not (skip_special_tokens and t == 2)) for row in rows]
+tokenizer = Characters()
+texts = torch.randint(3, 64, (80, 16))
+train_ds = [{"input_ids": t, "labels": t} for t in texts[:64]]; valid_ds = [{"input_ids": t, "labels": t} for t in texts[64:]]
+test_df = pd.DataFrame({"id": range(5), "prompt": ["abc", "a longer prompt of words", "xy", "hello there", "q"]})
+"""
 IMAGES = """
 from PIL import Image
 import torchvision.transforms as T
@@ -139,6 +155,8 @@ def _cases():
         ("static_masks", block("static_masks(model)   # was") + "\nassert model.config._attn_implementation != 'sdpa'\n", 1),
         ("bring a scheduler", block("class Scheduled(Callback)")
          + "\nassert hf_linear.scheduler.last_epoch == len(history.step_lrs) and os.path.isdir('ckpt-timm')\n", 1),
+        ("generate a submission", LLM + block("restore_best=True)\nprompts =")
+         + "\nsub = pd.read_csv('submission.csv'); assert list(sub['id']) == list(range(5)) and len(sub) == 5, sub\n", 4),
         ("reload best.pt", "one_cycle_fit(small_cnn(), train_ds, epochs=1, max_lr=1e-3, checkpoint_dir='ckpt', progress=False)\n"
          + block('load_checkpoint("ckpt/best.pt"') + "\nassert preds.shape == (len(test_ds), 10)\n", 1),
     ]  # fmt: skip

@@ -26,9 +26,10 @@ from .huggingface import static_masks
 from .data import (BucketBatchSampler, BucketCollate, CachedDataset, PresizeReport, cache_dataset, choose_buckets,
                    group_batches, make_sampler, padding_waste, presize_images)
 
-# the trainer: one call that trains, keeps the best epoch and predicts
+# the trainer: one call that trains, keeps the best epoch and predicts (or generates)
 from .training import (EMA, Callback, CSVLogger, EpochMetric, EpochRecord, GradientCheckpointing, History, LRFinderResult,
-                       StopFit, TensorBoardLogger, evaluate, find_lr, one_cycle, one_cycle_curve, one_cycle_fit, predict)
+                       StopFit, TensorBoardLogger, evaluate, find_lr, generate, one_cycle, one_cycle_curve, one_cycle_fit,
+                       predict)
 
 # diagnosis: doctor (run time), check (this machine); `python -m tpu_utility.port` (your source)
 from .diagnostics import DoctorError, DoctorReport, doctor
@@ -59,6 +60,7 @@ __all__ = [
     "EpochRecord",
     "evaluate",
     "find_lr",
+    "generate",
     "get_device",
     "grad_scaler",
     "GradientCheckpointing",

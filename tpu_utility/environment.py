@@ -2,7 +2,8 @@
 
 Finds where it runs (Kaggle, Colab, a TPU VM or a local machine), checks the
 torch/torch_xla pair, picks the PJRT device, turns on the persistent compile
-cache, starts the XLA runtime where no multi-process launch can follow, and prints
+cache where torch_xla can reload it (nowhere at 2.8/2.9: it is off, and the summary says why),
+starts the XLA runtime where no multi-process launch can follow, and prints
 what it found, including which backend runs and why.
 """
 
@@ -80,6 +81,15 @@ def detect_platform(environ: dict[str, str] | None = None, tpu_chips: int | None
     if chips or "TPU_ACCELERATOR_TYPE" in env or "TPU_NAME" in env:
         return "tpu-vm"
     return "local"
+
+
+# torch_xla 2.8/2.9 on a TPU write compiled programs to the persistent cache but never load them: its
+# DeserializeComputation calls PjRtClient::DeserializeExecutable, which libtpu's PJRT C API client leaves
+# unimplemented ("Failed to deserialize executable: UNIMPLEMENTED: Deserializing serialized executable not
+# supported", pytorch/xla#9094, open; the fix, pytorch/xla#9759, calls LoadSerializedExecutable and is not
+# released). So the cache is off by default and the summary says why; `python -m tpu_utility.check` measures
+# on a TPU whether a second run is faster.
+CACHE_ON_TPU = "off (torch_xla 2.8/2.9 on TPU write compiled programs but cannot load them back: pytorch/xla#9094)"
 
 
 def default_cache_dir(
@@ -201,8 +211,11 @@ def setup_tpu(
             ``/kaggle/working/xla_cache`` on Kaggle, ``~/.cache/tpu_utility/xla_cache``
             elsewhere, with a ``process_<rank>`` subfolder per launched process.
         compile_cache: None (default) turns the cache on where torch_xla can reload
-            compiled programs, which is TPU; XLA:CPU writes them but cannot read them
-            back. True forces it on, False leaves it off.
+            compiled programs, which today is nowhere: XLA:CPU writes them but cannot
+            read them back, and neither can a TPU at torch_xla 2.8/2.9 (its PJRT plugin
+            does not implement the deserialization torch_xla calls, pytorch/xla#9094;
+            every run compiles anew). True forces it on (for a torch_xla with the fix,
+            pytorch/xla#9759); False leaves it off.
         verbose: Print the summary.
         spmd: None (default) switches SPMD on when several XLA devices are visible
             outside a launched process, so ``cores="all"`` works after other XLA
@@ -297,10 +310,12 @@ def setup_tpu(
     rank = backends.local_process_rank()
     chosen_cache = None
     cache_note = "off"
-    if compile_cache is None:
-        compile_cache = wanted == "TPU"
+    if compile_cache is None:  # on where it reloads: nowhere at torch_xla 2.8/2.9 (see CACHE_ON_TPU)
+        compile_cache = False
         if wanted == "CPU":
             cache_note = "off (XLA:CPU cannot reload compiled programs)"
+        elif wanted == "TPU":
+            cache_note = CACHE_ON_TPU
     if use_xla and compile_cache:
         chosen_cache = default_cache_dir(platform, rank, base=cache_dir)
         _check_folder(chosen_cache, cache_dir)

@@ -24,7 +24,7 @@ import torch
 
 from . import choice, xla
 from .base import Backend, Counters, ReduceOp, SyncKind, patch_tensor_methods
-from .hardware import TpuHardware, detect_tpu, pjrt_device
+from .hardware import MEMORY_ENV, TpuHardware, detect_tpu, memory_override, pjrt_device
 from .native import NativeBackend
 from .tpu import TorchTpuBackend
 from .versions import INSTALL_HINT, check_versions, fix_command, installed_version, torch_tpu_installed
@@ -277,6 +277,16 @@ def bf16_autocast_available() -> bool:
 
 def autocast(dev: torch.device, dtype: torch.dtype) -> Any:
     return current().autocast(dev, dtype)
+
+
+def device_memory(dev: torch.device) -> int | None:
+    """Bytes of memory of one device (``TPU_UTILITY_DEVICE_MEMORY_GB`` overrides), or None where unknown."""
+    return current().device_memory(dev)
+
+
+def shard_batch(tensors: Sequence[torch.Tensor]) -> None:
+    """Splits each tensor along dim 0 over the SPMD mesh, as a batch is; nothing outside SPMD."""
+    current().shard_batch(tensors)
 
 
 def hardware(dev: torch.device) -> str | None:

@@ -23,6 +23,8 @@ from typing import Any, Callable, ContextManager, Iterator, Literal, Sequence
 import torch
 from torch.utils import _pytree as pytree
 
+from .hardware import memory_override
+
 ReduceOp = Literal["sum", "min", "max"]
 # What a host sync is: a value read (.item(), bool(), print), a copy of device data to the
 # host (.cpu(), .tolist()), or an op whose output shape depends on the data (nonzero, x[mask]).
@@ -172,6 +174,10 @@ class Backend:
         """Whether float16 autocast with torch's ``GradScaler`` runs on this backend's device."""
         return False
 
+    def device_memory(self, device: torch.device) -> int | None:
+        """Bytes of memory of one device (``TPU_UTILITY_DEVICE_MEMORY_GB`` first), or None where unknown (the CPU)."""
+        return memory_override()
+
     def hardware(self, device: torch.device) -> str | None:
         """The hardware under ``device`` where it is not the device itself ("TPU" or "CPU" under XLA, "TPU" under TorchTPU), else None."""
         return None
@@ -231,6 +237,9 @@ class Backend:
     # ---------------------------------------------------------------- SPMD
     def is_spmd(self) -> bool:
         return False
+
+    def shard_batch(self, tensors: Sequence[torch.Tensor]) -> None:
+        """Marks each tensor as split along dim 0 over the SPMD mesh (a cache the size of the batch); nothing elsewhere."""
 
     def use_spmd(self) -> None:
         raise ValueError(

@@ -24,6 +24,13 @@ _TPU_PCI_KINDS = {
 }
 
 
+# High-bandwidth memory of one XLA device (one core of a v2/v3 chip, one chip from v4 on), in GiB, as
+# Google's Cloud TPU pages give it per chip.
+_TPU_DEVICE_MEMORY_GIB = {"v2": 8, "v3": 16, "v2/v3": 8, "v4": 32, "v5e": 16, "v5litepod": 16, "v5p": 95,
+                          "v6e": 32, "7x": 192}  # fmt: skip
+MEMORY_ENV = "TPU_UTILITY_DEVICE_MEMORY_GB"
+
+
 @dataclass(frozen=True)
 class TpuHardware:
     """TPU chips attached to this host, found without starting any runtime."""
@@ -70,3 +77,29 @@ def pjrt_device() -> str | None:
     return value.split("_")[0].upper() if value else None
 
 
+
+
+def memory_override() -> int | None:
+    """Bytes of memory per device that ``TPU_UTILITY_DEVICE_MEMORY_GB`` sets (GiB, fractions allowed), or None.
+
+    The one place this variable is read: every memory plan (generation's KV cache, training's) asks here.
+
+    Raises:
+        ValueError: a value that is not a positive number, named with the variable.
+    """
+    value = os.environ.get(MEMORY_ENV)
+    if value is None or not value.strip():
+        return None
+    try:
+        gib = float(value)
+    except ValueError:
+        gib = -1.0
+    if not gib > 0:
+        raise ValueError(f"{MEMORY_ENV} must be a positive number of GiB per device (e.g. 16), but is {value!r}")
+    return int(gib * 2**30)
+
+
+def tpu_device_memory(kind: str | None) -> int | None:
+    """Bytes of memory of one XLA device of a TPU of ``kind`` ("v5e", "v4", ...), or None for a kind not in the table."""
+    gib = _TPU_DEVICE_MEMORY_GIB.get((kind or "").lower())
+    return gib * 2**30 if gib else None

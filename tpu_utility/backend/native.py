@@ -31,6 +31,7 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .base import Backend, ReduceOp, SyncKind, patch_tensor_methods
+from .hardware import memory_override
 
 # Every collective and the start-up rendezvous give up after this long (seconds): a replica
 # that died or took another path raises on the others instead of hanging them forever.
@@ -388,6 +389,13 @@ class NativeBackend(Backend):
                 ".tolist() are counted)",
             )
         return (compiles, f"ops that fall back to the host CPU: the {self.device_type} backend does not count them")
+
+    def device_memory(self, device: torch.device) -> int | None:
+        """The override, else a GPU's total memory; None on the CPU."""
+        override = memory_override()
+        if override is not None or self.device_type != "cuda":
+            return override
+        return torch.cuda.get_device_properties(device).total_memory
 
     # ----------------------------------------------------------- precision
     def bf16_autocast_available(self) -> bool:

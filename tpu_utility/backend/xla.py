@@ -24,7 +24,7 @@ import torch
 
 from . import choice
 from .base import Backend, Counters, ReduceOp
-from .hardware import detect_tpu, pjrt_device
+from .hardware import detect_tpu, memory_override, pjrt_device, tpu_device_memory
 from .versions import INSTALL_HINT, module_installed, check_versions, installed_version
 
 XLA_INSTALLED: bool = module_installed("torch_xla")
@@ -729,6 +729,13 @@ class XlaBackend(Backend):
     def checkpoint_function(self) -> Callable[..., Any]:
         return checkpoint
 
+    def device_memory(self, device: torch.device) -> int | None:
+        """The override, else the TPU table's figure for the chip found on the PCI bus; None on XLA:CPU."""
+        override = memory_override()
+        if override is not None or self.hardware(device) != "TPU":
+            return override
+        return tpu_device_memory(detect_tpu().kind)
+
     def fused_optimizer(self, name: str) -> type | None:
         return fused_optimizer(name)
 
@@ -756,6 +763,14 @@ class XlaBackend(Backend):
 
     def is_spmd(self) -> bool:
         return is_spmd()
+
+    def shard_batch(self, tensors: Sequence[torch.Tensor]) -> None:
+        if is_spmd():
+            import torch_xla.distributed.spmd as xs
+
+            mesh = _data_mesh(global_device_count())
+            for t in tensors:
+                xs.mark_sharding(t, mesh, ("data",) + (None,) * (t.dim() - 1))
 
     def use_spmd(self) -> None:
         use_spmd()

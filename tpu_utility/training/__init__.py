@@ -10,12 +10,14 @@ Read it top down:
 - ``events.py``, ``callbacks.py``: the loop's events, the ``Callback`` base, and the shipped callbacks (EMA, gradient checkpointing, loggers).
 - ``history.py``: ``History``, what ``one_cycle_fit`` returns.
 - ``inference.py``: ``predict()`` and ``evaluate()`` in dataset order on any number of cores.
+- ``generate.py``: ``generate()``, a causal LM's new tokens for every prompt with static shapes (buckets, one cache).
 - ``lr_finder.py``: ``find_lr()``, the same loop with a learning-rate sweep for its schedule.
 """
 
 from .callbacks import EMA, CSVLogger, GradientCheckpointing, TensorBoardLogger
 from .events import Callback, StopFit
 from .fit import one_cycle_fit
+from .generate import generate
 from .history import EpochRecord, History
 from .inference import evaluate, predict
 from .lr_finder import LRFinderResult, find_lr
@@ -32,6 +34,7 @@ __all__ = [
     "EpochRecord",
     "evaluate",
     "find_lr",
+    "generate",
     "History",
     "LRFinderResult",
     "one_cycle",
