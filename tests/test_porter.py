@@ -5,6 +5,7 @@ kernels, the Hugging Face course loop, a timm train.py loop); each is ported by 
 as it comes out, on XLA:CPU, and the CUDA ones are compared with the original run on the CPU.
 """
 
+import ast
 import json
 import os
 import re
@@ -522,3 +523,99 @@ def test_the_summary_and_exit_status_say_whether_the_output_runs_unchanged(tmp_p
         assert main([str(script)]) == status
         out = capsys.readouterr().out
         assert f"expected to run unchanged on XLA: {verdict}" in out and f"(exit {status})" in out, out
+
+
+# ------------------------------------------------------- the corpus: programs people have (tests/kernels/README.md)
+# name -> (rules that must be among the changes, (rule, line) that the report must name as left, exit status)
+CORPUS = {
+    "mnist_main.py": ({"cuda_device", "tied_weights", "optimizer_step"},
+                      {("host_sync", 52), ("host_sync", 54), ("cuda_flag_settings", 86)}, 0),
+    "dcgan_main.py": ({"cuda_flag", "tied_weights", "cuda_move", "optimizer_step"}, {("host_sync", 133)}, 0),
+    "word_language_model.py": ({"cuda_device", "tied_weights"}, {("host_sync", 124), ("host_sync", 125)}, 0),
+    "nanogpt_train.py": ({"cuda_device", "cuda_amp", "tied_weights", "torch_compile"}, {("host_sync", 226)}, 0),
+    "peft_lora_clm.py": ({"cuda_device", "optimizer_params", "tied_weights", "save_pretrained", "optimizer_step"},
+                         {("host_sync", 66)}, 0),
+    "hf_lm_finetuning_legacy.py": ({"transformers_adamw", "cuda_device", "tied_weights", "optimizer_step"},
+                                   {("host_sync", 51), ("save_pretrained", 95)}, 1),
+    "colab_xla1x_mnist.ipynb": ({"xrt_world_size", "get_ordinal", "xla_device", "spawn_nprocs"},
+                                {("colab_tpu_addr", "cell 2, line 2"), ("env_setup", "cell 4, line 1"),
+                                 ("colab_only", "cell 5, line 1"), ("host_sync", "cell 8, line 57")}, 1),
+    "xla1x_notebook.ipynb": ({"xrt_world_size", "get_ordinal", "mark_step", "runtime_before_spawn"},
+                             {("env_setup", "cell 2, line 2"), ("xla_use_bf16", "cell 3, line 20")}, 1),
+    "xla1x_kernel.py": ({"xrt_world_size", "get_ordinal", "xla_device", "spawn_nprocs"}, set(), 0),
+    "hf_course_loop.py": ({"cuda_device", "optimizer_params", "optimizer_step"}, set(), 0),
+    "timm_amp_loop.py": ({"cuda_amp", "optimizer_step"}, set(), 0),
+}  # fmt: skip
+_CUDA_ONLY = re.compile(r"\.cuda\(|(?<!== )['\"]cuda(:\d)?['\"]|torch\.compile\(|torch\.accelerator|COLAB_TPU_ADDR|"
+                        r"xrt_world_size|get_ordinal\(|from transformers import .*AdamW")
+
+
+@pytest.mark.parametrize("name", sorted(CORPUS))
+def test_every_corpus_program_parses_ports_and_names_what_is_left(tmp_path, name, capsys):
+    rules, left, status = CORPUS[name]
+    assert main([os.path.join(KERNELS, name), "-o", str(tmp_path / name)]) == status, capsys.readouterr().out
+    report, path = _ported(tmp_path, name)
+    assert not report.failed and rules <= {c.rule for c in report.changes}, report.text()
+    where = {(i.rule, int(i.where.split()[1]) if i.where.startswith("line") else i.where) for i in report.left}
+    assert left <= where, report.text()
+    sources = [open(path).read()] if name.endswith(".py") else [
+        c.source for c in nbformat.read(path, as_version=4).cells if c.cell_type == "code"]
+    reported = {i.code for i in report.left}
+    for source in sources:  # the output parses (a notebook's IPython lines aside) ...
+        if name.endswith(".ipynb"):
+            source = "\n".join("pass" if line.lstrip().startswith(("!", "%")) else line for line in source.splitlines())
+        tree = ast.parse(source)
+        docs = {n for node in ast.walk(tree) if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)
+                for n in range(node.lineno, node.end_lineno + 1)}  # fmt: skip
+        for n, line in enumerate(source.splitlines(), 1):  # ... and no CUDA-only line is left unreported
+            if n not in docs and _CUDA_ONLY.search(line.split("#")[0]) and "is_available()" not in line:
+                assert any(code in line for code in reported), f"{name}: a CUDA-only line is left unreported: {line}"
+
+
+# each runnable program: (its argv after the port, the original's argv on the CPU, first-loss tolerance and why)
+RUNS = {
+    "mnist_main.py": (["--dry-run", "--epochs", "1"], ["--dry-run", "--epochs", "1"],
+                      0.05),  # its dropout masks are drawn by the device's generator on XLA
+    "dcgan_main.py": (["--dry-run", "--niter", "1"], ["--dry-run", "--niter", "1"], 1e-4),
+    "word_language_model.py": (["--dry-run", "--tied", "--dropout", "0", "--epochs", "1"],
+                               ["--dry-run", "--tied", "--dropout", "0", "--epochs", "1"], 1e-4),
+    "nanogpt_train.py": (["--max_iters=2"], ["--max_iters=2", "--device=cpu", "--compile=False"], 1e-4),
+    "peft_lora_clm.py": (["1", "2"], ["1", "2"], 1e-4),
+}  # fmt: skip
+RUN_MANY = """
+import contextlib, io, json, os, runpy, sys, traceback
+for name, path, argv in {runs!r}:
+    sys.argv = [path, *argv]
+    out = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out):
+            runpy.run_path(path, run_name="__main__")
+        said = [line for line in out.getvalue().splitlines() if line.startswith("RESULT ")]
+        print("PROGRAM", name, said[-1][len("RESULT "):] if said else "{{}}", flush=True)
+    except BaseException:
+        print("PROGRAM", name, json.dumps({{"error": traceback.format_exc()[-1500:]}}), flush=True)
+"""
+
+
+def _run_many(runs: list, env: dict, cwd: str) -> dict:
+    r = run_python(RUN_MANY.format(runs=runs), env=env, cwd=cwd)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return {line.split()[1]: json.loads(line.split(" ", 2)[2]) for line in r.stdout.splitlines() if line.startswith("PROGRAM ")}
+
+
+@pytest.mark.lanes()  # the ported text is the stack's concern only through its run, which test_loop and test_amp cover
+def test_the_runnable_corpus_runs_after_the_port_with_no_hand_edit_and_the_cpu_originals_first_losses(tmp_path):
+    ported = []
+    for name, (argv, _, _) in RUNS.items():
+        report, path = _ported(tmp_path, name)
+        ported.append((name, path, argv))
+    env = {"PJRT_DEVICE": "CPU", "OUT_DIR": str(tmp_path)}
+    xla = _run_many(ported, env, str(tmp_path))  # one interpreter (torch_xla's import is paid once)
+    cpu = _run_many([(name, os.path.join(KERNELS, name), RUNS[name][1]) for name in RUNS],
+                    {"PJRT_DEVICE": None, "OUT_DIR": str(tmp_path / "cpu")}, str(tmp_path))  # fmt: skip
+    for name, (_, _, tolerance) in RUNS.items():
+        assert "error" not in xla[name], f"{name} after the port:\n{xla[name]}"
+        assert "error" not in cpu[name], f"{name} as written, on the CPU:\n{cpu[name]}"
+        assert xla[name]["first_loss"] == pytest.approx(cpu[name]["first_loss"], rel=tolerance), (name, xla, cpu)
+    assert xla["word_language_model.py"]["tied"] and xla["nanogpt_train.py"]["tied"], xla  # move_model kept the ties
+    assert xla["peft_lora_clm.py"]["saved"], xla  # save_pretrained of a model on XLA, with the CPU copy

@@ -73,8 +73,10 @@ def fix_call(porter: Any, original: Any, updated: Any) -> Any:
 
 
 def fix_assign(porter: Any, original: Any, updated: Any) -> Any:
-    """``model = Net().to(device)``: the target is the model."""
+    """``model = Net().to(device)``: the target is the model, built in the same line."""
     if not any(dotted(t.target) in porter.plan.models for t in original.targets):
         return None
     found = _move(updated.value)
-    return updated.with_changes(value=_moved(porter, original.value, *found)) if found else None
+    if found is None or not isinstance(found[0], libcst().Call):
+        return None  # a name's move is the call fixer's (xmp.MpModelWrapper's .to gives the model: no module)
+    return updated.with_changes(value=_moved(porter, original.value, *found))
