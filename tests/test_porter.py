@@ -332,8 +332,8 @@ def test_a_cuda_loop_ports_and_trains_on_the_xla_device_as_on_the_cpu(tmp_path, 
 
 
 def test_the_kernels_folder_holds_the_inputs_unchanged_by_the_tests():
-    assert sorted(os.listdir(KERNELS)) == ["README.md", "hf_course_loop.py", "timm_amp_loop.py", "xla1x_kernel.py",
-                                          "xla1x_notebook.ipynb"]  # a port written beside an input fails this  # fmt: skip
+    # a port written beside an input fails this
+    assert sorted(os.listdir(KERNELS)) == sorted(["README.md", *CORPUS])
 
 
 # ------------------------------------------- issue 39: what CUDA programs people have do, one case each
@@ -577,10 +577,11 @@ RUNS = {
     "mnist_main.py": (["--dry-run", "--epochs", "1"], ["--dry-run", "--epochs", "1"],
                       0.05),  # its dropout masks are drawn by the device's generator on XLA
     "dcgan_main.py": (["--dry-run", "--niter", "1"], ["--dry-run", "--niter", "1"], 1e-4),
-    "word_language_model.py": (["--dry-run", "--tied", "--dropout", "0", "--epochs", "1"],
-                               ["--dry-run", "--tied", "--dropout", "0", "--epochs", "1"], 1e-4),
-    "nanogpt_train.py": (["--max_iters=2"], ["--max_iters=2", "--device=cpu", "--compile=False"], 1e-4),
-    "peft_lora_clm.py": (["1", "2"], ["1", "2"], 1e-4),
+    "word_language_model.py": (["--dry-run", "--tied", "--dropout", "0", "--epochs", "1", "--bptt", "6"],
+                               ["--dry-run", "--tied", "--dropout", "0", "--epochs", "1", "--bptt", "6"], 1e-4),
+    # one iteration of two micro-steps; the original needs the CPU named, and inductor is slow to start
+    "nanogpt_train.py": (["--max_iters=0"], ["--max_iters=0", "--device=cpu", "--compile=False"], 1e-4),
+    "peft_lora_clm.py": (["1", "1"], ["1", "1"], 1e-4),
 }  # fmt: skip
 RUN_MANY = """
 import contextlib, io, json, os, runpy, sys, traceback
