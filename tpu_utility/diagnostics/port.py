@@ -755,7 +755,6 @@ class _Porter:
                 kept = [f"{k}={_code(named[k])}" for k in ("dtype", "enabled") if k in named]
                 plan.needs.add("autocast")
                 return self._changed("cuda_amp", updated, f"autocast({', '.join(kept)})")
-                plan.needs.add("autocast")
 
             def _sampler(self, updated: Any) -> Any:
                 args = updated.args
