@@ -23,9 +23,18 @@ def test_plan_per_device():
     assert plan_autocast("cpu", torch.float16).kind == "off"
 
 
+def test_float32_means_no_autocast_as_torch_autocast_takes_it():
+    # nanoGPT's dtype='float32' option: torch.autocast warns and runs without autocast; so does the kit's (issue 39)
+    for device_type, hardware in [("cuda", None), ("xla", "TPU"), ("xla", "CPU"), ("cpu", None)]:
+        plan = plan_autocast(device_type, torch.float32, hardware)
+        assert plan.kind == "off" and "dtype=torch.float32" in plan.note, (device_type, plan)
+    with autocast("cpu", dtype=torch.float32):
+        assert not torch.is_autocast_enabled("cpu")
+
+
 def test_bad_dtype_names_the_value():
-    with pytest.raises(ValueError, match=r"dtype must be None, torch.float16 or torch.bfloat16, but given torch.float32"):
-        autocast("cpu", torch.float32)
+    with pytest.raises(ValueError, match=r"dtype must be None, torch.float16, torch.bfloat16 or torch.float32, but given torch.int8"):
+        autocast("cpu", torch.int8)
     with pytest.raises(ValueError, match=r"but given torch.int8"):
         grad_scaler("cpu", torch.int8)
     with pytest.raises(TypeError, match=r"enabled must be a bool, but given 1"):

@@ -12,7 +12,8 @@ PACKAGE = os.path.join(ROOT, "tpu_utility")
 # preparation never about the loop that consumes it. "data" and "training" are those packages' __init__.
 LAYERS = [
     {"backend", "diagnostics.rules"},
-    {"arguments", "remote", "files", "progress", "device", "environment", "diagnostics.port", "huggingface"},
+    {"arguments", "remote", "files", "progress", "device", "environment", "diagnostics.port", "diagnostics.fixers",
+     "huggingface"},
     {"optim", "amp", "checkpoint", "data.buckets", "data.cache", "data.presize", "training.schedule",
      "training.monitor", "training.history", "training.events"},
     {"data.loaders", "training.metrics", "training.callbacks", "training.builtins", "training.agreement"},

@@ -44,8 +44,8 @@ _SAID: set[str] = set()
 
 
 def _check_dtype(dtype: Any) -> None:
-    if dtype is not None and dtype not in _DTYPES:
-        raise ValueError(f"dtype must be None, torch.float16 or torch.bfloat16, but given {dtype!r}")
+    if dtype is not None and dtype not in (*_DTYPES, torch.float32):
+        raise ValueError(f"dtype must be None, torch.float16, torch.bfloat16 or torch.float32, but given {dtype!r}")
 
 
 def _say_once(message: str) -> None:
@@ -71,11 +71,13 @@ def plan_autocast(device_type: str, dtype: torch.dtype | None, hardware: str | N
     eager device that is its own hardware).
 
     Raises:
-        ValueError: ``dtype`` is not None, torch.float16 or torch.bfloat16.
+        ValueError: ``dtype`` is not None, torch.float16, torch.bfloat16 or torch.float32.
         TypeError: a keyword ``torch.amp.GradScaler`` does not take (checked on every
             device, though only CUDA float16 uses them).
     """
     _check_dtype(dtype)
+    if dtype == torch.float32:  # torch.autocast warns and runs without autocast: the same here, on every device
+        return AutocastPlan("off", None, "autocast: dtype=torch.float32 asked for no mixed precision; the loop runs in float32")
     if device_type == "cuda":
         return AutocastPlan("torch", dtype or torch.float16)
     if hardware == "TPU":
@@ -108,14 +110,15 @@ def autocast(
     Args:
         device: The training device; None for ``get_device()``.
         dtype: torch.float16 or torch.bfloat16; None means float16 on CUDA (torch's
-            default) and bfloat16 on TPU.
+            default) and bfloat16 on TPU. torch.float32 means no autocast, said once
+            (torch.autocast warns and runs without it).
         enabled: False gives a context that does nothing (``autocast(..., enabled=use_amp)``).
 
     Returns:
         A context manager, new at each call.
 
     Raises:
-        ValueError: ``dtype`` is not None, torch.float16 or torch.bfloat16.
+        ValueError: ``dtype`` is not None, torch.float16, torch.bfloat16 or torch.float32.
         TypeError: ``enabled`` is not a bool.
 
     Example:

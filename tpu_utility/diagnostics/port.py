@@ -27,9 +27,11 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
+from . import fixers
+from .fixers.tree import PORT_INSTALL, code as _code, cuda_string, dotted as _dotted, libcst as _libcst
 from .rules import COLLECT_ON_DEVICE, LOWERED_REPLACEMENTS, RULES, SOURCE_FALLBACKS
 
-PORT_INSTALL = 'pip install libcst nbformat  (or pip install "tpu_utility[port]")'
+EXIT_RUNS, EXIT_LEFT_BREAKS, EXIT_USAGE, EXIT_DOES_NOT_PARSE = 0, 1, 2, 3
 _MAGIC = re.compile(r"^(\s*)([%!].*)$")
 _MARK = "pass  # tpu_utility.port: IPython line {}"
 _OPTIMIZERS = {"SGD", "Adam", "AdamW", "Adagrad", "Adadelta", "Adamax", "NAdam", "RAdam", "RMSprop", "LBFGS",
@@ -40,16 +42,11 @@ _RUNTIME = {"xm.xrt_world_size", "xm.get_ordinal", "xm.get_local_ordinal", "xm.i
 _READS = {"item", "cpu", "numpy", "tolist"}
 _PRINTS = {"print", "xm.master_print", "tqdm.write"}
 _TENSOR_NAME = re.compile(r"^(loss|losses|logits|outputs?|preds?|predictions|probs|acc)(_\w+)?$")
-_ENV_SETUP = re.compile(r"env-setup\.py|pip[3]? install[^#]*\b(torch_xla|torch-xla|cloud-tpu-client)\b|torch_xla-1\.")
-_KIT = ("get_device", "step_optimizer", "autocast", "grad_scaler", "make_sampler", "inference_mode")
-
-
-def _libcst() -> Any:
-    try:
-        import libcst
-    except ModuleNotFoundError as error:
-        raise ModuleNotFoundError(f"python -m tpu_utility.port needs LibCST: {PORT_INSTALL}") from error
-    return libcst
+_ENV_SETUP = re.compile(r"env-setup\.py|pip[3]? install[^#]*\b(torch_xla|torch-xla|cloud-tpu-client)\b|torch_xla-1\.|"
+                        r"tpu-pytorch/wheels")
+_KIT = ("get_device", "move_model", "step_optimizer", "autocast", "grad_scaler", "make_sampler", "inference_mode")
+# micro-steps (gradient accumulation): an inner loop over range() that runs the backward pass
+_MICRO = re.compile(r"micro|accum", re.I)
 
 
 # ----------------------------------------------------------------- the report
@@ -89,12 +86,33 @@ class PortReport:
     changes: list[Change] = field(default_factory=list)
     left: list[Left] = field(default_factory=list)
     untouched: list[str] = field(default_factory=list)
+    failed: list[str] = field(default_factory=list)  # code that does not parse: where, why; nothing ported there
 
     def host_syncs(self) -> list[Left]:
         return [item for item in self.left if item.rule == "host_sync"]
 
+    def breaking(self) -> list[Left]:
+        """What was left that stops the program on XLA or makes it compute something else there."""
+        return [item for item in self.left if RULES[item.rule].breaks]
+
+    def status(self) -> int:
+        """The command's exit status: 0 expected to run unchanged, 1 lines left that break, 3 does not parse."""
+        return EXIT_DOES_NOT_PARSE if self.failed else EXIT_LEFT_BREAKS if self.breaking() else EXIT_RUNS
+
+    def summary(self) -> str:
+        changed = len({c.where for c in self.changes if c.rule != "imports"})
+        left, breaking = len({i.where for i in self.left}), len({i.where for i in self.breaking()})
+        verdict = {EXIT_RUNS: "yes (what is left only costs speed)",
+                   EXIT_LEFT_BREAKS: f"no: {breaking} line(s) left stop it or change what it computes on XLA",
+                   EXIT_DOES_NOT_PARSE: "no: part of the input does not parse, and nothing was ported there"}  # fmt: skip
+        return (f"summary: {changed} line(s) changed, {left} left; expected to run unchanged on XLA: "
+                f"{verdict[self.status()]} (exit {self.status()})")
+
     def text(self) -> str:
         lines = [f"tpu_utility.port: {self.source} -> {self.output or '(diff only, nothing written)'}"]
+        if self.failed:
+            lines.append(f"does not parse ({len(self.failed)}): left as it is, nothing ported there")
+            lines += [f"  {f}" for f in self.failed]
         lines.append(f"changed ({len(self.changes)}):")
         lines += [str(c) for c in self.changes] or ["  nothing"]
         lines.append(f"left as written ({len(self.left)}): still slow or wrong on XLA")
@@ -102,6 +120,7 @@ class PortReport:
         if self.untouched:
             lines.append(f"not Python, passed through untouched ({len(self.untouched)}):")
             lines += [f"  {u}" for u in self.untouched]
+        lines.append(self.summary())
         return "\n".join(lines)
 
 
@@ -166,30 +185,13 @@ class _Plan:
     stuck: list[Any] = field(default_factory=list)  # top-level blocks that ask the runtime but cannot move
     imported: dict[str, str] = field(default_factory=dict)  # `from torch.x import y as z`: z -> torch.x.y
     needs: set[str] = field(default_factory=set)  # imports the rewrites need
+    lines: list[str] = field(default_factory=list)  # other import lines the rewrites need
+    models: set[str] = field(default_factory=set)  # names the program uses as modules (fixers.move_model)
+    hf_adamw: set[str] = field(default_factory=set)  # names bound to transformers.AdamW
 
 
-def _dotted(node: Any) -> str:
-    """``a.b.c`` for Name/Attribute chains, "" otherwise."""
-    cst = _libcst()
-    if isinstance(node, cst.Name):
-        return node.value
-    if isinstance(node, cst.Attribute):
-        base = _dotted(node.value)
-        return f"{base}.{node.attr.value}" if base else ""
-    return ""
-
-
-def _code(node: Any) -> str:
-    cst = _libcst()
-    return cst.Module(body=[]).code_for_node(node)
-
-
-def _is_cuda_string(node: Any) -> bool:
-    cst = _libcst()
-    if not isinstance(node, cst.SimpleString):
-        return False
-    value = node.evaluated_value
-    return isinstance(value, str) and (value == "cuda" or value.startswith("cuda:"))
+def _is_cuda(node: Any) -> bool:
+    return cuda_string(node) is not None
 
 
 def _mentions_cuda(node: Any) -> bool:
@@ -254,6 +256,26 @@ def _own_code(loop: Any) -> str:
     for stmt in loop.body.body if isinstance(loop.body, cst.IndentedBlock) else [loop.body]:
         stmt.visit(Own())
     return "\n".join(parts)
+
+
+def _per_step(loop: Any) -> bool:
+    """Whether a loop runs once per step: its own code steps, or an inner micro-step loop runs the backward pass."""
+    cst = _libcst()
+    own = _own_code(loop)
+    if ".backward(" in own or "step(" in own:
+        return True
+    if isinstance(loop, cst.For) and "loader" in _code(loop.iter).lower():
+        return True
+    inner: list[Any] = []
+
+    class Loops(cst.CSTVisitor):
+        def visit_For(self, node: Any) -> None:
+            inner.append(node)
+
+    for stmt in loop.body.body if isinstance(loop.body, cst.IndentedBlock) else []:
+        stmt.visit(Loops())
+    return any(_code(node.iter).startswith("range(") and _MICRO.search(_code(node.target) + _code(node.iter))
+               and ".backward(" in _code(node.body) for node in inner)  # fmt: skip
 
 
 def _assigned(stmt: Any) -> list[str]:
@@ -344,6 +366,9 @@ def _analyse(cells: list[_Cell], plan: _Plan) -> None:
                         plan.optimizers.update(_dotted(t.target) for t in node.targets if _dotted(t.target))
 
         module.visit(Imports())
+    for module in modules:
+        for analyse in fixers.ANALYSES:
+            analyse(module, plan)
     # the device's module-level name, and the function a multi-process launch runs
     top = [(cell, stmt) for cell in cells if cell.wrapper is not None for stmt in cell.wrapper.module.body]
     for _, stmt in top:
@@ -364,7 +389,7 @@ def _device_expression(value: Any, plan: _Plan) -> bool:
     if isinstance(value, cst.Call):
         callee = _canonical(_dotted(value.func), plan)
         if callee == "torch.device":
-            return bool(value.args) and (_is_cuda_string(value.args[0].value) or isinstance(value.args[0].value, cst.IfExp))
+            return bool(value.args) and (_is_cuda(value.args[0].value) or isinstance(value.args[0].value, cst.IfExp))
         return callee in ("xm.xla_device", "torch_xla.device", "get_device")
     return False
 
@@ -409,7 +434,8 @@ def _plan_move_first(block: list[Any], plan: _Plan) -> None:
                     device = moved[1] if moved[1] in defined else "get_device()"
                     if device == "get_device()":
                         plan.needs.add("get_device")
-                    plan.insert_before[id(stmt)] = (f"{model}.to({device})", model)
+                    plan.needs.add("move_model")  # keeps tied weights tied (fixers.move_model)
+                    plan.insert_before[id(stmt)] = (f"move_model({model}, {device})", model)
                     if _assigned(later) == []:  # a bare model.to(device) is now done; model = model.to(...) stays
                         plan.remove.add(id(later))
                     break
@@ -456,6 +482,7 @@ class _Porter:
                 self.guards: list[bool] = []  # per enclosing if: does its test mention CUDA?
                 self.device_stack: list[str | None] = [plan.device]
                 self.reported: set[tuple[str, int]] = set()
+                self.plan = plan
 
             # ------------------------------------------------------ helpers
             def line(self, node: Any) -> int:
@@ -470,6 +497,9 @@ class _Porter:
                     self.reported.add(key)
                     report.left.append(Left(rule, cell.where(key[1]), code or _short(_code(original)),
                                             fix or RULES[rule].fix))  # fmt: skip
+
+            def need(self, name: str) -> None:
+                plan.needs.add(name)
 
             def device(self) -> str:
                 name = self.device_stack[-1]
@@ -487,15 +517,14 @@ class _Porter:
                 return updated
 
             def visit_For(self, node: Any) -> None:
-                body = _own_code(node)
-                self.loops.append(".backward(" in body or "step(" in body or "loader" in _code(node.iter).lower())
+                self.loops.append(_per_step(node))
 
             def leave_For(self, original: Any, updated: Any) -> Any:
                 self.loops.pop()
                 return updated
 
             def visit_While(self, node: Any) -> None:
-                self.loops.append(".backward(" in _own_code(node))
+                self.loops.append(_per_step(node))
 
             def leave_While(self, original: Any, updated: Any) -> Any:
                 self.loops.pop()
@@ -509,7 +538,21 @@ class _Porter:
                 test, body = _code(original.test), _code(original.body)
                 if _mentions_cuda(original.test) and re.search(r"autocast|GradScaler|\bamp\b", body):
                     self.leave_alone("cuda_guard", original, code=f"if {_short(test)}:")
+                return fixers.apply("If", self, original, updated) or updated
+
+            def visit_BooleanOperation(self, node: Any) -> None:
+                """``torch.cuda.is_available() and torch.cuda.is_bf16_supported()``: the right side is guarded."""
+                self.guards.append(isinstance(node.operator, cst.And) and "is_available()" in _code(node.left))
+
+            def leave_BooleanOperation(self, original: Any, updated: Any) -> Any:
+                self.guards.pop()
                 return updated
+
+            def leave_Assert(self, original: Any, updated: Any) -> Any:
+                return fixers.apply("Assert", self, original, updated) or updated
+
+            def leave_Import(self, original: Any, updated: Any) -> Any:
+                return fixers.apply("Import", self, original, updated) or updated
 
             # ------------------------------------------------- statements
             def leave_SimpleStatementLine(self, original: Any, updated: Any) -> Any:
@@ -531,7 +574,7 @@ class _Porter:
                     report.changes.append(Change("optimizer_params", cell.where(self.line(original)),
                                                  _short(_code(original)), f"{code}; {_short(_code(updated))}"))  # fmt: skip
                     return cst.FlattenSentinel([moved, updated])
-                return self._sets_epoch(original, updated)
+                return fixers.apply("SimpleStatementLine", self, original, updated) or self._sets_epoch(original, updated)
 
             def _sets_epoch(self, original: Any, updated: Any) -> Any:
                 value = _value(updated)
@@ -545,6 +588,7 @@ class _Porter:
                 return updated
 
             def leave_Assign(self, original: Any, updated: Any) -> Any:
+                updated = fixers.apply("Assign", self, original, updated) or updated
                 target = _code(original.targets[0].target).replace(" ", "")
                 if re.fullmatch(r"os\.environ\[['\"]XLA_(USE|DOWNCAST)_BF16['\"]\]", target):
                     self.leave_alone("xla_use_bf16", original)
@@ -557,6 +601,9 @@ class _Porter:
 
             def leave_ImportFrom(self, original: Any, updated: Any) -> Any:
                 """``from torch.cuda.amp import autocast, GradScaler``: the kit's names replace these."""
+                fixed = fixers.apply("ImportFrom", self, original, updated)
+                if fixed is not None:
+                    return fixed
                 module = _dotted(updated.module) if updated.module is not None else ""
                 if module not in ("torch", "torch.amp", "torch.cuda.amp") or isinstance(updated.names, cst.ImportStar):
                     return updated
@@ -572,6 +619,9 @@ class _Porter:
 
             # -------------------------------------------------- expressions
             def leave_IfExp(self, original: Any, updated: Any) -> Any:
+                fixed = fixers.apply("IfExp", self, original, updated)
+                if fixed is not None:
+                    return fixed
                 if _mentions_cuda(original.test) and ("cuda" in _code(original.body)):
                     new = cst.parse_expression("get_device()")
                     plan.needs.add("get_device")
@@ -580,7 +630,7 @@ class _Porter:
                 return updated
 
             def leave_Arg(self, original: Any, updated: Any) -> Any:
-                if updated.keyword is not None and updated.keyword.value == "device" and _is_cuda_string(updated.value):
+                if updated.keyword is not None and updated.keyword.value == "device" and _is_cuda(updated.value):
                     new = updated.with_changes(value=cst.parse_expression(self.device()))
                     self.change("cuda_device", original, new)
                     return new
@@ -590,7 +640,7 @@ class _Porter:
                 name = _canonical(_dotted(updated.func), plan)
                 last = updated.func.attr.value if isinstance(updated.func, cst.Attribute) else name.rsplit(".", 1)[-1]
                 self._report_call(original, name, last)
-                new = self._rewrite(updated, name, last)
+                new = fixers.apply("Call", self, original, updated) or self._rewrite(updated, name, last)
                 if new is not None:
                     return new
                 return updated
@@ -630,6 +680,7 @@ class _Porter:
                 return any(_TENSOR_NAME.search(n) for n in found)
 
             def leave_Subscript(self, original: Any, updated: Any) -> Any:
+                fixers.apply("Subscript", self, original, updated)  # reports only
                 if any(isinstance(e.slice, cst.Index) and isinstance(e.slice.value, cst.Comparison) for e in original.slice):
                     self.leave_alone("dynamic_shape", original)
                 return updated
@@ -637,15 +688,15 @@ class _Porter:
             def _rewrite(self, updated: Any, name: str, last: str) -> Any:
                 args = updated.args
                 # -- the device
-                if name == "torch.device" and args and (_is_cuda_string(args[0].value) or
-                                                        _code(args[0].value) == "get_device()"):  # fmt: skip
+                if name == "torch.device" and args and (_is_cuda(args[0].value) or _code(args[0].value) in (
+                        "get_device()", "get_device().type", "str(get_device())")):  # fmt: skip
                     plan.needs.add("get_device")
                     return self._changed("cuda_device", updated, "get_device()")
                 if last == "cuda" and isinstance(updated.func, cst.Attribute) and not name.startswith("torch.cuda"):
                     kept = [a for a in args if a.keyword is not None and a.keyword.value == "non_blocking"]
                     rest = "".join(f", {_code(a).strip().rstrip(',')}" for a in kept)
                     return self._changed("cuda_move", updated, f"{_code(updated.func.value)}.to({self.device()}{rest})")
-                if last == "to" and isinstance(updated.func, cst.Attribute) and args and _is_cuda_string(args[0].value):
+                if last == "to" and isinstance(updated.func, cst.Attribute) and args and _is_cuda(args[0].value):
                     new = updated.with_changes(args=[args[0].with_changes(value=cst.parse_expression(self.device())),
                                                      *args[1:]])  # fmt: skip
                     return self._record("cuda_device", updated, new)
@@ -704,7 +755,6 @@ class _Porter:
                 kept = [f"{k}={_code(named[k])}" for k in ("dtype", "enabled") if k in named]
                 plan.needs.add("autocast")
                 return self._changed("cuda_amp", updated, f"autocast({', '.join(kept)})")
-                plan.needs.add("autocast")
 
             def _sampler(self, updated: Any) -> Any:
                 args = updated.args
@@ -780,6 +830,7 @@ def _imports(plan: _Plan, existing: str) -> list[str]:
         lines.append("import torch_xla")
     if "xr" in plan.needs and "torch_xla.runtime as xr" not in existing:
         lines.append("import torch_xla.runtime as xr")
+    lines += [line for line in dict.fromkeys(plan.lines) if line not in existing]
     kit = [name for name in _KIT if name in plan.needs]
     if kit:
         lines.append(f"from tpu_utility import {', '.join(kit)}")
@@ -819,10 +870,40 @@ def _add_imports(cells: list[_Cell], plan: _Plan, report: PortReport) -> None:
         report.changes.append(Change("imports", target.where(line + n), "(nothing)", code))
 
 
-def _port_cells(sources: list[str], indexed: bool, report: PortReport) -> list[str | None]:
-    """Ports code cells (a script is one); returns each cell's new source, None where unchanged."""
+def _parse(cell: _Cell, ipython: bool, report: PortReport) -> None:
+    """Parses a cell as it is, else (``ipython``) with its ``!``/``%`` lines masked; names it when neither parses.
+
+    A ``.py`` file has no IPython lines: a continuation line that starts with ``%`` or ``!=`` is Python.
+    """
     cst = _libcst()
     from libcst.metadata import MetadataWrapper
+
+    text = cell.source
+    try:
+        module = cst.parse_module(text)
+    except cst.ParserSyntaxError as error:
+        module, failure = None, error
+        if ipython:
+            text, cell.magics = _mask_magics(cell.source)
+            try:
+                module = cst.parse_module(text)
+            except cst.ParserSyntaxError as masked_error:
+                failure = masked_error
+        if module is None:
+            try:  # Python's own message says why (LibCST's says where)
+                compile(text, "<port>", "exec")
+                line, why = failure.raw_line, _short(str(failure).splitlines()[0], 60)
+            except SyntaxError as syntax:
+                line, why = syntax.lineno or failure.raw_line, syntax.msg
+            report.failed.append(f"{cell.where(line)}: {why}")
+            cell.magics = []
+            return
+    cell.wrapper = MetadataWrapper(module, unsafe_skip_copy=True)
+
+
+def _port_cells(sources: list[str], indexed: bool, report: PortReport, ipython: bool = True) -> list[str | None]:
+    """Ports code cells (a script is one); returns each cell's new source, None where unchanged."""
+    cst = _libcst()
 
     cells = []
     for n, source in enumerate(sources):
@@ -832,12 +913,7 @@ def _port_cells(sources: list[str], indexed: bool, report: PortReport) -> list[s
             report.untouched.append(f"{cell.where(1).rsplit(',', 1)[0]}: a cell magic ({_short(first, 40)}): "
                                     f"left as it is")  # fmt: skip
         else:
-            masked, cell.magics = _mask_magics(source)
-            try:
-                cell.wrapper = MetadataWrapper(cst.parse_module(masked), unsafe_skip_copy=True)
-            except cst.ParserSyntaxError as error:
-                report.untouched.append(f"{cell.where(error.raw_line)}: does not parse ({_short(str(error).splitlines()[0], 60)}): "
-                                        f"the {'cell' if indexed else 'file'} is left as it is")  # fmt: skip
+            _parse(cell, ipython, report)
             for line in cell.magics:
                 where = cell.where(source.split("\n").index(line) + 1)
                 if _ENV_SETUP.search(line):
@@ -859,6 +935,7 @@ def _port_cells(sources: list[str], indexed: bool, report: PortReport) -> list[s
         report.left.append(Left("runtime_before_spawn", "before the launch", _short(_code(stmt)), RULES["runtime_before_spawn"].fix))
     _add_imports(cells, plan, report)
     report.changes.sort(key=lambda c: _order(c.where))
+    report.left.sort(key=lambda item: _order(item.where))
     out: list[str | None] = []
     for cell in cells:
         new = None if cell.result is None else _unmask(cell.result, cell.magics)
@@ -926,7 +1003,7 @@ def port_file(path: str, output: str | None = None, diff: bool = False) -> tuple
     if suffix == ".py":
         with open(path, encoding="utf-8") as f:
             before = [f.read()]
-        after = _port_cells(before, indexed=False, report=report)
+        after = _port_cells(before, indexed=False, report=report, ipython=False)  # a .py file has no magics
     else:
         try:
             import nbformat
@@ -941,6 +1018,7 @@ def port_file(path: str, output: str | None = None, diff: bool = False) -> tuple
         for item in [*report.changes, *report.left]:
             item.where = _renumber(item.where, numbers)
         report.untouched = [_renumber(u, numbers) for u in report.untouched]
+        report.failed = [_renumber(f, numbers) for f in report.failed]
     text = ""
     if diff:
         for n, (old, new) in enumerate(zip(before, after)):
@@ -965,7 +1043,13 @@ def _renumber(where: str, numbers: list[int]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """The command; 0 on success (what was left is in the report, not an error)."""
+    """The command. Its exit status says whether the output is expected to run unchanged (docs/port.md).
+
+    0: written, and expected to run unchanged on XLA: what is left only costs speed.
+    1: written, but the report names lines left that stop the program on XLA or change what it computes.
+    2: nothing written: a bad path or argument, or LibCST/nbformat missing.
+    3: written, but part of the input does not parse (the report names where and why): nothing ported there.
+    """
     parser = argparse.ArgumentParser(prog="python -m tpu_utility.port", description=__doc__.split("\n")[0])
     parser.add_argument("input", help="a .py script or .ipynb notebook (never changed)")
     parser.add_argument("-o", "--output", help="where to write (default: beside the input, _tpu before the suffix)")
@@ -975,8 +1059,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         report, text = port_file(args.input, args.output, args.diff)
     except (ValueError, FileNotFoundError, ModuleNotFoundError) as error:
         print(f"tpu_utility.port: {error}", file=sys.stderr)
-        return 2
+        return EXIT_USAGE
     if args.diff:
         print(text, end="")
     print(report.text())
-    return 0
+    return report.status()

@@ -31,6 +31,8 @@ class Rule:
             "" when it still works or the rule is not about an API.
         deprecated_in: The release from which it warns, where known.
         tools: Which of doctor, check and port know it.
+        breaks: For a line ``port`` leaves as written: True where the line stops the program on XLA or
+            makes it compute something else there (the port's exit status 1), False where it only costs speed.
     """
 
     id: str
@@ -40,6 +42,7 @@ class Rule:
     removed_in: str = ""
     deprecated_in: str = ""
     tools: tuple[Tool, ...] = ("doctor",)
+    breaks: bool = False
 
 
 NO_DYNAMIC_SHAPE = "it has a data-dependent shape: keep the shape fixed with torch.where(mask, x, 0) and a mask"
@@ -84,8 +87,9 @@ RULES_LIST: tuple[Rule, ...] = (
          "build the optimizer after the move: model.to(device); optimizer = AdamW(model.parameters())",
          replaces="optimizer = AdamW(model.parameters()) before model.to(device)", tools=_BOTH),
     Rule("tied_weights", "tied weights that model.to(device) split apart train independently",
-         "move with move_model(model, device) (from tpu_utility import move_model), which keeps ties, "
-         "or re-tie after the move (model.out.weight = model.emb.weight; model.tie_weights() for Hugging Face)"),
+         "move with move_model(model, device) (from tpu_utility import move_model), which keeps ties, or re-tie "
+         "after the move (model.out.weight = model.emb.weight; model.tie_weights() for Hugging Face)",
+         replaces="model.to(device)", tools=_BOTH, breaks=True),
     Rule("batch_split", "a batch that does not divide across the cores", "use a batch size that is a multiple of the cores"),
     Rule("graph_growth", "a graph that grows every step: nothing cuts it, so each step compiles and runs more",
          "end each step with step_optimizer(optimizer) (or torch_xla.sync())"),
@@ -125,7 +129,7 @@ RULES_LIST: tuple[Rule, ...] = (
          replaces="DistributedSampler(dataset, num_replicas=..., rank=...)", tools=_PORT),
     Rule("cuda_call", "torch.cuda calls do nothing or raise where there is no CUDA",
          "remove it, or guard it with `if device.type == \"cuda\":`; to wait for the TPU: torch_xla.sync(wait=True)",
-         replaces="torch.cuda.*", tools=_PORT),
+         replaces="torch.cuda.*", tools=_PORT, breaks=True),
     Rule("cuda_guard", "a `device.type == \"cuda\"` / torch.cuda.is_available() test is False on a TPU, so the "
          "feature it guards (mixed precision, a GradScaler) is switched off without a word",
          "test what the feature needs instead: tpu_utility.autocast/grad_scaler work on every device, so guard "
@@ -133,7 +137,7 @@ RULES_LIST: tuple[Rule, ...] = (
     Rule("runtime_before_spawn", "code at the top level of the launching process that asks the XLA runtime "
          "(world size, ordinal, device) starts it there, and a multi-process launch then refuses: "
          "'Runtime is already initialized'", "build samplers, loaders and devices inside the function you spawn",
-         replaces="a DistributedSampler built before xmp.spawn", tools=_PORT),
+         replaces="a DistributedSampler built before xmp.spawn", tools=_PORT, breaks=True),
     # ---------------------- torch_xla 1.x names that fail or warn on 2.8 and 2.9 (port rewrites; check lists them)
     # From torch_xla's history: xrt_world_size/get_ordinal warned from 2.5 (#7679) and went in 2.7 (#8927);
     # xla_device and mark_step warn from 2.8 (#9086, #9200); xmp.spawn raises for nprocs other than None or 1
@@ -152,7 +156,33 @@ RULES_LIST: tuple[Rule, ...] = (
          replaces="xm.mark_step()", deprecated_in="2.8", tools=("port", "check")),
     Rule("env_setup", "the 2020-era setup lines install torch_xla 1.x (XRT) over the image's own torch and "
          "torch_xla, or fail offline", "delete them: Kaggle's TPU image ships torch_xla 2.8, Colab's 2.9",
-         replaces="!python pytorch-xla-env-setup.py --version 1.7", tools=_PORT),
+         replaces="!python pytorch-xla-env-setup.py --version 1.7", tools=_PORT, breaks=True),
+    # ---------------------------------------------------- what CUDA programs people have do (issue 39)
+    Rule("cuda_flag", "the GPU is chosen by a flag (--cuda, --no-cuda, use_cuda): without it the program trains "
+         "on the CPU, and with it torch.cuda raises where there is no CUDA",
+         'test the device instead of the flag: get_device().type != "cpu" (the accelerator, the CPU where there is '
+         "none)", replaces="if args.cuda: model.cuda()", tools=_PORT),
+    Rule("cuda_flag_settings", "the flag and torch.cuda.is_available() still decide what they guard (loader "
+         "workers, pin_memory, shuffling), and both are False on a TPU; the device itself is get_device()",
+         'if what it guards should hold on the TPU too, test get_device().type != "cpu" instead',
+         replaces="use_cuda = not args.no_cuda and torch.cuda.is_available()", tools=_PORT),
+    Rule("torch_compile", "torch.compile's default backend (inductor) does not compile for XLA: InductorError",
+         "nothing: torch_xla traces and compiles the step itself; torch.compile(model, backend=\"openxla\") is an "
+         "option for inference", replaces="model = torch.compile(model)", tools=_PORT),
+    Rule("colab_tpu_addr", "COLAB_TPU_ADDR was set by the 2020-era Colab TPU (a remote TPU node) only: a KeyError "
+         "anywhere else, today's Colab and Kaggle TPU VMs included",
+         "delete it: on a TPU VM torch_xla finds the chips itself (tpu_utility.setup_tpu() checks them)",
+         replaces="assert os.environ['COLAB_TPU_ADDR']", tools=_PORT, breaks=True),
+    Rule("colab_only", "google.colab exists on Colab only: ModuleNotFoundError on Kaggle, a TPU VM or a laptop",
+         "keep it for Colab behind try: ... except ModuleNotFoundError:, and read the data from a local path "
+         "elsewhere", replaces="from google.colab import drive", tools=_PORT, breaks=True),
+    Rule("save_pretrained", "save_pretrained writes with safetensors, which needs storage pointers that XLA "
+         "tensors lack: it raises for a model that lives on XLA",
+         "give it a CPU copy of the weights: model.save_pretrained(path, state_dict={k: v.cpu() for k, v in "
+         "model.state_dict().items()})", replaces="model.save_pretrained(path)", tools=_PORT, breaks=True),
+    Rule("transformers_adamw", "transformers.AdamW is gone from transformers 5: ImportError",
+         "torch.optim.AdamW(params, weight_decay=0.0, ...): weight_decay=0.0 was transformers' default (torch's "
+         "is 0.01)", replaces="from transformers import AdamW", removed_in="", tools=_PORT),
     Rule("xla_use_bf16", "deprecated since 2.4 (torch_xla prints that it goes after 2.6): it makes every float32 "
          "tensor bfloat16 on the device while its dtype still says float32",
          "bfloat16 autocast: with tpu_utility.autocast(): (one_cycle_fit(..., precision='bf16')), or "

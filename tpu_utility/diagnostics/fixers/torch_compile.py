@@ -1,0 +1,35 @@
+"""``torch.compile(model)``: inductor does not compile for XLA, and torch_xla compiles the step itself, so it goes."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .tree import code, dotted, libcst
+
+_MARK = "pass  # tpu_utility.port: {} dropped: torch_xla compiles the step itself\n"
+
+
+def _compiles(node: Any) -> bool:
+    cst = libcst()
+    return isinstance(node, cst.Call) and dotted(node.func) == "torch.compile" and bool(node.args)
+
+
+def fix_call(porter: Any, original: Any, updated: Any) -> Any:
+    """``torch.compile(model, ...)`` -> ``model``."""
+    if not _compiles(updated) or updated.args[0].keyword is not None:
+        return None
+    new = updated.args[0].value
+    porter.change("torch_compile", original, new)
+    return new
+
+
+def fix_statement(porter: Any, original: Any, updated: Any) -> Any:
+    """``model = torch.compile(model)``, which the call's fixer left as ``model = model``: a ``pass`` that says so."""
+    cst = libcst()
+    if len(original.body) != 1 or not isinstance(original.body[0], cst.Assign):
+        return None
+    before, after = original.body[0], updated.body[0]
+    targets = [code(t.target) for t in after.targets]
+    if not _compiles(before.value) or targets != [code(after.value)]:
+        return None
+    return cst.parse_statement(_MARK.format(code(before.value))).with_changes(leading_lines=updated.leading_lines)

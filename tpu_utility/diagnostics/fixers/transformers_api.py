@@ -1,0 +1,59 @@
+"""Hugging Face names that fail on XLA or in transformers 5: ``save_pretrained`` of an XLA model, ``transformers.AdamW``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .tree import code, dotted, keyword, libcst
+
+_SAVE = "{}.save_pretrained({}, state_dict={{k: v.cpu() for k, v in {}.state_dict().items()}})"
+
+
+def fix_import(porter: Any, original: Any, updated: Any) -> Any:
+    """``from transformers import AdamW, get_scheduler`` -> AdamW from torch.optim."""
+    cst = libcst()
+    if updated.module is None or dotted(updated.module) != "transformers" or isinstance(updated.names, cst.ImportStar):
+        return None
+    ours = [a for a in updated.names if a.name.value == "AdamW"]
+    if not ours:
+        return None
+    porter.plan.hf_adamw.add(ours[0].asname.name.value if ours[0].asname else "AdamW")
+    porter.plan.lines.append("from torch.optim import AdamW" + (f" as {ours[0].asname.name.value}" if ours[0].asname else ""))
+    kept = [a for a in updated.names if a.name.value != "AdamW"]
+    if not kept:
+        porter.change("transformers_adamw", original, cst.Name("removed"))
+        return cst.RemovalSentinel.REMOVE
+    new = updated.with_changes(names=[*kept[:-1], kept[-1].with_changes(comma=cst.MaybeSentinel.DEFAULT)])
+    porter.change("transformers_adamw", original, new)
+    return new
+
+
+def fix_call(porter: Any, original: Any, updated: Any) -> Any:
+    """``AdamW(...)`` imported from transformers keeps its default ``weight_decay=0.0``; ``model.save_pretrained(dir)``."""
+    cst = libcst()
+    name = dotted(updated.func)
+    if name in porter.plan.hf_adamw or name == "transformers.AdamW":
+        if keyword(updated, "correct_bias") is not None:
+            porter.leave_alone("transformers_adamw", original)
+            return None
+        args = list(updated.args)
+        if keyword(updated, "weight_decay") is None and not (len(args) > 3 and args[3].keyword is None):
+            last = args[-1].with_changes(comma=cst.Comma(whitespace_after=cst.SimpleWhitespace(" ")))
+            args = [*args[:-1], last, cst.Arg(cst.Float("0.0"), keyword=cst.Name("weight_decay"),
+                                              equal=cst.AssignEqual(cst.SimpleWhitespace(""), cst.SimpleWhitespace("")))]  # fmt: skip
+        new = updated.with_changes(func=cst.parse_expression("torch.optim.AdamW") if name == "transformers.AdamW"
+                                   else updated.func, args=args)  # fmt: skip
+        porter.change("transformers_adamw", original, new)
+        return new
+    if isinstance(updated.func, cst.Attribute) and updated.func.attr.value == "save_pretrained":
+        owner = dotted(updated.func.value)
+        if keyword(updated, "state_dict") is not None or not updated.args:
+            return None
+        if owner in porter.plan.models:
+            given = ", ".join(code(a).strip().rstrip(",") for a in updated.args)
+            new = cst.parse_expression(_SAVE.format(owner, given, owner))
+            porter.change("save_pretrained", original, new)
+            return new
+        if "model" in owner:
+            porter.leave_alone("save_pretrained", original)
+    return None
