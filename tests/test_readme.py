@@ -155,7 +155,9 @@ def _cases():
         ("static_masks", block("static_masks(model)   # was") + "\nassert model.config._attn_implementation != 'sdpa'\n", 1),
         ("bring a scheduler", block("class Scheduled(Callback)")
          + "\nassert hf_linear.scheduler.last_epoch == len(history.step_lrs) and os.path.isdir('ckpt-timm')\n", 1),
-        ("generate a submission", LLM + block("restore_best=True)\nprompts =")
+        ("fine-tune an LLM", LLM + block("peft.LoraConfig(r=8")
+         + "\nassert os.path.exists('adapter/adapter_model.safetensors') and history.records[-1].valid_loss > 0\n", 1),
+        ("generate a submission", LLM + block("the best valid_loss's epoch\nprompts =")
          + "\nsub = pd.read_csv('submission.csv'); assert list(sub['id']) == list(range(5)) and len(sub) == 5, sub\n", 4),
         ("reload best.pt", "one_cycle_fit(small_cnn(), train_ds, epochs=1, max_lr=1e-3, checkpoint_dir='ckpt', progress=False)\n"
          + block('load_checkpoint("ckpt/best.pt"') + "\nassert preds.shape == (len(test_ds), 10)\n", 1),
