@@ -98,3 +98,44 @@ def own_loss_mean(model: torch.nn.Module, data: list, batch_size: int) -> float:
             total += model(**batch).loss.item() * counted
             count += counted
     return total / count
+
+
+class Tagger(torch.nn.Module):
+    """A token classifier of one's own: (N, T) tokens to (N, T, C) scores, trained on (N, T) labels."""
+
+    def __init__(self, classes: int = 5) -> None:
+        super().__init__()
+        self.emb, self.out = torch.nn.Embedding(VOCAB, 16), torch.nn.Linear(16, classes)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.out(self.emb(tokens))
+
+
+def tags(n: int, seed: int, bad: int | None = None) -> torch.utils.data.TensorDataset:
+    """Tokens and their classes (the token modulo 5); the first 3 positions -100, a ``bad`` label at one."""
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, VOCAB, (n, 12), generator=g)
+    labels = tokens % 5
+    labels[:, :3] = -100  # positions that count in no loss: padding, a prompt
+    if bad is not None:
+        labels[n - 1, 5] = bad
+    return torch.utils.data.TensorDataset(tokens, labels)
+
+
+def plain_cpu_tagger_losses(model: torch.nn.Module, data, epochs: int, batch_size: int, lr: float) -> list[float]:
+    """The tagger's loop before the port: cross-entropy over the class dimension, -100 left out."""
+    optimizer = adamw(lr)(model.parameters())
+    sampler = DistributedSampler(data, num_replicas=1, rank=0, shuffle=True, seed=0)
+    loader = DataLoader(data, batch_size=batch_size, sampler=sampler, drop_last=True)
+    means = []
+    for epoch in range(epochs):
+        sampler.set_epoch(epoch)
+        losses = []
+        for tokens, labels in loader:
+            loss = torch.nn.functional.cross_entropy(model(tokens).transpose(1, 2), labels)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.item())
+        means.append(sum(losses) / len(losses))
+    return means
