@@ -9,7 +9,7 @@ from torch import nn
 
 from tpu_utility import memory_plan
 from tpu_utility.training.memory import (GB, TransformerShape, activation_bytes, optimizer_states,
-                                         shard_bytes)  # fmt: skip
+                                         refuse_replicating, shard_bytes)  # fmt: skip
 from tpu_utility.training.strategies import block_classes, repeated_class
 
 V5E = 16 * 2**30  # one v5e chip, as the backend's hardware table gives it
@@ -123,3 +123,24 @@ def test_a_7b_model_on_a_v5e_8_cannot_be_replicated_and_can_be_sharded(build, we
     assert _state(plan, "sharded") / GB == pytest.approx(weights_gb / 8, rel=0.1)  # the "LoRA ~2.2 GB"
     assert plan.term("gradients").replicated < 0.001 * plan.term("parameters").replicated
     assert not plan.fits_replicated and plan.fits_sharded
+
+
+# ------------------------------------------------- one_cycle_fit's refusal
+def test_one_cycle_fit_refuses_a_model_that_cannot_be_replicated_before_any_compile(monkeypatch):
+    from torch.utils.data import TensorDataset
+
+    from tpu_utility import backend, one_cycle_fit
+
+    model = nn.Sequential(nn.Linear(1000, 1000), nn.Linear(1000, 2))  # 4 MB of fp32 weights, 16 MB with AdamW
+    data = TensorDataset(torch.randn(8, 1000), torch.randint(0, 2, (8,)))
+    monkeypatch.setenv("TPU_UTILITY_DEVICE_MEMORY_GB", "0.01")  # 10.7 MB: the weights fit, training does not
+    compiles = backend.compile_count()
+    with pytest.raises(ValueError) as error:
+        one_cycle_fit(model, data, epochs=1, max_lr=1e-3, batch_size=4, progress=False)
+    message = str(error.value)
+    for part in ("Sequential cannot be replicated", "16.05 MB per chip", "optimizer state (AdamW, 2 per parameter) 8.02 MB", "10.74 MB",
+                 "TPU_UTILITY_DEVICE_MEMORY_GB", "strategy='fsdp'", "LoRA", "bf16"):
+        assert part in message, (part, message)
+    assert backend.compile_count() == compiles  # refused before the first graph
+    monkeypatch.setenv("TPU_UTILITY_DEVICE_MEMORY_GB", "0.1")  # room: the same check lets it through
+    refuse_replicating(model, 1, 4, "adamw", "fp32")

@@ -188,7 +188,11 @@ class MemoryPlan:
 
 
 def _gb(n: float) -> str:
-    return f"{n / GB:.2f} GB"
+    """Bytes in GB (10**9, as model sizes are quoted), or MB/kB below one GB."""
+    for unit, size in (("GB", GB), ("MB", 1e6)):
+        if n >= size or unit == "GB" and n == 0:
+            return f"{n / size:.2f} {unit}"
+    return f"{n / 1e3:.2f} kB"
 
 
 def memory_plan(
@@ -286,6 +290,40 @@ def memory_plan(
     return MemoryPlan(tuple(terms), shards, _device_memory(device_memory), tuple(notes))
 
 
+def refuse_replicating(model: nn.Module, cores: int, batch_size: int, optimizer: Any, precision: str) -> None:
+    """Refuses, before anything compiles, a replicated run whose parameters, gradients and optimizer state
+    alone cannot fit one chip, naming the figures and the ways out (sharding, LoRA, bf16).
+
+    Activations are left out (the batch's length is not known here), so a refusal is never a guess.
+    Nothing is checked where the chip's memory is unknown (the CPU without ``TPU_UTILITY_DEVICE_MEMORY_GB``).
+
+    Raises:
+        ValueError: the plan's replicated figure, the chip's memory, and the sharded figure.
+    """
+    plan = memory_plan(model, cores=cores, batch_size=batch_size, optimizer=optimizer, precision=precision)
+    if plan.fits_replicated:
+        return
+    state = [t for t in plan.terms if not t.name.startswith("one block")]
+    parts = ", ".join(f"{t.name} {_gb(t.replicated)}" for t in state)
+    ways = []
+    if cores > 1 and plan.fits_sharded:
+        ways.append(f"shard it over the {cores} cores with strategy='fsdp' ({_gb(plan.sharded)} per chip)")
+    elif cores > 1:
+        ways.append(f"sharded over {cores} cores it still needs {_gb(plan.sharded)} per chip, mostly "
+                    f"{plan.dominant()}: more chips")  # fmt: skip
+    else:
+        ways.append("sharding needs several cores (cores='all', strategy='fsdp')")
+    if plan.term("gradients").replicated > 0.01 * plan.term("parameters").replicated:
+        ways.append("train LoRA adapters (peft), which keeps gradients and optimizer state for them alone")
+    if any(p.dtype == torch.float32 for p in model.parameters()):
+        ways.append("load the model in bf16 (dtype=torch.bfloat16: half the bytes of fp32)")
+    raise ValueError(
+        f"{type(model).__name__} cannot be replicated on one chip: it needs {_gb(plan.replicated)} per chip "
+        f"({parts}; activations not counted), but a chip has {_gb(plan.device_memory)} ({HEADROOM:.0%} usable; "
+        f"{backend.MEMORY_ENV} sets it). Ways out: {'; '.join(ways)}. memory_plan(model, ...) prints the table"
+    )
+
+
 def _check_cores(cores: Any) -> int:
     if cores == "all":
         return backend.device_count()
@@ -326,5 +364,5 @@ def _largest_block(model: nn.Module) -> list[nn.Parameter]:
     return max((list(m.parameters()) for m in blocks), key=lambda ps: sum(p.numel() for p in ps), default=[])
 
 
-__all__ = ["memory_plan", "MemoryPlan", "Term", "TransformerShape", "activation_bytes", "optimizer_states",
+__all__ = ["memory_plan", "MemoryPlan", "refuse_replicating", "Term", "TransformerShape", "activation_bytes", "optimizer_states",
            "shard_bytes", "HEADROOM"]  # fmt: skip
