@@ -248,7 +248,8 @@ def one_cycle_fit(
             (first parameter named ``model``, or timm's ``model_or_params``) building its own param groups.
         batch_size: Per-core batch size (default 64, or the DataLoader's own).
         cores: 1, "all", or the number of all cores.
-        strategy: "auto" (SPMD for several cores), "spmd" or "multiprocess".
+        strategy: "auto" (SPMD for several cores), "spmd", "multiprocess" or "fsdp" (SPMD with the
+            parameters, gradients and optimizer state sharded over all cores: docs/large_models.md).
         precision: "fp32", "bf16" (autocast on TPU, casting on XLA:CPU) or "fp16":
             float16 autocast around the forward and the loss, with torch's ``GradScaler``
             (the loss scaled before backward, the gradients unscaled before clipping, a

@@ -223,8 +223,8 @@ def memory_plan(
             one buffer), a class or a ``functools.partial`` of one.
         precision: "fp32" (activations in fp32) or "bf16"/"fp16" (activations in 16 bits; the weights
             stay in their own dtype, as autocast leaves them).
-        checkpointing: Per-block gradient checkpointing. None: the model's own setting replicated, on
-            when sharded (as ``strategy="fsdp"`` does).
+        checkpointing: Per-block gradient checkpointing in both columns. None: the model's own setting
+            (``gradient_checkpointing_enable()``, or the ``GradientCheckpointing`` callback: give True).
         device_memory: One chip's bytes, or a TPU kind ("v5e", "v4", "v5p", "v6e"); None asks the backend
             (its hardware table, a GPU's own memory, or ``TPU_UTILITY_DEVICE_MEMORY_GB``).
 
@@ -272,7 +272,7 @@ def memory_plan(
         itemsize = 4 if precision == "fp32" else 2
         inner = _inner(model)  # transformers 5 renamed the flag; the old name warns
         own = bool(getattr(inner, "is_activation_checkpointing", None) or getattr(inner, "gradient_checkpointing", False))
-        repl_ckpt, shard_ckpt = (own, True) if checkpointing is None else (checkpointing, checkpointing)
+        repl_ckpt = shard_ckpt = own if checkpointing is None else checkpointing
         tokens = batch_size * seq_len
         terms.append(Term(f"activations ({batch_size} x {seq_len} tokens, estimate)",
                           activation_bytes(shape, tokens, seq_len, itemsize, repl_ckpt),
