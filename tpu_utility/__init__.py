@@ -28,8 +28,8 @@ from .data import (BucketBatchSampler, BucketCollate, CachedDataset, PresizeRepo
 
 # the trainer: one call that trains, keeps the best epoch and predicts (or generates)
 from .training import (EMA, Callback, CSVLogger, EpochMetric, EpochRecord, GradientCheckpointing, History, LRFinderResult,
-                       StopFit, TensorBoardLogger, evaluate, find_lr, generate, one_cycle, one_cycle_curve, one_cycle_fit,
-                       predict)
+                       MemoryPlan, StopFit, TensorBoardLogger, evaluate, find_lr, generate, memory_plan, one_cycle,
+                       one_cycle_curve, one_cycle_fit, predict)
 
 # diagnosis: doctor (run time), check (this machine); `python -m tpu_utility.port` (your source)
 from .diagnostics import DoctorError, DoctorReport, doctor
@@ -74,6 +74,8 @@ __all__ = [
     "LRFinderResult",
     "make_sampler",
     "masked_loader",
+    "memory_plan",
+    "MemoryPlan",
     "move_model",
     "one_cycle",
     "one_cycle_curve",

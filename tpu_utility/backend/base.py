@@ -241,6 +241,12 @@ class Backend:
     def shard_batch(self, tensors: Sequence[torch.Tensor]) -> None:
         """Marks each tensor as split along dim 0 over the SPMD mesh (a cache the size of the batch); nothing elsewhere."""
 
+    def shard_parameters(self, model: torch.nn.Module, blocks: Sequence[torch.nn.Module]) -> Callable[[], None]:
+        """Shards every parameter of ``model`` over all devices, ``blocks`` one at a time (FSDP); returns the
+        function that removes what it added to the model (its hooks)."""
+        raise NotImplementedError(f"strategy='fsdp' is built for XLA (a TPU, or PJRT_DEVICE set); the {self.name} "
+                                  f"backend has no sharded strategy yet: use strategy='auto'")  # fmt: skip
+
     def use_spmd(self) -> None:
         raise ValueError(
             f"SPMD (one process over a mesh of devices) is a torch_xla feature; the {self.name} backend "

@@ -389,6 +389,42 @@ def process_index() -> int:
 
 
 @functools.lru_cache(maxsize=None)
+def _fsdp_mesh(devices: int) -> Any:
+    """The 1-D mesh (axis "fsdp", FSDPv2's name) that parameters are sharded over: the data mesh's devices, in its
+    order, so a batch sharded over one lines up with the other."""
+    import numpy as np
+    import torch_xla.distributed.spmd as xs
+
+    return xs.Mesh(np.arange(devices), (devices,), ("fsdp",))
+
+
+def shard_parameters(model: torch.nn.Module, blocks: Sequence[torch.nn.Module]) -> Callable[[], None]:
+    """FSDPv2's steps (``SpmdFullyShardedDataParallel``) on the model as it is: each parameter sharded on its
+    largest dimension over the "fsdp" mesh, an optimization barrier after each block's backward (and the
+    root's), so the compiler gathers one block's weights at a time. Applied in place rather than through
+    the wrapper class, whose ``_orig_module.`` renames every state_dict key (huggingface/transformers#36004):
+    checkpoints and the trained model keep the model's own key names. Returns the undo (the hooks removed).
+    """
+    import torch_xla.distributed.spmd as xs
+    from torch_xla.experimental.spmd_fully_sharded_data_parallel import _prepare_spmd_partition_spec
+
+    mesh = _fsdp_mesh(global_device_count())
+    for param in model.parameters():
+        xs.mark_sharding(param, mesh, _prepare_spmd_partition_spec(param, shard_maximal=True))
+    added = []
+    for module in (*blocks, model):
+        before = set(module._backward_hooks)
+        xs.xla_sharding.apply_backward_optimization_barrier(module)
+        added += [(module, key) for key in set(module._backward_hooks) - before]
+
+    def undo() -> None:
+        for module, key in added:
+            module._backward_hooks.pop(key, None)
+            module._is_full_backward_hook = None if not module._backward_hooks else module._is_full_backward_hook
+
+    return undo
+
+
 def _data_mesh(devices: int) -> Any:
     """The 1-D mesh of ``devices`` devices (axis "data") that batches are sharded over.
 
@@ -774,6 +810,9 @@ class XlaBackend(Backend):
 
     def use_spmd(self) -> None:
         use_spmd()
+
+    def shard_parameters(self, model: torch.nn.Module, blocks: Sequence[torch.nn.Module]) -> Callable[[], None]:
+        return shard_parameters(model, blocks)
 
     def process_count(self) -> int:
         return process_count()

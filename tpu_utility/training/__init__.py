@@ -11,6 +11,8 @@ Read it top down:
 - ``history.py``: ``History``, what ``one_cycle_fit`` returns.
 - ``inference.py``: ``predict()`` and ``evaluate()`` in dataset order on any number of cores.
 - ``generate.py``: ``generate()``, a causal LM's new tokens for every prompt with static shapes (buckets, one cache).
+- ``memory.py``: ``memory_plan()``, the bytes per chip to train a model, replicated and sharded.
+- ``strategies/``: each way of spreading a model over devices in its own room (FSDP's blocks and wrap).
 - ``lr_finder.py``: ``find_lr()``, the same loop with a learning-rate sweep for its schedule.
 """
 
@@ -21,6 +23,7 @@ from .generate import generate
 from .history import EpochRecord, History
 from .inference import evaluate, predict
 from .lr_finder import LRFinderResult, find_lr
+from .memory import MemoryPlan, memory_plan
 from .metrics import EpochMetric
 from .schedule import one_cycle, one_cycle_curve
 
@@ -37,6 +40,8 @@ __all__ = [
     "generate",
     "History",
     "LRFinderResult",
+    "memory_plan",
+    "MemoryPlan",
     "one_cycle",
     "one_cycle_curve",
     "one_cycle_fit",

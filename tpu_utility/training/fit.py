@@ -48,6 +48,7 @@ from .agreement import ReplicaAgreement
 from .events import Events, check_callbacks
 from .history import History
 from .metrics import METRICS, CrossEntropy, accuracy, per_sample_loss, resolve_metrics
+from .memory import refuse_replicating
 from .monitor import Mode, StopRule, parse_duration, resolve_mode
 from .runner import (Precision, Strategy, available_cores, check_precision, choose_strategy, process_mode,
                      resolve_cores)  # fmt: skip
@@ -247,7 +248,8 @@ def one_cycle_fit(
             (first parameter named ``model``, or timm's ``model_or_params``) building its own param groups.
         batch_size: Per-core batch size (default 64, or the DataLoader's own).
         cores: 1, "all", or the number of all cores.
-        strategy: "auto" (SPMD for several cores), "spmd" or "multiprocess".
+        strategy: "auto" (SPMD for several cores), "spmd", "multiprocess" or "fsdp" (SPMD with the
+            parameters, gradients and optimizer state sharded over all cores: docs/large_models.md).
         precision: "fp32", "bf16" (autocast on TPU, casting on XLA:CPU) or "fp16":
             float16 autocast around the forward and the loss, with torch's ``GradScaler``
             (the loss scaled before backward, the gradients unscaled before clipping, a
@@ -372,6 +374,8 @@ def one_cycle_fit(
     n_cores, run_mode = process_mode(cores, strategy)
     processes = n_cores if run_mode == "multiprocess" else 1
     train_spec, valid_spec = _loader_specs(train_data, valid_data, batch_size, num_workers, processes)
+    if factory is None:  # a model that cannot be replicated: said now, not after minutes of compiling
+        refuse_replicating(model, n_cores, train_spec.batch_size, optimizer, precision)
     loss = loss_fn if loss_fn is not None else CrossEntropy()
     if valid_spec is not None:
         per_sample_loss(loss)  # fail now, not after the first epoch

@@ -29,9 +29,10 @@ from ..data.loaders import IGNORE_INDEX, LABELS, LabelCheck, LoaderSpec, eval_lo
 from ..device import get_device, move_model, move_to_device
 from ..huggingface import give_back_checkpoint_functions, restore_masks, static_masks, use_checkpoint_function
 from .metrics import MetricSet
+from .strategies import room
 from ..progress import progress_bar
 
-Strategy = Literal["auto", "spmd", "multiprocess"]
+Strategy = Literal["auto", "spmd", "multiprocess", "fsdp"]
 Precision = Literal["fp32", "bf16", "fp16"]
 Batch = Any
 Step = Callable[[nn.Module, Batch], Any]
@@ -64,9 +65,17 @@ def resolve_cores(cores: int | str, available: int, rule: CoreRule = "one_or_all
 
 
 def choose_strategy(strategy: str, cores: int, in_launch: bool) -> str:
-    """"single", "spmd", "multiprocess" (we launch) or "replica" (already launched)."""
+    """"single", "spmd", "fsdp" (SPMD, parameters sharded), "multiprocess" (we launch) or "replica" (already launched)."""
     if strategy not in get_args(Strategy):
         raise ValueError(f"strategy must be one of {get_args(Strategy)}, but given {strategy!r}")
+    if strategy == "fsdp" and in_launch:
+        raise ValueError("strategy='fsdp' shards over all cores from one process, but this process is one replica of "
+                         "a multi-process launch; call it from the main process with cores='all'")  # fmt: skip
+    if strategy == "fsdp":
+        if cores < 2:
+            raise ValueError(f"strategy='fsdp' shards the model over several cores, but given cores={cores}; "
+                             f"use cores='all', or strategy='auto' on one core")  # fmt: skip
+        return "fsdp"
     if in_launch:
         return "replica"
     if strategy == "multiprocess":
@@ -97,9 +106,9 @@ def process_mode(cores: int | str, strategy: str = "auto") -> tuple[int, str]:
     mode = choose_strategy(strategy, n_cores, in_launch)
     if chosen.lazy or mode in ("single", "replica"):
         return n_cores, mode
-    if strategy == "spmd":
+    if strategy in ("spmd", "fsdp"):
         raise ValueError(
-            f"strategy='spmd' needs XLA devices (a TPU, or PJRT_DEVICE set); here the {chosen.name} backend runs "
+            f"strategy={strategy!r} needs XLA devices (a TPU, or PJRT_DEVICE set); here the {chosen.name} backend runs "
             f"one process per device: use strategy='auto' or 'multiprocess'"
         )
     return n_cores, "multiprocess" if n_cores > 1 else "single"
@@ -149,7 +158,7 @@ class Topology:
 
 def current_topology(mode: str) -> Topology:
     """This process's Topology; switches SPMD on for mode "spmd" (before the runtime starts)."""
-    if mode == "spmd":
+    if mode in ("spmd", "fsdp"):  # fsdp: the same data layout, the parameters sharded too (strategies.fsdp)
         backend.use_spmd()
         return Topology("spmd", hosts=backend.process_count(), host=backend.process_index(), devices=backend.global_device_count())
     if mode == "replica":
@@ -490,6 +499,8 @@ class Runner:
         move_model(model, self.device)
         if self.precision.mode == "cast":
             model.to(torch.bfloat16)
+        self.strategy = room(mode)  # the parameters sharded under "fsdp"; nothing to do replicated
+        self.strategy.enter(model)
         # a transformers model's masks built on the device: no host read per forward on XLA (given back after)
         self.found_attention = static_masks(model) if self.lazy else None
         # gradient_checkpointing_enable()'s torch checkpoint fails on XLA: torch_xla's in its place (given back after)
@@ -502,6 +513,7 @@ class Runner:
 
     def restore_model(self) -> None:
         """Puts the model back on the device, dtype and mode it was found in."""
+        self.strategy.leave(self.model)
         self.found.restore(self.model)
         restore_masks(self.model, self.found_attention)
         give_back_checkpoint_functions(self.found_checkpointing)

@@ -233,6 +233,7 @@ def _train(model: nn.Module, plan: FitPlan) -> tuple[nn.Module, History]:
         return _run(loop, model, plan)
     finally:  # a transformers model leaves with its own attention implementation (see static_masks)
         restore_masks(model, loop.runner.found_attention)
+        loop.runner.strategy.leave(model)  # its hooks off: history.model is the plain model
 
 
 def _run(loop: Loop, model: nn.Module, plan: FitPlan) -> tuple[nn.Module, History]:

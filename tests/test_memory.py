@@ -1,0 +1,148 @@
+"""memory_plan: the bytes per chip to train a model, replicated and sharded; the math with plain numbers,
+the real 7B/8B configs on the meta device (no download, no RAM), and one_cycle_fit's refusal before a compile."""
+
+import functools
+
+import pytest
+import torch
+from torch import nn
+
+from tpu_utility import memory_plan
+from tpu_utility.training.memory import (GB, TransformerShape, activation_bytes, optimizer_states,
+                                         refuse_replicating, shard_bytes)  # fmt: skip
+from tpu_utility.training.strategies import block_classes, repeated_class
+
+V5E = 16 * 2**30  # one v5e chip, as the backend's hardware table gives it
+
+
+# ----------------------------------------------------------------- pure math
+def test_optimizer_states_by_name_class_and_partial():
+    assert optimizer_states("adamw") == (2, "AdamW")
+    assert optimizer_states("adam") == (2, "Adam")
+    assert optimizer_states("sgd") == (1, "SGD")  # one_cycle_fit's "sgd" has momentum 0.9
+    assert optimizer_states(torch.optim.SGD) == (0, "SGD")
+    assert optimizer_states(functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9)) == (1, "SGD")
+    assert optimizer_states(functools.partial(torch.optim.RMSprop, momentum=0.9, centered=True)) == (3, "RMSprop")
+    count, name = optimizer_states(lambda params: torch.optim.SGD(params, lr=0.1))
+    assert count == 2 and "counted as AdamW" in name  # unreadable: the common worst case, said so
+    with pytest.raises(ValueError, match="'lamb'"):
+        optimizer_states("lamb")
+
+
+def test_shard_bytes_pads_to_divide_evenly():
+    assert shard_bytes(16, 2, 4) == 8
+    assert shard_bytes(17, 2, 4) == 10  # ceil(17 / 4) = 5 elements of 2 bytes
+    assert shard_bytes(17, 2, 1) == 34
+
+
+def test_activation_estimate_grows_with_tokens_and_checkpointing_keeps_less():
+    s = TransformerShape(hidden=8, intermediate=32, layers=3, heads=2, kv_width=8, vocab=10)
+    per_layer = 7 * 8 + 2 * 8 + 4 * 32 + 2 * 2 * 4  # elements per token and layer at seq_len 4
+    assert activation_bytes(s, 4, 4, 2, False) == 4 * (3 * per_layer * 2 + 10 * (2 + 8))
+    assert activation_bytes(s, 4, 4, 2, True) == 4 * ((3 * 8 + per_layer) * 2 + 10 * (2 + 8))
+    assert activation_bytes(s, 8, 4, 2, False) == 2 * activation_bytes(s, 4, 4, 2, False)
+
+
+# ------------------------------------------------------- small real models
+def test_trainable_only_tied_once_and_sharded_over_cores():
+    model = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 4), nn.Linear(4, 10, bias=False))
+    model[2].weight = model[0].weight  # tied: counted once
+    model[1].requires_grad_(False)
+    plan = memory_plan(model, cores=4, optimizer="sgd", device_memory=10**6)
+    assert plan.term("parameters").replicated == (40 + 20) * 4
+    assert plan.term("gradients").replicated == 40 * 4  # the frozen Linear keeps none
+    assert plan.term("optimizer state (SGD, 1 per parameter)").replicated == 40 * 4
+    assert plan.term("parameters").sharded == (10 + 4 + 1) * 4  # each tensor's quarter, padded
+    assert plan.fits_replicated and plan.fits_sharded
+    assert "activations not counted" in str(plan) and "sharded / 4" in str(plan)
+
+
+def test_device_memory_from_the_backend_override(monkeypatch):
+    monkeypatch.setenv("TPU_UTILITY_DEVICE_MEMORY_GB", "0.000001")  # ~1 kB: nothing fits
+    plan = memory_plan(nn.Linear(100, 100), cores=2)
+    assert plan.device_memory == int(0.000001 * 2**30)
+    assert not plan.fits_replicated and "does not fit" in str(plan)
+    with pytest.raises(ValueError, match="'v9'"):
+        memory_plan(nn.Linear(2, 2), cores=2, device_memory="v9")
+    with pytest.raises(ValueError, match="cores"):
+        memory_plan(nn.Linear(2, 2), cores=0)
+
+
+def test_blocks_from_no_split_modules_else_the_most_repeated_class():
+    blocks = nn.ModuleList([nn.Sequential(nn.Linear(2, 2)) for _ in range(3)])
+    model = nn.Sequential(nn.Linear(2, 2), blocks)
+    assert repeated_class(model) is nn.Sequential
+    model._no_split_modules = ["Linear"]
+    assert block_classes(model) == (nn.Linear,)
+    with pytest.raises(ValueError, match=r"wrap=\['Block'\].*\['Linear', 'Sequential'\]"):
+        block_classes(model, wrap="Block")
+
+
+# ------------------------------------------- 7B and 8B configs, meta device
+def _meta(config):
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+
+
+def _gemma_7b():
+    from transformers import GemmaConfig  # google/gemma-7b's config.json
+
+    return _meta(GemmaConfig(hidden_size=3072, intermediate_size=24576, num_hidden_layers=28, num_attention_heads=16,
+                             num_key_value_heads=16, head_dim=256, vocab_size=256000))  # fmt: skip
+
+
+def _llama3_8b():
+    from transformers import LlamaConfig  # meta-llama/Meta-Llama-3-8B's config.json
+
+    return _meta(LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                             num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192,
+                             rope_theta=500000.0, tie_word_embeddings=False))  # fmt: skip
+
+
+def _state(plan, column):
+    """Parameters, gradients and optimizer state: the issue's arithmetic (no activations)."""
+    return sum(getattr(t, column) for t in plan.terms[:3])
+
+
+@pytest.mark.parametrize("build, weights_gb", [(_gemma_7b, 17.1), (_llama3_8b, 16.1)])
+def test_a_7b_model_on_a_v5e_8_cannot_be_replicated_and_can_be_sharded(build, weights_gb):
+    model = build()
+    plan = memory_plan(model, cores=8, batch_size=1, seq_len=1024, precision="bf16", device_memory=V5E,
+                       checkpointing=True)
+    assert plan.term("parameters").replicated / GB == pytest.approx(weights_gb, rel=0.01)
+    assert _state(plan, "replicated") / GB == pytest.approx(4 * weights_gb, rel=0.1)  # weights, grads, 2 moments
+    assert _state(plan, "sharded") / GB == pytest.approx(4 * weights_gb / 8, rel=0.1)
+    assert not plan.fits_replicated and plan.fits_sharded
+    assert plan.dominant(sharded=False).startswith("optimizer state (AdamW")
+
+    import peft
+
+    lora = peft.get_peft_model(model, peft.LoraConfig(r=8, target_modules=["q_proj", "v_proj"]))
+    plan = memory_plan(lora, cores=8, batch_size=1, seq_len=1024, precision="bf16", device_memory=V5E,
+                       checkpointing=True)
+    assert _state(plan, "sharded") / GB == pytest.approx(weights_gb / 8, rel=0.1)  # the issue's "LoRA ~2.2 GB"
+    assert plan.term("gradients").replicated < 0.001 * plan.term("parameters").replicated
+    assert not plan.fits_replicated and plan.fits_sharded
+
+
+# ------------------------------------------------- one_cycle_fit's refusal
+def test_one_cycle_fit_refuses_a_model_that_cannot_be_replicated_before_any_compile(monkeypatch):
+    from torch.utils.data import TensorDataset
+
+    from tpu_utility import backend, one_cycle_fit
+
+    model = nn.Sequential(nn.Linear(1000, 1000), nn.Linear(1000, 2))  # 4 MB of fp32 weights, 16 MB with AdamW
+    data = TensorDataset(torch.randn(8, 1000), torch.randint(0, 2, (8,)))
+    monkeypatch.setenv("TPU_UTILITY_DEVICE_MEMORY_GB", "0.01")  # 10.7 MB: the weights fit, training does not
+    compiles = backend.compile_count()
+    with pytest.raises(ValueError) as error:
+        one_cycle_fit(model, data, epochs=1, max_lr=1e-3, batch_size=4, progress=False)
+    message = str(error.value)
+    for part in ("Sequential cannot be replicated", "16.05 MB per chip", "optimizer state (AdamW, 2 per parameter) 8.02 MB", "10.74 MB",
+                 "TPU_UTILITY_DEVICE_MEMORY_GB", "strategy='fsdp'", "LoRA", "bf16"):
+        assert part in message, (part, message)
+    assert backend.compile_count() == compiles  # refused before the first graph
+    monkeypatch.setenv("TPU_UTILITY_DEVICE_MEMORY_GB", "0.1")  # room: the same check lets it through
+    refuse_replicating(model, 1, 4, "adamw", "fp32")

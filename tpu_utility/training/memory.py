@@ -1,0 +1,368 @@
+"""Memory plan: the bytes one chip needs to train a model, replicated and sharded, before anything compiles.
+
+    plan = memory_plan(model, cores=8, batch_size=4, seq_len=1024, optimizer="adamw")
+    print(plan)                       # a table: parameters, gradients, optimizer state, activations
+    plan.fits_replicated, plan.fits_sharded
+
+The model may live on the ``meta`` device (``with torch.device("meta"): AutoModelForCausalLM.from_config(cfg)``),
+so a 7B plan costs no RAM. The math is plain functions of numbers (``optimizer_states``, ``shard_bytes``,
+``activation_bytes``), tested alone; the chip's memory comes from the backend (its hardware table, the GPU's own,
+or ``TPU_UTILITY_DEVICE_MEMORY_GB``).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from .. import backend
+from ..backend.hardware import tpu_device_memory
+
+# the share of a chip's memory a plan may fill: XLA's own buffers, fragmentation and the compiler's temporaries
+# take the rest (generation's KV-cache check leaves the same)
+HEADROOM = 0.9
+GB = 1e9
+
+# optimizer state tensors per trainable parameter, each in the parameter's dtype (as torch keeps them)
+_STATES = {"Adam": 2, "AdamW": 2, "NAdam": 2, "RAdam": 2, "Adamax": 2, "Adagrad": 1, "Adadelta": 2, "ASGD": 2,
+           "Rprop": 2, "LBFGS": 2, "SGD": 0, "RMSprop": 1, "Lion": 1}  # fmt: skip
+_NAMED = {"adamw": "AdamW", "adam": "Adam", "sgd": "SGD"}  # one_cycle_fit's names
+_NAMED_MOMENTUM = {"sgd": 0.9}  # one_cycle_fit's "sgd" is SGD(momentum=0.9)
+
+
+# ----------------------------------------------------------------- pure math
+def optimizer_states(optimizer: Any) -> tuple[int, str]:
+    """(state tensors kept per parameter, the optimizer's name) for a name, a class or a ``functools.partial``.
+
+    AdamW and Adam keep two moments; SGD one momentum buffer when ``momentum`` is set (one_cycle_fit's
+    ``"sgd"`` has 0.9), none without; RMSprop one (two with momentum, three centered). A factory whose
+    class cannot be read is counted as AdamW, the largest common case, and named so.
+
+    Example:
+        >>> optimizer_states("adamw"), optimizer_states(functools.partial(torch.optim.SGD, momentum=0))
+        ((2, 'AdamW'), (0, 'SGD'))
+    """
+    keywords: dict[str, Any] = {}
+    if isinstance(optimizer, str):
+        name = _NAMED.get(optimizer)
+        if name is None:
+            raise ValueError(f"optimizer must be one of {sorted(_NAMED)} or a callable, but given {optimizer!r}")
+        keywords = {"momentum": _NAMED_MOMENTUM.get(optimizer, 0)}
+    else:
+        while isinstance(optimizer, functools.partial):
+            keywords = {**optimizer.keywords, **keywords}
+            optimizer = optimizer.func
+        name = getattr(optimizer, "__name__", "")
+        if not (isinstance(optimizer, type) and name in _STATES):
+            return 2, f"{name or type(optimizer).__name__} (counted as AdamW)"
+    count = _STATES[name]
+    if name == "SGD":
+        count = 1 if keywords.get("momentum", 0) else 0
+    if name == "RMSprop":
+        count += bool(keywords.get("momentum", 0)) + bool(keywords.get("centered", False))
+    return count, name
+
+
+def shard_bytes(numel: int, itemsize: int, shards: int) -> int:
+    """Bytes one of ``shards`` devices holds of a tensor split on its first dimension, padded to divide evenly.
+
+    Example:
+        >>> shard_bytes(10, 4, 4), shard_bytes(10, 4, 1)
+        (12, 40)
+    """
+    return math.ceil(numel / shards) * itemsize
+
+
+@dataclass(frozen=True)
+class TransformerShape:
+    """The sizes of a decoder stack that set its activations (a transformers config's names)."""
+
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_width: int  # key/value heads x head size
+    vocab: int
+
+    @classmethod
+    def of(cls, config: Any) -> TransformerShape | None:
+        """From a transformers config (its text part), or None where it lacks a decoder's sizes."""
+        text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+        try:
+            hidden, layers, heads = text.hidden_size, text.num_hidden_layers, text.num_attention_heads
+        except AttributeError:
+            return None
+        head_dim = getattr(text, "head_dim", None) or hidden // heads
+        kv = (getattr(text, "num_key_value_heads", None) or heads) * head_dim
+        inner = getattr(text, "intermediate_size", None) or 4 * hidden
+        return cls(hidden, inner, layers, heads, kv, getattr(text, "vocab_size", 0) or 0)
+
+
+def activation_bytes(shape: TransformerShape, tokens: int, seq_len: int, itemsize: int, checkpointing: bool) -> int:
+    """An estimate of the activations a training step keeps for backward, for ``tokens`` = batch x seq_len.
+
+    Per token and layer: the block's input and norms, q/k/v and the attention output, the attention
+    probabilities (``heads x seq_len``: XLA materialises them), the MLP's gate, up, activation and
+    product. With per-block checkpointing only each block's input is kept, plus one block's worth while
+    it is recomputed. The logits add ``vocab`` per token in the activation dtype, and twice in fp32 for
+    the loss and its gradient. An estimate: fused kernels keep less, a model's extras more.
+
+    Example:
+        >>> s = TransformerShape(hidden=64, intermediate=256, layers=2, heads=4, kv_width=64, vocab=100)
+        >>> activation_bytes(s, 32, 16, 4, checkpointing=False) > activation_bytes(s, 32, 16, 4, checkpointing=True)
+        True
+    """
+    per_layer = 7 * shape.hidden + 2 * shape.kv_width + 4 * shape.intermediate + 2 * shape.heads * seq_len
+    kept = shape.layers * shape.hidden + per_layer if checkpointing else shape.layers * per_layer
+    logits = shape.vocab * (itemsize + 8)
+    return tokens * (kept * itemsize + logits)
+
+
+# ---------------------------------------------------------------- the plan
+@dataclass(frozen=True)
+class Term:
+    """One row of a plan: bytes per chip, replicated and sharded."""
+
+    name: str
+    replicated: int
+    sharded: int
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """Bytes per chip to train a model, replicated on every chip and sharded over ``cores``.
+
+    ``terms``: parameters, gradients, optimizer state, activations (and, sharded, one block gathered).
+    ``replicated``/``sharded``: their sums. ``device_memory``: one chip's bytes, or None where unknown
+    (the CPU); ``fits_*`` compare with ``HEADROOM`` of it (True where unknown).
+    """
+
+    terms: tuple[Term, ...]
+    cores: int
+    device_memory: int | None
+    notes: tuple[str, ...] = ()
+
+    @property
+    def replicated(self) -> int:
+        return sum(t.replicated for t in self.terms)
+
+    @property
+    def sharded(self) -> int:
+        return sum(t.sharded for t in self.terms)
+
+    @property
+    def usable(self) -> float | None:
+        return None if self.device_memory is None else HEADROOM * self.device_memory
+
+    @property
+    def fits_replicated(self) -> bool:
+        return self.usable is None or self.replicated <= self.usable
+
+    @property
+    def fits_sharded(self) -> bool:
+        return self.usable is None or self.sharded <= self.usable
+
+    def term(self, name: str) -> Term:
+        return next(t for t in self.terms if t.name == name)
+
+    def dominant(self, sharded: bool = True) -> str:
+        """The largest row's name (``sharded``: of the sharded column)."""
+        return max(self.terms, key=lambda t: t.sharded if sharded else t.replicated).name
+
+    def __str__(self) -> str:
+        rows = [("", "replicated", f"sharded / {self.cores}")]
+        rows += [(t.name, _gb(t.replicated), _gb(t.sharded)) for t in self.terms]
+        rows.append(("total per chip", _gb(self.replicated), _gb(self.sharded)))
+        if self.device_memory is not None:
+            yes = lambda ok: "fits" if ok else "does not fit"  # noqa: E731
+            rows.append((f"chip: {_gb(self.device_memory)} ({HEADROOM:.0%} usable)", yes(self.fits_replicated),
+                         yes(self.fits_sharded)))  # fmt: skip
+        widths = [max(len(r[k]) for r in rows) for k in range(3)]
+        lines = [f"{r[0]:<{widths[0]}}  {r[1]:>{widths[1]}}  {r[2]:>{widths[2]}}" for r in rows]
+        return "\n".join(lines + [f"  {note}" for note in self.notes])
+
+
+def _gb(n: float) -> str:
+    """Bytes in GB (10**9, as model sizes are quoted), or MB/kB below one GB."""
+    for unit, size in (("GB", GB), ("MB", 1e6)):
+        if n >= size or unit == "GB" and n == 0:
+            return f"{n / size:.2f} {unit}"
+    return f"{n / 1e3:.2f} kB"
+
+
+def memory_plan(
+    model: nn.Module,
+    *,
+    cores: int | str = "all",
+    batch_size: int = 64,
+    seq_len: int | None = None,
+    optimizer: str | Callable[..., torch.optim.Optimizer] = "adamw",
+    precision: str = "fp32",
+    checkpointing: bool | None = None,
+    device_memory: int | str | None = None,
+) -> MemoryPlan:
+    """Bytes per chip to train ``model``: replicated on every chip, and sharded (FSDP) over ``cores``.
+
+    Parameters are counted in their own dtype (a bf16 model keeps bf16 weights), gradients and optimizer
+    state for the trainable ones only (a LoRA model's adapters), in the same dtype, as torch keeps them.
+    Activations are estimated for transformers decoders when ``seq_len`` is given (per chip: each holds
+    ``batch_size`` rows in both columns); sharded, one block's parameters and gradients are gathered at a
+    time and counted too. The model is only read: it may live on the ``meta`` device.
+
+    Args:
+        model: The model, on any device (``meta`` included); a peft model counts its trainable adapters.
+        cores: Chips to shard over: an int, or "all" (the backend's devices, counted without starting it).
+        batch_size: Rows per chip, as ``one_cycle_fit``'s ``batch_size`` (its default 64).
+        seq_len: Tokens per row; None leaves activations out (noted in the table).
+        optimizer: As ``one_cycle_fit`` takes it: "adamw" (two moments), "adam", "sgd" (momentum 0.9:
+            one buffer), a class or a ``functools.partial`` of one.
+        precision: "fp32" (activations in fp32) or "bf16"/"fp16" (activations in 16 bits; the weights
+            stay in their own dtype, as autocast leaves them).
+        checkpointing: Per-block gradient checkpointing in both columns. None: the model's own setting
+            (``gradient_checkpointing_enable()``, or the ``GradientCheckpointing`` callback: give True).
+        device_memory: One chip's bytes, or a TPU kind ("v5e", "v4", "v5p", "v6e"); None asks the backend
+            (its hardware table, a GPU's own memory, or ``TPU_UTILITY_DEVICE_MEMORY_GB``).
+
+    Returns:
+        A ``MemoryPlan``: ``.replicated`` and ``.sharded`` (bytes per chip), ``.fits_replicated`` and
+        ``.fits_sharded``, ``.terms``; ``print(plan)`` shows the table.
+
+    Raises:
+        ValueError: a bad core count, batch size, precision or TPU kind.
+
+    Example:
+        >>> # was: loading the 7B model to find out, minutes later, that it does not fit a chip
+        >>> from transformers import AutoConfig, AutoModelForCausalLM   # doctest: +SKIP
+        >>> with torch.device("meta"):                                  # doctest: +SKIP
+        ...     model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained("google/gemma-7b"),
+        ...                                              dtype=torch.bfloat16)
+        >>> plan = memory_plan(model, cores=8, batch_size=1, seq_len=1024, device_memory="v5e")  # doctest: +SKIP
+        >>> print(plan)                                                 # doctest: +SKIP
+        >>> plan.fits_replicated, plan.fits_sharded                     # doctest: +SKIP
+        (False, True)
+    """
+    shards = _check_cores(cores)
+    for name, value in (("batch_size", batch_size), ("seq_len", seq_len)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"{name} must be a positive int, but given {value!r}")
+    if precision not in ("fp32", "bf16", "fp16"):
+        raise ValueError(f"precision must be one of ('fp32', 'bf16', 'fp16'), but given {precision!r}")
+    states, opt_name = optimizer_states(optimizer)
+    params = list({id(p): p for p in model.parameters()}.values())  # tied weights once
+    trainable = [p for p in params if p.requires_grad]
+    whole = lambda ps, k: sum(p.numel() * p.element_size() * k for p in ps)  # noqa: E731
+    split = lambda ps, k: sum(shard_bytes(p.numel(), p.element_size(), shards) * k for p in ps)  # noqa: E731
+    terms = [
+        Term("parameters", whole(params, 1), split(params, 1)),
+        Term("gradients", whole(trainable, 1), split(trainable, 1)),
+        Term(f"optimizer state ({opt_name}, {states} per parameter)", whole(trainable, states), split(trainable, states)),
+    ]
+    notes = []
+    frozen = len(params) - len(trainable)
+    if frozen:
+        notes.append(f"{sum(p.numel() for p in trainable):,} of {sum(p.numel() for p in params):,} parameters train "
+                     f"({frozen} frozen tensors keep no gradient or optimizer state)")  # fmt: skip
+    shape = TransformerShape.of(getattr(model, "config", None)) if getattr(model, "config", None) is not None else None
+    if shape is not None and seq_len is not None:
+        itemsize = 4 if precision == "fp32" else 2
+        inner = _inner(model)  # transformers 5 renamed the flag; the old name warns
+        own = bool(getattr(inner, "is_activation_checkpointing", None) or getattr(inner, "gradient_checkpointing", False))
+        repl_ckpt = shard_ckpt = own if checkpointing is None else checkpointing
+        tokens = batch_size * seq_len
+        terms.append(Term(f"activations ({batch_size} x {seq_len} tokens, estimate)",
+                          activation_bytes(shape, tokens, seq_len, itemsize, repl_ckpt),
+                          activation_bytes(shape, tokens, seq_len, itemsize, shard_ckpt)))  # fmt: skip
+        notes.append(f"activations: checkpointing {'on' if repl_ckpt else 'off'} replicated, "
+                     f"{'on' if shard_ckpt else 'off'} sharded")  # fmt: skip
+    else:
+        notes.append("activations not counted: " + ("give seq_len" if shape is not None else
+                                                     "no transformers decoder config to estimate them from"))
+    if shards > 1:
+        block = _largest_block(model)
+        if block:
+            gathered = whole(block, 1) + whole([p for p in block if p.requires_grad], 1)  # weights, then gradients
+            terms.append(Term("one block gathered (sharded only)", 0, gathered))
+    return MemoryPlan(tuple(terms), shards, _device_memory(device_memory), tuple(notes))
+
+
+def refuse_replicating(model: nn.Module, cores: int, batch_size: int, optimizer: Any, precision: str) -> None:
+    """Refuses, before anything compiles, a replicated run whose parameters, gradients and optimizer state
+    alone cannot fit one chip, naming the figures and the ways out (sharding, LoRA, bf16).
+
+    Activations are left out (the batch's length is not known here), so a refusal is never a guess.
+    Nothing is checked where the chip's memory is unknown (the CPU without ``TPU_UTILITY_DEVICE_MEMORY_GB``).
+
+    Raises:
+        ValueError: the plan's replicated figure, the chip's memory, and the sharded figure.
+    """
+    plan = memory_plan(model, cores=cores, batch_size=batch_size, optimizer=optimizer, precision=precision)
+    if plan.fits_replicated:
+        return
+    state = [t for t in plan.terms if not t.name.startswith("one block")]
+    parts = ", ".join(f"{t.name} {_gb(t.replicated)}" for t in state)
+    ways = []
+    if cores > 1 and plan.fits_sharded:
+        ways.append(f"shard it over the {cores} cores with strategy='fsdp' ({_gb(plan.sharded)} per chip)")
+    elif cores > 1:
+        ways.append(f"sharded over {cores} cores it still needs {_gb(plan.sharded)} per chip, mostly "
+                    f"{plan.dominant()}: more chips")  # fmt: skip
+    else:
+        ways.append("sharding needs several cores (cores='all', strategy='fsdp')")
+    if plan.term("gradients").replicated > 0.01 * plan.term("parameters").replicated:
+        ways.append("train LoRA adapters (peft), which keeps gradients and optimizer state for them alone")
+    if any(p.dtype == torch.float32 for p in model.parameters()):
+        ways.append("load the model in bf16 (dtype=torch.bfloat16: half the bytes of fp32)")
+    raise ValueError(
+        f"{type(model).__name__} cannot be replicated on one chip: it needs {_gb(plan.replicated)} per chip "
+        f"({parts}; activations not counted), but a chip has {_gb(plan.device_memory)} ({HEADROOM:.0%} usable; "
+        f"{backend.MEMORY_ENV} sets it). Ways out: {'; '.join(ways)}. memory_plan(model, ...) prints the table"
+    )
+
+
+def _check_cores(cores: Any) -> int:
+    if cores == "all":
+        return backend.device_count()
+    if isinstance(cores, bool) or not isinstance(cores, int) or cores < 1:
+        raise ValueError(f"cores must be 'all' or an int >= 1, but given {cores!r}")
+    return cores
+
+
+def _device_memory(given: int | str | None) -> int | None:
+    if isinstance(given, str):
+        found = tpu_device_memory(given)
+        if found is None:
+            raise ValueError(f"device_memory={given!r} is no TPU kind in the table; give 'v4', 'v5e', 'v5p', 'v6e' "
+                             f"or the bytes of one chip")  # fmt: skip
+        return found
+    if given is not None:
+        if isinstance(given, bool) or not isinstance(given, int) or given < 1:
+            raise ValueError(f"device_memory must be bytes (a positive int) or a TPU kind, but given {given!r}")
+        return given
+    chosen = backend.current()
+    return chosen.device_memory(torch.device(chosen.device_type))
+
+
+def _inner(model: nn.Module) -> nn.Module:
+    """A peft model's base model; others as they are."""
+    return model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
+
+
+def _largest_block(model: nn.Module) -> list[nn.Parameter]:
+    """The parameters of the largest module of the block class FSDP wraps (``block_classes``), or []."""
+    from .strategies.blocks import block_classes
+
+    try:
+        classes = block_classes(model)
+    except ValueError:
+        return []
+    blocks = [m for m in model.modules() if isinstance(m, classes)]
+    return max((list(m.parameters()) for m in blocks), key=lambda ps: sum(p.numel() for p in ps), default=[])
+
+
+__all__ = ["memory_plan", "MemoryPlan", "refuse_replicating", "Term", "TransformerShape", "activation_bytes", "optimizer_states",
+           "shard_bytes", "HEADROOM"]  # fmt: skip
