@@ -138,3 +138,59 @@ def test_the_lanes_lists_name_test_files_that_exist():
     listed = set(TORCH_RELEASE) | set(PYTHON_RELEASE)
     assert listed <= tests, f"listed but not in tests/: {sorted(listed - tests)}"
     assert all(TORCH_RELEASE.values()) and all(PYTHON_RELEASE.values()), "each file says why its lane runs it"
+
+
+def test_no_function_in_diagnostics_is_longer_than_80_lines():
+    """The porter, doctor and check stay readable: a long function is split (issue 40: a 305-line closure was)."""
+    long = []
+    for folder, _, files in os.walk(os.path.join(PACKAGE, "diagnostics")):
+        for name in sorted(files):
+            if name.endswith(".py"):
+                path = os.path.join(folder, name)
+                with open(path, encoding="utf-8") as f:
+                    tree = ast.parse(f.read())
+                long += [f"{os.path.relpath(path, ROOT)}:{node.lineno} {node.name} ({node.end_lineno - node.lineno + 1})"
+                         for node in ast.walk(tree) if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+                         and node.end_lineno - node.lineno + 1 > 80]  # fmt: skip
+    assert not long, long
+
+
+def test_every_fixer_module_is_registered_and_has_its_own_test():
+    """One concern a module under diagnostics/fixers/, each imported by the registry and tested in test_fixers.py."""
+    folder = os.path.join(PACKAGE, "diagnostics", "fixers")
+    modules = sorted(name[:-3] for name in os.listdir(folder) if name.endswith(".py") and name not in ("__init__.py", "tree.py"))
+    with open(os.path.join(folder, "__init__.py"), encoding="utf-8") as f:
+        registry = f.read()
+    with open(os.path.join(ROOT, "tests", "test_fixers.py"), encoding="utf-8") as f:
+        tests = f.read()
+    assert [m for m in modules if m not in registry] == []
+    assert [m for m in modules if f"def test_{m}_" not in tests] == []
+
+
+def test_the_cost_and_fix_texts_are_written_only_in_rules():
+    """doctor, check and port print their costs and fixes from diagnostics/rules.py; a copy elsewhere drifts."""
+    import re
+
+    from tpu_utility.diagnostics import rules
+
+    texts = [t for rule in rules.RULES_LIST for t in (rule.cost, rule.fix)]
+    texts += [*rules.MEASURED_FIXES.values(), *rules.LOWERED_REPLACEMENTS.values(), rules.COLLECT_ON_DEVICE]
+    fragments = {part for text in texts for part in re.split(r"\{[^}]*\}", text) if len(part) >= 30}
+    paths = [os.path.join(PACKAGE, name) for name in ("check.py", "port.py")]
+    for folder, _, files in os.walk(os.path.join(PACKAGE, "diagnostics")):
+        paths += [os.path.join(folder, name) for name in files if name.endswith(".py") and name != "rules.py"]
+    copies = []
+    for path in paths:
+        with open(path, encoding="utf-8") as f:
+            tree = ast.parse(f.read())
+        strings = [n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)]
+        copies += [f"{os.path.relpath(path, ROOT)}: {part[:50]!r}" for part in fragments for s in strings if part in s]
+    assert not copies, copies
+
+
+def test_the_texts_check_finds_a_copy():
+    """The check above sees a fix written twice (a test that cannot fail is a defect)."""
+    from tpu_utility.diagnostics.rules import RULES
+
+    copied = ast.parse(f"fix = {RULES['host_sync'].fix!r}")
+    assert any(isinstance(n, ast.Constant) and RULES["host_sync"].fix in n.value for n in ast.walk(copied))

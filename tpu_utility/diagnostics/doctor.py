@@ -50,7 +50,7 @@ from ..device import move_to_device
 from ..loop import INFERENCE_MODE_ERROR
 from ..optim import step_optimizer
 from ..training.runner import LossStep
-from .rules import COLLECT_ON_DEVICE, NO_DYNAMIC_SHAPE, LOWERED_REPLACEMENTS, RULES
+from .rules import COLLECT_ON_DEVICE, LOWERED_REPLACEMENTS, MEASURED_FIXES, NO_DYNAMIC_SHAPE, RULES
 
 Kind = Literal[
     "not_on_xla", "not_on_device", "optimizer_params", "tied_weights", "batch_split", "graph_growth", "recompile",
@@ -260,18 +260,12 @@ def check_batch_split(batch: Any, cores: int) -> Finding | None:
     return Finding(
         "batch_split",
         f"the batch has {sizes[0]} samples, which does not divide across {cores} cores",
-        f"use a batch size that is a multiple of {cores} (for example {sizes[0] // cores * cores or cores})",
+        MEASURED_FIXES["batch_split"].format(cores=cores, example=sizes[0] // cores * cores or cores),
     )
 
 
 def _batch_size_fix(mode: Mode) -> str:
-    if mode == "train":
-        return "keep every batch full: DataLoader(..., drop_last=True) (one fixed shape, one graph)"
-    return (
-        "evaluate full-size batches only: `for batch, mask in tpu_utility.masked_loader(loader):` pads the "
-        "last batch to the batch size and masks the padded samples, so every sample still counts once; "
-        "drop_last would skip samples"
-    )
+    return MEASURED_FIXES[f"recompile_{mode}"]
 
 
 def check_last_batch(loader: Any, mode: Mode, ran: int) -> Finding | None:
@@ -500,13 +494,7 @@ def _growth(run: _Run, mode: Mode) -> Finding | None:
         pending = [s.pending for s in run.warmup]
         if len(run.measured) >= 2 or not _growing(pending):
             return None
-    if mode == "train":
-        fix = ("end the step with step_optimizer(optimizer) (was: optimizer.step()), which cuts the graph; "
-               "a loop with a manual update (p.data.add_(...)): for x, y in tpu_utility.device_loader(loader), "
-               "or torch_xla.sync() at the end of the step")  # fmt: skip
-    else:
-        fix = ("for x, y in tpu_utility.device_loader(loader) (one graph cut per batch), or torch_xla.sync() at "
-               "the end of the step")  # fmt: skip
+    fix = MEASURED_FIXES[f"graph_growth_{mode}"]
     return Finding(
         "graph_growth",
         f"the graph grows every step ({' -> '.join(map(str, pending))} IR nodes pending after each step): nothing "
@@ -568,10 +556,7 @@ def _shape_recompiles(run: _Run, mode: Mode) -> Finding | None:
         f"{counted} in {measured} steps after warm-up: input shapes changed between steps (sequence lengths: "
         f"dim {d} of input {j} took {len(set(lengths))} values, {min(lengths)}..{max(lengths)}); every new "
         f"length compiles a new graph{elsewhere}",
-        f"pad each batch to one of a few lengths: DataLoader(..., collate_fn=tpu_utility.BucketCollate("
-        f"buckets={buckets})) (from the lengths seen here), or BucketCollate.from_lengths(lengths, "
-        f"num_buckets=4) from all your samples' lengths; with batch_sampler=tpu_utility.BucketBatchSampler("
-        f"lengths, collate.buckets, batch_size) each batch holds similar lengths and pads little{also}",
+        MEASURED_FIXES["recompile_lengths"].format(buckets=buckets, also=also),
         where=changed,
     )
 
@@ -586,9 +571,7 @@ def _slicing(run: _Run) -> Finding | None:
         "device_slicing",
         "a tensor on the XLA device is sliced with Python integers that change every step "
         "(data[i:i + bptt]): each new offset is baked into the graph, so every step compiles a new one",
-        "slice on the host and move the slice: keep data on the CPU and use data[i:i + bptt].to(device); or "
-        "index on the device with a device tensor: data.index_select(0, offsets + i) with offsets = "
-        "torch.arange(bptt, device=device) made once",
+        MEASURED_FIXES["device_slicing"],
         where=[f"{line}  (steps indexed {', '.join(_index_text(step[0]) for step in steps[:3])}, ...)"
                for line, steps in lines.items()],
     )
@@ -610,8 +593,7 @@ def _same_shape_compiles(run: _Run, explained: bool) -> tuple[Finding | None, li
             "recompile",
             f"{total} graph compilation(s) in {len(run.measured)} steps after warm-up, with the same input "
             f"shapes: a Python value that changes every step is baked into the graph, or the graph depends on data",
-            "pass changing values as device tensors, not Python numbers; avoid data-dependent Python "
-            "branches inside the step",
+            MEASURED_FIXES["recompile_values"],
         ), []
     which = f"step {steps[0]} compiled once" if len(steps) == 1 else f"steps {', '.join(map(str, steps))} compiled"
     return None, [
@@ -647,7 +629,7 @@ def _fallbacks(run: _Run) -> Finding | None:
     if not run.fallbacks:
         return None
     known = list(dict.fromkeys(LOWERED_REPLACEMENTS[op] for op in run.fallbacks if op in LOWERED_REPLACEMENTS))
-    fix = "replace them with ops XLA lowers (see the names), or compute them outside the step, once per epoch"
+    fix = MEASURED_FIXES["cpu_fallback_unknown"]
     return Finding(
         "cpu_fallback",
         f"{len(run.fallbacks)} op(s) have no XLA lowering and ran on the host CPU, copying tensors each way: "
@@ -676,7 +658,7 @@ def _nothing_ran() -> Finding:
     return Finding(
         "not_on_xla",
         "nothing in the step ran on XLA (it created no XLA tensor): the model and the batches stay on the CPU",
-        "device = get_device(); model.to(device) before building the optimizer; move each batch with .to(device)",
+        RULES["not_on_xla"].fix,
     )
 
 
@@ -746,6 +728,46 @@ def _report(run: _Run, mode: Mode, findings: list[Finding | None], notes: list[s
     )
 
 
+def _as_step(step: Any, model: nn.Module | None, optimizer: Any, loss_fn: Callable | None,
+             mode: Mode) -> tuple[Callable[[Any], Any], nn.Module | None]:  # fmt: skip
+    """(the step to run, the model): a model given as the step runs doctor's default step."""
+    if isinstance(step, nn.Module):
+        if optimizer is None and mode == "train":
+            raise TypeError("doctor(model, ...) needs optimizer=...; or pass your own step(batch) callable")
+        return _default_step(step, optimizer, loss_fn, mode), step
+    if not callable(step):
+        raise TypeError(f"step must be a callable step(batch) or an nn.Module, but given {step!r}")
+    return step, model
+
+
+def _first_batch(plan: Iterator[Any]) -> tuple[Iterator[Any], Any]:
+    """The batches to run (the first one put back) and the first one."""
+    first = next(plan, None)
+    if first is None:
+        raise ValueError("batches is empty")
+    return itertools.chain([first], plan), first
+
+
+def _static_findings(run: _Run, model: nn.Module | None, optimizer: Any) -> tuple[list[Finding | None], bool]:
+    """The checks made before any step (optimizer, device, ties), and whether the model is where doctor can measure."""
+    findings: list[Finding | None] = [check_device(model) if run.eager else check_xla(model)]
+    if model is not None and optimizer is not None:
+        findings.insert(0, check_optimizer(model, optimizer))
+    if findings[-1] is not None:
+        return findings, False
+    if model is not None:
+        findings.append(check_ties(model))
+    return findings, True
+
+
+def _failed(run: _Run, mode: Mode, model: nn.Module | None, findings: list[Finding | None],
+            error: BaseException) -> DoctorError:  # fmt: skip
+    """The error to raise when the step raised: the findings so far, the step that failed, and its cause."""
+    report = _report(run, mode, findings + _analyse(run, mode, model, findings)[0] + [check_error(error)], [])
+    report.error, report.error_step = error, len(run.records) + 1
+    return DoctorError(report)
+
+
 def doctor(
     step: Callable[[Any], Any] | nn.Module,
     batch: Any = None,
@@ -805,37 +827,19 @@ def doctor(
         >>> doctor(eval_step, batches=valid_loader, steps="all", mode="eval")  # doctest: +SKIP
     """
     _check_arguments(steps, warmup, mode, batch, batches)
-    if isinstance(step, nn.Module):
-        model = step
-        if optimizer is None and mode == "train":
-            raise TypeError("doctor(model, ...) needs optimizer=...; or pass your own step(batch) callable")
-        step = _default_step(model, optimizer, loss_fn, mode)
-    elif not callable(step):
-        raise TypeError(f"step must be a callable step(batch) or an nn.Module, but given {step!r}")
-
+    step, model = _as_step(step, model, optimizer, loss_fn, mode)
     run = _Run(eager=not backend.counters().measured)  # eager: the backend counts nothing, doctor watches
-    findings: list[Finding | None] = [check_device(model) if run.eager else check_xla(model)]
-    if model is not None and optimizer is not None:
-        findings.insert(0, check_optimizer(model, optimizer))
-    if findings[-1] is not None:  # not on the device: nothing to measure
+    findings, measurable = _static_findings(run, model, optimizer)
+    if not measurable:  # not on the device: nothing to measure
         return _report(run, mode, findings, [])
-    if model is not None:
-        findings.append(check_ties(model))
-    plan = _plan(batch, batches, steps, warmup)
-    first = next(plan, None)
-    if first is None:
-        raise ValueError("batches is empty")
-    plan = itertools.chain([first], plan)
+    plan, first = _first_batch(_plan(batch, batches, steps, warmup))
     if cores is None:
         cores = backend.global_device_count() if backend.is_spmd() else backend.world_size()
     findings.append(check_batch_split(first, cores))
-
     try:
         _run(step, plan, warmup, run)
     except Exception as error:
-        report = _report(run, mode, findings + _analyse(run, mode, model, findings)[0] + [check_error(error)], [])
-        report.error, report.error_step = error, len(run.records) + 1
-        raise DoctorError(report) from error
+        raise _failed(run, mode, model, findings, error) from error
     if not run.measured:
         raise ValueError(f"batches gave only {len(run.warmup)} batch(es): doctor needs more than warmup={warmup}")
     found, notes = _analyse(run, mode, model, findings)

@@ -191,6 +191,33 @@ RULES_LIST: tuple[Rule, ...] = (
 )
 RULES: dict[str, Rule] = {rule.id: rule for rule in RULES_LIST}
 
+# doctor's fixes that depend on what it measured or on the loop it ran (a rule's id, _ and the case;
+# "{...}" is filled in by doctor); the rule's own fix above is the general one
+MEASURED_FIXES: dict[str, str] = {
+    "batch_split": "use a batch size that is a multiple of {cores} (for example {example})",
+    "recompile_train": "keep every batch full: DataLoader(..., drop_last=True) (one fixed shape, one graph)",
+    "recompile_eval": "evaluate full-size batches only: `for batch, mask in tpu_utility.masked_loader(loader):` pads "
+                      "the last batch to the batch size and masks the padded samples, so every sample still counts "
+                      "once; drop_last would skip samples",
+    "recompile_lengths": "pad each batch to one of a few lengths: DataLoader(..., collate_fn=tpu_utility.BucketCollate("
+                         "buckets={buckets})) (from the lengths seen here), or BucketCollate.from_lengths(lengths, "
+                         "num_buckets=4) from all your samples' lengths; with batch_sampler=tpu_utility."
+                         "BucketBatchSampler(lengths, collate.buckets, batch_size) each batch holds similar lengths and "
+                         "pads little{also}",
+    "recompile_values": "pass changing values as device tensors, not Python numbers; avoid data-dependent Python "
+                        "branches inside the step",
+    "graph_growth_train": "end the step with step_optimizer(optimizer) (was: optimizer.step()), which cuts the graph; "
+                          "a loop with a manual update (p.data.add_(...)): for x, y in tpu_utility.device_loader("
+                          "loader), or torch_xla.sync() at the end of the step",
+    "graph_growth_eval": "for x, y in tpu_utility.device_loader(loader) (one graph cut per batch), or torch_xla.sync() "
+                         "at the end of the step",
+    "device_slicing": "slice on the host and move the slice: keep data on the CPU and use data[i:i + bptt].to(device); "
+                      "or index on the device with a device tensor: data.index_select(0, offsets + i) with offsets = "
+                      "torch.arange(bptt, device=device) made once",
+    "cpu_fallback_unknown": "replace them with ops XLA lowers (see the names), or compute them outside the step, once "
+                            "per epoch",
+}  # fmt: skip
+
 
 def for_tool(tool: Tool) -> list[Rule]:
     """The rules one tool applies, in table order."""

@@ -1,35 +1,48 @@
 """The porting tool's fixers, one concern a module, each registered for the LibCST node types it leaves.
 
 A fixer is ``fix(porter, original, updated)``: it returns the node that replaces
-``updated``, or None to let the next fixer (and then the porter's own rewrites) look.
-``porter`` is the walk's transformer: ``porter.plan`` (decisions made before the
-walk), ``porter.change(rule, original, new)``, ``porter.leave_alone(rule, original)``,
-``porter.device()`` and ``porter.need(name)`` (an import the output needs). An
-analysis is ``analyse(module, plan)``, run over every cell before the walk. The
-texts (cost, fix) of every rule are in ``tpu_utility.diagnostics.rules``.
+``updated``, or None to let the next fixer look (a fixer that only reports returns None).
+``porter`` is the walk's transformer (``tpu_utility.diagnostics.port.walk``): ``porter.plan``
+(decisions made before the walk), ``porter.change(rule, original, new)``,
+``porter.note(rule, original, after)``, ``porter.leave_alone(rule, original)``,
+``porter.device()``, ``porter.need(name)`` (an import the output needs), ``porter.loops`` and
+``porter.guards`` (per enclosing loop: runs per step; per enclosing test: mentions CUDA).
+An analysis is ``analyse(module, plan)``, run over every cell before the walk; a plan is
+``plan_top(top_level_statements, plan)``, run once over all cells' top-level statements.
+The texts (cost, fix) of every rule are in ``tpu_utility.diagnostics.rules``.
 """
 
 from __future__ import annotations
 
 from typing import Any, Callable
 
-from . import colab, cuda_flag, device_strings, move_model, torch_compile, transformers_api
+from . import (amp, colab, cpu_fallback, cuda_call, cuda_device, cuda_flag, cuda_guard, cuda_move, device_strings,
+               dynamic_shape, env_setup, host_sync, inference_mode, launch, move_model, optimizer_order,
+               optimizer_step, samplers, spawn_nprocs, torch_compile, transformers_api, xla_renames, xla_use_bf16)  # fmt: skip
 
 Fixer = Callable[[Any, Any, Any], Any]
 
-# node type -> fixers, in the order they are tried
+# node type -> fixers, in the order they are tried (those that only report come first: they always run)
 FIXERS: dict[str, tuple[Fixer, ...]] = {
-    "Call": (torch_compile.fix_call, device_strings.fix_call, move_model.fix_call, transformers_api.fix_call),
-    "IfExp": (device_strings.fix_ifexp,),
-    "Assign": (device_strings.fix_assign, cuda_flag.fix_assign, move_model.fix_assign),
-    "If": (cuda_flag.fix_if,),
+    "Call": (host_sync.fix_call, cpu_fallback.fix_call, cuda_call.fix_call, torch_compile.fix_call,
+             device_strings.fix_call, move_model.fix_call, transformers_api.fix_call, cuda_device.fix_call,
+             cuda_move.fix_call, optimizer_step.fix_call, amp.fix_call, inference_mode.fix_call, samplers.fix_call,
+             xla_renames.fix_call, spawn_nprocs.fix_call),
+    "Arg": (cuda_device.fix_arg,),
+    "IfExp": (device_strings.fix_ifexp, cuda_device.fix_ifexp),
+    "Assign": (xla_use_bf16.fix_assign, samplers.fix_assign, device_strings.fix_assign, cuda_flag.fix_assign,
+               move_model.fix_assign),
+    "If": (cuda_guard.fix_if, cuda_flag.fix_if),
     "Assert": (colab.fix_assert,),
-    "Subscript": (colab.fix_subscript,),
+    "Subscript": (colab.fix_subscript, dynamic_shape.fix_subscript),
     "Import": (colab.fix_import,),
-    "ImportFrom": (colab.fix_import, transformers_api.fix_import),
-    "SimpleStatementLine": (torch_compile.fix_statement,),
-}
+    "ImportFrom": (colab.fix_import, transformers_api.fix_import, amp.fix_import),
+    "SimpleStatementLine": (launch.fix_statement, optimizer_order.fix_statement, torch_compile.fix_statement,
+                            samplers.fix_statement),
+}  # fmt: skip
 ANALYSES = (move_model.analyse,)
+PLANS = (optimizer_order.plan_top, launch.plan_top)
+MAGICS = (env_setup.fix_magic,)
 
 
 def apply(kind: str, porter: Any, original: Any, updated: Any) -> Any:

@@ -1,0 +1,173 @@
+"""Each fixer of the porting tool on its own: the smallest program it rewrites or reports, and one it leaves alone.
+
+Every module of ``tpu_utility/diagnostics/fixers/`` (but the shared ``tree``) has a test here
+named ``test_<module>_...``; tests/test_layout.py checks that none is missing.
+"""
+
+import pytest
+
+pytest.importorskip("libcst")
+
+from tpu_utility.diagnostics.port import port_source  # noqa: E402
+
+
+def _port(source):
+    new, report = port_source(source)
+    return new, {c.rule for c in report.changes} - {"imports"}, {item.rule for item in report.left}
+
+
+def _unchanged(source):
+    new, changed, left = _port(source)
+    assert new == source and not changed and not left, (new, changed, left)
+
+
+def test_amp_autocast_scaler_and_their_import_become_the_kits():
+    new, changed, _ = _port("from torch.cuda.amp import autocast, GradScaler\nscaler = GradScaler()\n"
+                            "with autocast(dtype=torch.float16):\n    pass\n")
+    assert "GradScaler" not in new and "grad_scaler()" in new and "autocast(dtype=torch.float16)" in new
+    assert "from tpu_utility import autocast, grad_scaler" in new and changed == {"cuda_amp"}
+    _unchanged("from torch import nn\n")
+
+
+def test_colab_lines_are_named_not_changed():
+    source = "import os\nfrom google.colab import drive\nassert os.environ['COLAB_TPU_ADDR']\n"
+    new, changed, left = _port(source)
+    assert new == source and left == {"colab_only", "colab_tpu_addr"}
+
+
+def test_cpu_fallback_ops_are_named_with_a_replacement():
+    _, _, left = _port("import torch\ncounts = torch.bincount(x)\n")
+    assert left == {"cpu_fallback"}
+    _unchanged("import torch\ny = torch.relu(x)\n")
+
+
+def test_cuda_call_unguarded_is_named_and_a_guarded_one_is_not():
+    assert _port("import torch\ntorch.cuda.synchronize()\n")[2] == {"cuda_call"}
+    _unchanged("import torch\nif torch.cuda.is_available():\n    torch.cuda.synchronize()\n")
+
+
+def test_cuda_device_torch_device_and_device_keyword():
+    new, changed, _ = _port('import torch\ndevice = torch.device("cuda")\nx = torch.zeros(2, device="cuda")\n')
+    assert "device = get_device()" in new and "torch.zeros(2, device=device)" in new and changed == {"cuda_device"}
+    new, _, _ = _port('import torch\nd = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")\n')
+    assert "d = get_device()" in new
+    _unchanged('import torch\ndevice = torch.device("cpu")\n')
+
+
+def test_cuda_flag_test_becomes_the_device_test():
+    new, changed, _ = _port("if args.cuda:\n    model.cuda()\n")
+    assert 'if get_device().type != "cpu":' in new and "cuda_flag" in changed
+    _unchanged("if not args.cuda:\n    print('cpu')\n")
+
+
+def test_cuda_guard_around_amp_is_named():
+    assert _port('if device.type == "cuda":\n    use_amp = "amp"\n')[2] == {"cuda_guard"}
+    _unchanged('if device.type == "cuda":\n    n = 2\n')
+
+
+def test_cuda_move_cuda_call_and_to_cuda_go_to_the_device():
+    new, changed, _ = _port('x = x.cuda(non_blocking=True)\ny = y.to("cuda")\n')
+    assert "x.to(get_device(), non_blocking=True)" in new and "y.to(get_device())" in new
+    assert changed == {"cuda_move", "cuda_device"}
+    _unchanged("x = x.to(torch.float16)\n")
+
+
+def test_device_strings_stay_strings():
+    new, changed, _ = _port("device = 'cuda'\n")
+    assert "device = get_device().type" in new and changed == {"cuda_device"}
+    _unchanged("device = 'cpu'\n")
+
+
+def test_dynamic_shape_mask_index_is_named():
+    assert _port("y = x[x > 0]\n")[2] == {"dynamic_shape"}
+    _unchanged("y = x[0]\n")
+
+
+def test_env_setup_lines_of_a_notebook_are_named():
+    from tpu_utility.diagnostics.fixers.env_setup import fix_magic
+
+    assert fix_magic("!python pytorch-xla-env-setup.py --version 1.7") == "env_setup"
+    assert fix_magic("!pip install timm") is None
+
+
+def test_host_sync_per_step_read_is_named_and_a_per_epoch_one_is_not():
+    source = "for epoch in range(3):\n    for x, y in loader:\n        loss = step(x)\n        print(loss.item())\n    print(total.item())\n"
+    _, _, left = _port(source)
+    assert left == {"host_sync"}
+    new, report = port_source(source)
+    assert [item.where for item in report.left] == ["line 4"]
+
+
+def test_inference_mode_becomes_the_kits():
+    new, changed, _ = _port("import torch\nwith torch.inference_mode():\n    pass\n")
+    assert "with inference_mode():" in new and changed == {"inference_mode"}
+    _unchanged("import torch\nwith torch.no_grad():\n    pass\n")
+
+
+def test_launch_moves_runtime_code_before_the_spawn_into_the_launched_function():
+    source = ("import torch_xla.core.xla_model as xm\nimport torch_xla.distributed.xla_multiprocessing as xmp\n"
+              "n = xm.get_local_ordinal()\ndef _mp_fn(rank):\n    print(n)\nxmp.spawn(_mp_fn, args=())\n")
+    new, changed, _ = _port(source)
+    assert "global n  # tpu_utility.port" in new and new.index("n = xm.get_local_ordinal()") > new.index("def _mp_fn")
+    assert changed == {"runtime_before_spawn"}
+    _unchanged("import torch_xla.core.xla_model as xm\nn = xm.get_local_ordinal()\n")
+
+
+def test_move_model_keeps_ties():
+    new, changed, _ = _port("model.train()\nmodel.to(device)\n")
+    assert "move_model(model, device)" in new and changed == {"tied_weights"}
+    _unchanged("batch.to(device)\n")
+
+
+def test_optimizer_order_moves_the_model_before_the_optimizer():
+    new, changed, _ = _port("opt = AdamW(model.parameters())\nmodel.to(device)\n")
+    assert new.index("move_model(model, get_device())") < new.index("opt = AdamW") and "optimizer_params" in changed
+    _unchanged("x = 1\n")
+
+
+def test_optimizer_step_becomes_step_optimizer_and_a_scheduler_stays():
+    new, changed, _ = _port("optimizer.step()\nscheduler.step()\n")
+    assert "step_optimizer(optimizer)" in new and "scheduler.step()" in new and changed == {"optimizer_step"}
+
+
+def test_samplers_make_sampler_its_loader_and_set_epoch():
+    source = ("from torch.utils.data.distributed import DistributedSampler\nsampler = DistributedSampler(ds)\n"
+              "loader = DataLoader(ds, sampler=sampler)\nsampler.set_epoch(0)\n")
+    new, changed, _ = _port(source)
+    assert "sampler = make_sampler(ds)" in new and "shuffle=sampler is None" in new
+    assert "if sampler is not None:" in new and changed == {"distributed_sampler"}
+    _unchanged("loader = DataLoader(ds, shuffle=True)\n")
+
+
+def test_spawn_nprocs_goes():
+    new, changed, _ = _port("import torch_xla.distributed.xla_multiprocessing as xmp\nxmp.spawn(fn, args=(), nprocs=8)\n")
+    assert "xmp.spawn(fn, args=())" in new and changed == {"spawn_nprocs"}
+    _unchanged("import torch_xla.distributed.xla_multiprocessing as xmp\nxmp.spawn(fn, args=())\n")
+
+
+def test_torch_compile_is_dropped():
+    new, changed, _ = _port("import torch\nmodel = torch.compile(model)\n")
+    assert "torch.compile" not in new.replace("pass  # tpu_utility.port: torch.compile(model) dropped", "")
+    assert changed == {"torch_compile"}
+
+
+def test_transformers_api_adamw_and_save_pretrained():
+    new, changed, _ = _port("from transformers import AdamW\nmodel.train()\nopt = AdamW(model.parameters())\n"
+                            "model.save_pretrained('out')\n")
+    assert "from torch.optim import AdamW" in new and "weight_decay=0.0" in new and "state_dict={k: v.cpu()" in new
+    assert changed == {"transformers_adamw", "save_pretrained"}
+
+
+def test_xla_renames_come_from_the_table():
+    from tpu_utility.diagnostics.fixers.xla_renames import renames
+
+    assert renames()["xm.get_ordinal"] == ("get_ordinal", "xr.global_ordinal", "xr")
+    new, changed, _ = _port("import torch_xla.core.xla_model as xm\nd = xm.xla_device()\nxm.mark_step()\n")
+    assert "torch_xla.device()" in new and "torch_xla.sync()" in new and "import torch_xla  # tpu_utility.port" in new
+    assert changed == {"xla_device", "mark_step"}
+    _unchanged("import torch_xla.core.xla_model as xm\nxm.master_print('hi')\n")
+
+
+def test_xla_use_bf16_is_named():
+    assert _port('import os\nos.environ["XLA_USE_BF16"] = "1"\n')[2] == {"xla_use_bf16"}
+    _unchanged('import os\nos.environ["PJRT_DEVICE"] = "TPU"\n')

@@ -1,0 +1,151 @@
+"""``python -m tpu_utility.port IN [-o OUT] [--diff]``: your script or notebook, rewritten for today's TPUs.
+
+It reads a CUDA training loop or a Kaggle TPU kernel written for torch_xla 1.x and
+writes a copy that runs on today's torch_xla (2.8 and 2.9) with the package's
+hand-loop kit, then prints every change (``line: before -> after`` and why) and
+every line it left that still costs speed or breaks on XLA, with the fix::
+
+    python -m tpu_utility.port kernel.ipynb            # writes kernel_tpu.ipynb beside it
+    python -m tpu_utility.port train.py -o train_xla.py
+    python -m tpu_utility.port train.py --diff         # prints a unified diff, writes nothing
+
+The input is never changed. Edits are made on the concrete syntax tree (LibCST), so
+comments and formatting stay; a notebook keeps its cells, markdown and metadata, and
+only changed code cells lose their outputs. IPython lines (``!pip``, ``%matplotlib``)
+pass through untouched; a cell that still does not parse is left as it is and named.
+The pitfalls and their fixes come from ``tpu_utility.diagnostics.rules``, the table
+``doctor`` and ``check`` read too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import os
+import re
+import sys
+from typing import Sequence
+
+from ..fixers.tree import PORT_INSTALL
+from .cells import port_cells
+from .report import EXIT_DOES_NOT_PARSE, EXIT_LEFT_BREAKS, EXIT_RUNS, EXIT_USAGE, Change, Left, PortReport
+
+__all__ = ["Change", "Left", "PortReport", "default_output", "main", "port_file", "port_source",
+           "EXIT_RUNS", "EXIT_LEFT_BREAKS", "EXIT_USAGE", "EXIT_DOES_NOT_PARSE"]
+
+# ----------------------------------------------------------------- entries
+def port_source(source: str, name: str = "<source>") -> tuple[str, PortReport]:
+    """Ports a script's text.
+
+    Returns:
+        The new text, and the report.
+
+    Example:
+        >>> new, report = port_source('device = torch.device("cuda")\\n')   # doctest: +SKIP
+        >>> new                                                               # doctest: +SKIP
+        'device = get_device()\\n'
+    """
+    report = PortReport(name)
+    new = port_cells([source], indexed=False, report=report)[0]
+    return (source if new is None else new), report
+
+
+def default_output(path: str) -> str:
+    """``kernel.ipynb`` -> ``kernel_tpu.ipynb`` beside it."""
+    stem, suffix = os.path.splitext(path)
+    return f"{stem}_tpu{suffix}"
+
+
+def port_file(path: str, output: str | None = None, diff: bool = False) -> tuple[PortReport, str]:
+    """Ports a ``.py`` script or ``.ipynb`` notebook into ``output`` (or returns a diff); never changes ``path``.
+
+    Args:
+        path: The script or notebook.
+        output: Where to write; None for ``default_output(path)``.
+        diff: Write nothing; return a unified diff instead.
+
+    Returns:
+        The report, and the unified diff ("" unless ``diff``).
+
+    Raises:
+        FileNotFoundError: ``path`` does not exist.
+        ValueError: ``path`` is not a .py or .ipynb file, or ``output`` is ``path``.
+
+    Example:
+        >>> # was: editing a forked notebook by hand, line by line
+        >>> report, _ = port_file("kernel.ipynb")       # doctest: +SKIP
+        >>> print(report.text())                        # doctest: +SKIP
+    """
+    suffix = os.path.splitext(path)[1]
+    if suffix not in (".py", ".ipynb"):
+        raise ValueError(f"port reads a .py script or an .ipynb notebook, but given {path!r}")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"no such file: {path!r}")
+    output = output or default_output(path)
+    if os.path.abspath(output) == os.path.abspath(path):
+        raise ValueError(f"output {output!r} is the input: port never changes its input; choose another -o")
+    report = PortReport(path, None if diff else output)
+    if suffix == ".py":
+        with open(path, encoding="utf-8") as f:
+            before = [f.read()]
+        after = port_cells(before, indexed=False, report=report, ipython=False)  # a .py file has no magics
+    else:
+        try:
+            import nbformat
+        except ModuleNotFoundError as error:
+            raise ModuleNotFoundError(f"porting a notebook needs nbformat: {PORT_INSTALL}") from error
+        notebook = nbformat.read(path, as_version=4)
+        code = [c for c in notebook.cells if c.cell_type == "code"]
+        numbers = [i + 1 for i, c in enumerate(notebook.cells) if c.cell_type == "code"]
+        before = [c.source for c in code]
+        after = port_cells(before, indexed=True, report=report)
+        # the report counts cells as the notebook shows them (markdown included)
+        for item in [*report.changes, *report.left]:
+            item.where = _renumber(item.where, numbers)
+        report.untouched = [_renumber(u, numbers) for u in report.untouched]
+        report.failed = [_renumber(f, numbers) for f in report.failed]
+    text = ""
+    if diff:
+        for n, (old, new) in enumerate(zip(before, after)):
+            if new is not None:
+                label = path if suffix == ".py" else f"{path} (cell {numbers[n]})"
+                old, new = (t if t.endswith("\n") else t + "\n" for t in (old, new))
+                text += "".join(difflib.unified_diff(old.splitlines(True), new.splitlines(True), label, label + " (ported)"))
+        return report, text
+    if suffix == ".py":
+        with open(output, "w", encoding="utf-8") as f:
+            f.write(after[0] if after[0] is not None else before[0])
+    else:
+        for cell, new in zip(code, after):
+            if new is not None:
+                cell.source, cell.outputs, cell.execution_count = new, [], None
+        nbformat.write(notebook, output)
+    return report, text
+
+
+def _renumber(where: str, numbers: list[int]) -> str:
+    return re.sub(r"^cell (\d+)", lambda m: f"cell {numbers[int(m.group(1)) - 1]}", where)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """The command. Its exit status says whether the output is expected to run unchanged (docs/port.md).
+
+    0: written, and expected to run unchanged on XLA: what is left only costs speed.
+    1: written, but the report names lines left that stop the program on XLA or change what it computes.
+    2: nothing written: a bad path or argument, or LibCST/nbformat missing.
+    3: written, but part of the input does not parse (the report names where and why): nothing ported there.
+    """
+    parser = argparse.ArgumentParser(prog="python -m tpu_utility.port", description=__doc__.split("\n")[0])
+    parser.add_argument("input", help="a .py script or .ipynb notebook (never changed)")
+    parser.add_argument("-o", "--output", help="where to write (default: beside the input, _tpu before the suffix)")
+    parser.add_argument("--diff", action="store_true", help="print a unified diff and write nothing")
+    args = parser.parse_args(argv)
+    try:
+        report, text = port_file(args.input, args.output, args.diff)
+    except (ValueError, FileNotFoundError, ModuleNotFoundError) as error:
+        print(f"tpu_utility.port: {error}", file=sys.stderr)
+        return EXIT_USAGE
+    if args.diff:
+        print(text, end="")
+    print(report.text())
+    return report.status()
