@@ -66,7 +66,8 @@ def adamw(lr: float):
     return lambda params: torch.optim.AdamW(params, lr=lr)
 
 
-def plain_cpu_losses(model: torch.nn.Module, data: list, epochs: int, batch_size: int, lr: float) -> list[float]:
+def plain_cpu_losses(model: torch.nn.Module, data: list, epochs: int, batch_size: int, lr: float,
+                     loss_of=lambda model, batch: model(**batch).loss) -> list[float]:  # fmt: skip
     """The loop before the port, on the CPU, at a constant lr: each epoch's mean training loss."""
     optimizer = adamw(lr)([p for p in model.parameters() if p.requires_grad])
     sampler = DistributedSampler(data, num_replicas=1, rank=0, shuffle=True, seed=0)  # one_cycle_fit's order
@@ -77,7 +78,7 @@ def plain_cpu_losses(model: torch.nn.Module, data: list, epochs: int, batch_size
         sampler.set_epoch(epoch)
         losses = []
         for batch in loader:
-            loss = model(**batch).loss
+            loss = loss_of(model, batch)
             loss.backward()
             optimizer.step()
             optimizer.zero_grad()
@@ -122,20 +123,7 @@ def tags(n: int, seed: int, bad: int | None = None) -> torch.utils.data.TensorDa
     return torch.utils.data.TensorDataset(tokens, labels)
 
 
-def plain_cpu_tagger_losses(model: torch.nn.Module, data, epochs: int, batch_size: int, lr: float) -> list[float]:
-    """The tagger's loop before the port: cross-entropy over the class dimension, -100 left out."""
-    optimizer = adamw(lr)(model.parameters())
-    sampler = DistributedSampler(data, num_replicas=1, rank=0, shuffle=True, seed=0)
-    loader = DataLoader(data, batch_size=batch_size, sampler=sampler, drop_last=True)
-    means = []
-    for epoch in range(epochs):
-        sampler.set_epoch(epoch)
-        losses = []
-        for tokens, labels in loader:
-            loss = torch.nn.functional.cross_entropy(model(tokens).transpose(1, 2), labels)
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad()
-            losses.append(loss.item())
-        means.append(sum(losses) / len(losses))
-    return means
+def tagger_loss(model: torch.nn.Module, batch: list) -> torch.Tensor:
+    """The tagger's loss as its loop computes it: cross-entropy over the class dimension, -100 left out."""
+    tokens, labels = batch
+    return torch.nn.functional.cross_entropy(model(tokens).transpose(1, 2), labels)

@@ -187,7 +187,7 @@ import json, sys
 from tpu_utility import backend, generate
 want = json.loads(sys.argv[1])
 out = {}
-for family in ("llama", "gpt2"):
+for family in want:
     model, few = tiny(family), prompts(6, seed=1)
     got = generate(model, few, max_new_tokens=10, eos_token_id=want[family]["eos"], cores="all", batch_size=2,
                    buckets=[40], progress=False)
@@ -217,19 +217,19 @@ def sampled_on_one_core(cases):
 
 
 def _wanted(cases):
-    return {f: {"eos": cases[f][2], "tokens": cases[f][4]} for f in ("llama", "gpt2")}
+    return {f: {"eos": cases[f][2], "tokens": cases[f][4]} for f in FAMILIES}
 
 
 @pytest.mark.multidevice
 def test_on_four_devices_greedy_is_the_cpus_and_sampling_is_one_cores(cases, sampled_on_one_core):
     got = _run_elsewhere(_wanted(cases), {"CPU_NUM_DEVICES": "4"})
     assert (got["devices"], got["spmd"]) == (4, True), got
-    assert got["llama"] and got["gpt2"], got
+    assert all(got[f] for f in FAMILIES), got
     assert got["sampled"] == sampled_on_one_core  # 8 rows a batch over 4 devices against 3 on one core
 
 
 def test_natively_greedy_is_the_cpus_and_sampling_is_xlas(cases, sampled_on_one_core):
     got = _run_elsewhere(_wanted(cases), {"TPU_UTILITY_BACKEND": "native", "PJRT_DEVICE": None})
     assert got["backend"] == "cpu", got
-    assert got["llama"] and got["gpt2"], got
+    assert all(got[f] for f in FAMILIES), got
     assert got["sampled"] == sampled_on_one_core

@@ -18,8 +18,8 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from conftest import run_python
-from llm_models import (VOCAB, Tagger, adamw, causal_lm, counting, lora, own_loss_mean, plain_cpu_losses,
-                        plain_cpu_tagger_losses, prompt_tuning, tags)
+from llm_models import (VOCAB, Tagger, adamw, causal_lm, counting, lora, own_loss_mean, plain_cpu_losses, prompt_tuning,
+                        tags)
 from tpu_utility import GradientCheckpointing, doctor, evaluate, get_device, move_model, one_cycle_fit, predict
 
 LR, BATCH = 3e-3, 8
@@ -95,13 +95,13 @@ def test_a_token_classifier_trains_on_the_default_loss_and_its_figures_leave_ign
     assert history.records[-1].train_loss < 0.6 * history.records[0].train_loss
     assert history.records[-1].metrics["accuracy"] > 0.7
     model = copy.deepcopy(history.model).cpu()
-    tokens, tags = valid.tensors
+    tokens, labels = valid.tensors
     with torch.no_grad():
         logits = model(tokens)
-    counted = tags != -100
-    expected = nn.functional.cross_entropy(logits.transpose(1, 2), tags)  # torch leaves the -100s out
+    counted = labels != -100
+    expected = nn.functional.cross_entropy(logits.transpose(1, 2), labels)  # torch leaves the -100s out
     assert same(history.records[-1].valid_loss, expected.item(), rel=1e-5)
-    accuracy = (logits.argmax(-1) == tags)[counted].float().mean().item()
+    accuracy = (logits.argmax(-1) == labels)[counted].float().mean().item()
     assert history.records[-1].metrics["accuracy"] == pytest.approx(accuracy, abs=1e-6)
     figures = evaluate(history.model, valid, batch_size=BATCH)
     assert same(figures["loss"], expected.item(), rel=1e-5)
@@ -178,7 +178,7 @@ import copy, json, sys
 sys.path.insert(0, "tests")
 import torch
 from llm_models import (Tagger, adamw, causal_lm, counting, lora, own_loss_mean, plain_cpu_losses,
-                        plain_cpu_tagger_losses, prompt_tuning, tags)
+                        prompt_tuning, tagger_loss, tags)
 from tpu_utility import evaluate, one_cycle_fit
 CORES, PER_CORE, LR = {cores!r}, {per_core}, 3e-3
 train, valid = counting(64, seed=0), counting(20, seed=1, ignored=5)
@@ -196,7 +196,7 @@ h = one_cycle_fit(Tagger(), tags(64, 0), epochs=2, max_lr=LR, batch_size=PER_COR
                   optimizer=adamw(LR), progress=False)
 torch.manual_seed(0)
 out["tagger"] = {{"losses": [r.train_loss for r in h.records], "summary": h.summary,
-                 "plain": plain_cpu_tagger_losses(Tagger(), tags(64, 0), 2, {global_batch}, LR)}}
+                 "plain": plain_cpu_losses(Tagger(), tags(64, 0), 2, {global_batch}, LR, tagger_loss)}}
 print("RESULT", json.dumps(out))
 """
 

@@ -157,6 +157,12 @@ def _cases():
          + "\nassert hf_linear.scheduler.last_epoch == len(history.step_lrs) and os.path.isdir('ckpt-timm')\n", 1),
         ("fine-tune an LLM", LLM + block("peft.LoraConfig(r=8")
          + "\nassert os.path.exists('adapter/adapter_model.safetensors') and history.records[-1].valid_loss > 0\n", 1),
+        ("memory_plan", block("from tpu_utility import memory_plan").replace(
+            'AutoConfig.from_pretrained("google/gemma-7b")',  # google/gemma-7b's config.json, no download
+            "AutoConfig.for_model('gemma', hidden_size=3072, intermediate_size=24576, num_hidden_layers=28, "
+            "num_attention_heads=16, num_key_value_heads=16, head_dim=256, vocab_size=256000)")
+         + "\nassert not plan.fits_replicated and plan.fits_sharded, plan\n", 1),
+        ("strategy fsdp", LLM + block('strategy="fsdp")') + "\nassert history.records[-1].train_loss > 0\n", 4),
         ("generate a submission", LLM + block("the best valid_loss's epoch\nprompts =")
          + "\nsub = pd.read_csv('submission.csv'); assert list(sub['id']) == list(range(5)) and len(sub) == 5, sub\n", 4),
         ("reload best.pt", "one_cycle_fit(small_cnn(), train_ds, epochs=1, max_lr=1e-3, checkpoint_dir='ckpt', progress=False)\n"
