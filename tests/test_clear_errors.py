@@ -8,7 +8,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from conftest import Counted, flat_digits, MaskedBag, small_mlp
-from tpu_utility import load_checkpoint, one_cycle_fit, save_checkpoint
+from tpu_utility import evaluate, load_checkpoint, one_cycle_fit, save_checkpoint
 from tpu_utility.data.buckets import BucketCollate
 
 pytestmark = pytest.mark.filterwarnings("ignore:dropping the last")
@@ -105,3 +105,36 @@ def test_loading_another_optimizers_state_names_both_classes(tmp_path):
     load_checkpoint(str(tmp_path / "c.pt"), model=model, optimizer=adamw)
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), before))
     assert adamw.state_dict()["state"][0]["step"] == 1
+
+
+# ------------------------------------------------------------------ issue 40: the audit's unclear errors
+def test_a_loss_given_by_name_is_refused_naming_the_callable_to_give():
+    data = flat_digits(64)
+    # was: "loss_fn 'cross_entropy' has no 'reduction' argument" (evaluate), "must be callable" (one_cycle_fit)
+    fix = (r"loss_fn must be a callable \(output, target\) -> loss, but given the string 'cross_entropy'; give the "
+           r"function or module itself, for example loss_fn=torch.nn.functional.cross_entropy")  # fmt: skip
+    with pytest.raises(TypeError, match=fix):
+        evaluate(small_mlp(), data, loss_fn="cross_entropy", batch_size=32)
+    with pytest.raises(TypeError, match=fix):
+        fit(small_mlp(), data, loss_fn="cross_entropy")
+    with pytest.raises(TypeError, match=r"but given 3 of type int"):
+        evaluate(small_mlp(), data, loss_fn=3, batch_size=32)
+
+
+def test_load_checkpoint_refuses_no_path_and_a_state_dict_for_the_model(tmp_path):
+    model = small_mlp()
+    path = str(tmp_path / "c.pt")
+    save_checkpoint(path, model=model)
+    # was: TypeError: stat: path should be string, bytes, os.PathLike or integer, not NoneType
+    with pytest.raises(TypeError, match=r"load_checkpoint needs the path of a checkpoint file or folder \(a str or "
+                                        r"os.PathLike\), but given None of type NoneType"):  # fmt: skip
+        load_checkpoint(None)
+    # was: AttributeError: 'collections.OrderedDict' object has no attribute 'load_state_dict'
+    with pytest.raises(TypeError, match=r"load_checkpoint's model= is what the checkpoint is loaded into, but given a "
+                                        r"state dict \(OrderedDict of 4 entries\); pass the model itself "
+                                        r"\(load_checkpoint\(path, model=model\)\)"):  # fmt: skip
+        load_checkpoint(path, model=model.state_dict())
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(TypeError, match=r"load_checkpoint's optimizer= .* given a state dict \(dict of 2 entries\)"):
+        load_checkpoint(path, optimizer=sgd.state_dict())
+    assert set(load_checkpoint(path, model=model)) == {"model"}

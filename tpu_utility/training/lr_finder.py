@@ -23,7 +23,7 @@ from .builtins import LearningRates
 from .events import StopFit
 from .fit import check_number, check_seed, resolve_optimizer
 from .history import closed_figure
-from .metrics import CrossEntropy
+from .metrics import CrossEntropy, check_loss_fn
 from .runner import Placement
 from .trainer import FitPlan, Steps, train
 
@@ -144,6 +144,7 @@ def find_lr(
         >>> one_cycle_fit(model, train_ds, epochs=5, max_lr=result.suggested_lr)  # doctest: +SKIP
     """
     _check_sweep(start_lr, end_lr, num_steps, smooth, diverge_factor)
+    check_loss_fn(loss_fn)
     if isinstance(read_every, bool) or not isinstance(read_every, int) or read_every < 1:
         raise ValueError(f"read_every must be a positive int, but given {read_every!r}")
     make_opt, name = resolve_optimizer(optimizer)
