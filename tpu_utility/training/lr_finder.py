@@ -137,6 +137,7 @@ def find_lr(
 
     Raises:
         ValueError, TypeError: a bad argument, named with what is allowed.
+        ValueError: the loss is nan or inf from the first step (bad data, not a learning rate).
 
     Example:
         >>> # was: an lr_finder from another library, or guessing
@@ -171,6 +172,13 @@ def find_lr(
             random.setstate(python_state)
             if xla_state is not None:
                 backend.set_rng_state(xla_state)
+    if not sweep.result.losses and sweep.smoother.not_finite is not None:
+        lr, loss = sweep.smoother.not_finite
+        raise ValueError(
+            f"the loss was {loss} from the sweep's first step (lr {lr:.2e}, too small to be the cause), so there is no "
+            f"curve to read: the data or the model gives a non-finite loss at any learning rate. Look for nan or inf "
+            f"in the inputs (torch.isfinite(x).all()) and for targets the loss cannot take, then run find_lr again"
+        )
     sweep.result.suggested_lr = suggest_lr(sweep.result.lrs, sweep.result.losses)
     return sweep.result
 
@@ -223,11 +231,13 @@ class _Smoother:
 
     def __init__(self, smooth: float, diverge_factor: float) -> None:
         self.smooth, self.factor, self.avg, self.best = smooth, diverge_factor, 0.0, math.inf
+        self.not_finite: tuple[float, float] | None = None  # (lr, loss) of the first nan or inf loss
 
     def add(self, result: LRFinderResult, lrs: list[float], values: list[float]) -> bool:
         """Appends to ``result``; True once the loss is non-finite or diverged."""
         for lr, value in zip(lrs, values):
             if not math.isfinite(value):
+                self.not_finite = (lr, value)
                 return True
             self.avg = self.smooth * self.avg + (1 - self.smooth) * value
             smoothed = self.avg / (1 - self.smooth ** (len(result.losses) + 1))
