@@ -159,7 +159,7 @@ def test_find_lr_on_a_loss_that_is_nan_from_the_first_step_blames_the_data_not_i
     # was: "the sweep recorded no loss; give more data or a larger num_steps"
     with pytest.raises(ValueError, match=r"the loss was nan from the sweep's first step \(lr 1.00e-07, too small to be "
                                          r"the cause\).*Look for nan or inf in the inputs"):  # fmt: skip
-        find_lr(small_mlp(), data, batch_size=16, num_steps=8)
+        find_lr(small_mlp(), data, batch_size=16, num_steps=8, read_every=1)
 
 
 def test_a_history_row_with_a_key_epochrecord_lacks_is_named_with_the_keys_a_row_holds():
