@@ -2,13 +2,25 @@
 
 import math
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from conftest import Counted, flat_digits, MaskedBag, small_mlp
-from tpu_utility import load_checkpoint, one_cycle_fit, save_checkpoint
+from tpu_utility import (
+    CachedDataset,
+    EpochRecord,
+    History,
+    cache_dataset,
+    evaluate,
+    find_lr,
+    load_checkpoint,
+    one_cycle_fit,
+    presize_images,
+    save_checkpoint,
+)
 from tpu_utility.data.buckets import BucketCollate
 
 pytestmark = pytest.mark.filterwarnings("ignore:dropping the last")
@@ -105,3 +117,79 @@ def test_loading_another_optimizers_state_names_both_classes(tmp_path):
     load_checkpoint(str(tmp_path / "c.pt"), model=model, optimizer=adamw)
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), before))
     assert adamw.state_dict()["state"][0]["step"] == 1
+
+
+# ------------------------------------------------------------------ issue 40: the audit's unclear errors
+def test_a_loss_given_by_name_is_refused_naming_the_callable_to_give():
+    data = flat_digits(64)
+    # was: "loss_fn 'cross_entropy' has no 'reduction' argument" (evaluate), "must be callable" (one_cycle_fit)
+    fix = (r"loss_fn must be a callable \(output, target\) -> loss, but given the string 'cross_entropy'; give the "
+           r"function or module itself, for example loss_fn=torch.nn.functional.cross_entropy")  # fmt: skip
+    with pytest.raises(TypeError, match=fix):
+        evaluate(small_mlp(), data, loss_fn="cross_entropy", batch_size=32)
+    with pytest.raises(TypeError, match=fix):
+        fit(small_mlp(), data, loss_fn="cross_entropy")
+    with pytest.raises(TypeError, match=r"but given 3 of type int"):
+        evaluate(small_mlp(), data, loss_fn=3, batch_size=32)
+
+
+def test_load_checkpoint_refuses_no_path_and_a_state_dict_for_the_model(tmp_path):
+    model = small_mlp()
+    path = str(tmp_path / "c.pt")
+    save_checkpoint(path, model=model)
+    # was: TypeError: stat: path should be string, bytes, os.PathLike or integer, not NoneType
+    with pytest.raises(TypeError, match=r"load_checkpoint needs the path of a checkpoint file or folder \(a str or "
+                                        r"os.PathLike\), but given None of type NoneType"):  # fmt: skip
+        load_checkpoint(None)
+    # was: AttributeError: 'collections.OrderedDict' object has no attribute 'load_state_dict'
+    with pytest.raises(TypeError, match=r"load_checkpoint's model= is what the checkpoint is loaded into, but given a "
+                                        r"state dict \(OrderedDict of 4 entries\); pass the model itself "
+                                        r"\(load_checkpoint\(path, model=model\)\)"):  # fmt: skip
+        load_checkpoint(path, model=model.state_dict())
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(TypeError, match=r"load_checkpoint's optimizer= .* given a state dict \(dict of 2 entries\)"):
+        load_checkpoint(path, optimizer=sgd.state_dict())
+    assert set(load_checkpoint(path, model=model)) == {"model"}
+
+
+def test_find_lr_on_a_loss_that_is_nan_from_the_first_step_blames_the_data_not_its_size():
+    x = torch.randn(64, 64)
+    x[:, 3] = float("nan")
+    data = TensorDataset(x, torch.randint(0, 10, (64,)))
+    # was: "the sweep recorded no loss; give more data or a larger num_steps"
+    with pytest.raises(ValueError, match=r"the loss was nan from the sweep's first step \(lr 1.00e-07, too small to be "
+                                         r"the cause\).*Look for nan or inf in the inputs"):  # fmt: skip
+        find_lr(small_mlp(), data, batch_size=16, num_steps=8, read_every=1)
+
+
+def test_a_history_row_with_a_key_epochrecord_lacks_is_named_with_the_keys_a_row_holds():
+    row = History([EpochRecord(1, 0.5, 0.6, {"accuracy": 0.9}, 1e-3, 2.0, 100.0)]).to_dicts()[0]
+    assert History.from_dicts([row]).records[0].metrics == {"accuracy": 0.9}
+    # was: TypeError: EpochRecord.__init__() got an unexpected keyword argument 'accuracy'
+    with pytest.raises(ValueError, match=r"History.from_dicts: row 1 has \['accuracy'\], which EpochRecord does not "
+                                         r"take; a row holds \['epoch', 'train_loss', .*inside its 'metrics' dict"):  # fmt: skip
+        History.from_dicts([row, {**row, "accuracy": 0.9}])
+    with pytest.raises(ValueError, match=r"row 0 lacks \['lr'\]"):
+        History.from_dicts([{k: v for k, v in row.items() if k != "lr"}])
+
+
+def test_presize_images_into_an_existing_file_names_it_and_the_fix(tmp_path):
+    from PIL import Image
+
+    (tmp_path / "src").mkdir()
+    Image.new("RGB", (32, 32)).save(tmp_path / "src" / "a.png")
+    dst = tmp_path / "out.txt"
+    dst.write_text("notes")
+    # was: a bare FileExistsError: [Errno 17] File exists
+    with pytest.raises(FileExistsError, match=rf"dst_dir '{dst}' is an existing file, not a folder.*Give a folder's path"):
+        presize_images(str(tmp_path / "src"), str(dst), 16, progress=False)
+    assert dst.read_text() == "notes"
+
+
+def test_a_cached_dataset_indexed_by_a_float_names_the_index(tmp_path):
+    cache_dataset(TensorDataset(torch.arange(8.0).view(8, 1)), str(tmp_path / "c"), progress=False)
+    cached = CachedDataset(str(tmp_path / "c"))
+    assert cached[np.int64(3)][0].item() == cached[torch.tensor(3)][0].item() == 3.0
+    # was: TypeError: list indices must be integers or slices, not float
+    with pytest.raises(TypeError, match=r"CachedDataset indices must be integers, but given 1.5 of type float"):
+        cached[1.5]

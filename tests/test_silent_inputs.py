@@ -290,3 +290,20 @@ def test_a_sample_laid_out_otherwise_part_way_is_named_by_its_index(how, layout)
                       num_workers=0)
     with pytest.raises(ValueError, match=rf"data: sample 70 is {layout}"):  # predict's loader (indices of its own)
         predict(small_mlp(), _OddSample(70, how), batch_size=16, progress=False)
+
+
+# ------------------------------------------------------------------ issue 40: a one-pass loader in a hand loop
+def test_device_loader_refuses_a_generator_that_would_give_epoch_2_no_batches():
+    def batches():
+        for _ in range(4):
+            yield torch.randn(8, 4), torch.randint(0, 2, (8,))
+
+    # was: 4 batches in epoch 1, none in epoch 2, and no word
+    with pytest.raises(TypeError, match=r"device_loader's loader is a generator, which can be read only once: the "
+                                        r"second epoch .* would get no batches\. .*the DataLoader itself"):  # fmt: skip
+        device_loader(batches())
+    loader = DataLoader(TensorDataset(torch.randn(32, 4)), batch_size=8)
+    with pytest.raises(TypeError, match=r"is an iterator \(_SingleProcessDataLoaderIter\).*not iter\(loader\)"):
+        device_loader(iter(loader))
+    twice = device_loader([torch.ones(2, 4)] * 3)  # a list of batches is read again every epoch
+    assert [len(list(twice)), len(list(twice))] == [3, 3]

@@ -17,6 +17,7 @@ For a hand-written loop (was ``torch.save(model.state_dict(), path)`` and
 
 from __future__ import annotations
 
+import collections.abc
 import contextlib
 import io
 import os
@@ -273,6 +274,29 @@ def load_state_into(state: dict[str, Any], path: str, model: torch.nn.Module | N
                     param_state["step"] = param_state["step"].to(param.device)
 
 
+def _check_load_arguments(path: Any, model: Any, optimizer: Any) -> None:
+    """load_checkpoint's arguments, before any file is read: a path, and objects to load into (not state dicts)."""
+    if isinstance(path, bool) or not isinstance(path, (str, os.PathLike)):
+        raise TypeError(
+            f"load_checkpoint needs the path of a checkpoint file or folder (a str or os.PathLike), but given "
+            f"{path!r} of type {type(path).__name__}; for example load_checkpoint('checkpoints/last.pt', model=model)"
+        )
+    for name, value, kind in (("model", model, torch.nn.Module), ("optimizer", optimizer, torch.optim.Optimizer)):
+        if value is None or isinstance(value, kind):
+            continue
+        if isinstance(value, collections.abc.Mapping):
+            raise TypeError(
+                f"load_checkpoint's {name}= is what the checkpoint is loaded into, but given a state dict "
+                f"({type(value).__name__} of {len(value)} entries); pass the {name} itself "
+                f"(load_checkpoint(path, {name}={name})), or read the file's entry: load_checkpoint(path)[{name!r}]"
+            )
+        if not callable(getattr(value, "load_state_dict", None)):
+            raise TypeError(
+                f"load_checkpoint's {name}= must be a {kind.__module__}.{kind.__qualname__} to load into, but given "
+                f"{type(value).__name__}, which has no load_state_dict"
+            )
+
+
 def load_checkpoint(path: str, model: torch.nn.Module | None = None,
                     optimizer: torch.optim.Optimizer | None = None) -> dict[str, Any]:  # fmt: skip
     """Loads a checkpoint onto the CPU, without unpickling code, and optionally into a model and optimizer.
@@ -293,6 +317,8 @@ def load_checkpoint(path: str, model: torch.nn.Module | None = None,
 
     Raises:
         FileNotFoundError: no such file.
+        TypeError: ``path`` is not a str or path (None, say), or ``model`` / ``optimizer`` is
+            a state dict rather than the object to load into.
         ValueError: the file is damaged (truncated, bytes changed), is not a checkpoint
             at all (a CSV or text file, named as such), or a model or optimizer is given
             but the file has no entry for it (the message lists the keys it holds).
@@ -302,6 +328,7 @@ def load_checkpoint(path: str, model: torch.nn.Module | None = None,
         >>> state = load_checkpoint("ckpt.pt", model=model, optimizer=optimizer)  # doctest: +SKIP
         >>> start_epoch = state["epoch"] + 1                                        # doctest: +SKIP
     """
+    _check_load_arguments(path, model, optimizer)
     source: Any = path
     if remote.is_url(path):
         if remote.is_folder(path):

@@ -38,7 +38,7 @@ from torch.utils.data import (
 
 from . import backend
 from .data.buckets import BucketBatchSampler
-from .data.loaders import eval_loader, unpack_loader, user_stacklevel
+from .data.loaders import eval_loader, refuse_one_pass, unpack_loader, user_stacklevel
 from .device import get_device, move_to_device
 
 StartMethod = Literal["auto", "fork", "spawn"]
@@ -94,7 +94,8 @@ def device_loader(loader: Iterable, device: torch.device | None = None) -> Devic
         An iterable with ``len(loader)`` batches, re-iterable every epoch.
 
     Raises:
-        TypeError: ``loader`` is a map-style Dataset (single samples) or not iterable.
+        TypeError: ``loader`` is a map-style Dataset (single samples), not iterable, or a
+            generator or iterator (read once: epoch 2 would get no batches).
         ValueError: Under SPMD, ``loader.batch_size`` is not a multiple of the cores; a
             ``BucketBatchSampler`` with more or fewer lengths than the dataset has samples
             (one whose lengths are in another order is warned about).
@@ -112,6 +113,7 @@ def device_loader(loader: Iterable, device: torch.device | None = None) -> Devic
         )
     if not hasattr(loader, "__iter__"):
         raise TypeError(f"device_loader takes an iterable of batches, but given {type(loader).__name__}")
+    refuse_one_pass(loader, "device_loader's loader", "the DataLoader itself (or a list of batches), not iter(loader)")
     if isinstance(loader, DataLoader) and isinstance(loader.batch_sampler, BucketBatchSampler):
         loader.batch_sampler.check_dataset(loader.dataset, "loader", loader.collate_fn, stacklevel=user_stacklevel())
     device = get_device() if device is None else torch.device(device)

@@ -428,10 +428,28 @@ def _silent_ranks(me: int, world: int, wait_s: float) -> list[int]:
         time.sleep(0.2)
 
 
+# How long a replica that finished waits at exit for the others to finish too (seconds).
+LEAVE_WAIT_S = 60.0
+
+
 def _leave_job() -> None:
-    """Destroys the process group ``join_job`` made, if the user has not already."""
-    if distributed_ready():
-        dist.destroy_process_group()
+    """Destroys the process group ``join_job`` made, if the user has not already, once every replica is done.
+
+    DDP keeps a reference to the group, so destroying it does not end gloo's worker
+    threads: they live on into the interpreter's teardown. One still releasing a
+    collective's tensors there (a replica that raced ahead to its exit while another
+    was mid-collective, on a loaded host) needs the GIL and aborts the process
+    ("terminate called without an active exception", SIGABRT) after a run that
+    succeeded. A gloo barrier first makes every replica leave together, with no
+    collective in flight; it is skipped after an uncaught exception (the others would
+    wait for a replica that is gone) and given up after ``LEAVE_WAIT_S``.
+    """
+    if not distributed_ready():
+        return
+    if dist.get_backend() == "gloo" and not hasattr(sys, "last_value"):  # sys.last_value: an uncaught exception
+        with contextlib.suppress(RuntimeError):
+            dist.monitored_barrier(timeout=datetime.timedelta(seconds=LEAVE_WAIT_S), wait_all_ranks=True)
+    dist.destroy_process_group()
 
 
 def _replica_main(index: int, job: tuple[str, str, int, str], fn: Callable[..., Any], args: tuple) -> None:

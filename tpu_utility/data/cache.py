@@ -23,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import operator
 import random
 import re
 import warnings
@@ -519,6 +520,13 @@ class CachedDataset(Dataset):
         return self._open[name]
 
     def __getitem__(self, index: int) -> Any:
+        try:
+            index = operator.index(index)  # an int, a numpy integer or a 0-d integer tensor
+        except TypeError:
+            raise TypeError(
+                f"CachedDataset indices must be integers, but given {index!r} of type {type(index).__name__}; "
+                f"use int(...) for one sample, or a DataLoader / torch.utils.data.Subset for several"
+            ) from None
         if not -self.count <= index < self.count:
             raise IndexError(f"index {index} is out of range for a cache of {self.count} samples")
         index %= self.count

@@ -266,15 +266,21 @@ def _only_orders(sampler: Sampler, dataset: Dataset) -> bool:
     return False
 
 
-def _refuse_one_pass(data: Any, name: str) -> None:
-    """A generator or iterator (``iter(loader)``) can be read once: epoch 2 would get no batches."""
+_READ_AGAIN = "a Dataset (a list of samples, torch.utils.data.TensorDataset) or the DataLoader itself, not iter(loader)"
+
+
+def refuse_one_pass(data: Any, name: str, instead: str = _READ_AGAIN) -> None:
+    """A generator or iterator (``iter(loader)``) can be read once: epoch 2 would get no batches.
+
+    Raises:
+        TypeError: naming what ``data`` is and ``instead``, what to give.
+    """
     if isinstance(data, (Dataset, DataLoader)) or not isinstance(data, collections.abc.Iterator):
         return
     what = "a generator" if isinstance(data, types.GeneratorType) else f"an iterator ({type(data).__name__})"
     raise TypeError(
         f"{name} is {what}, which can be read only once: the second epoch (and every evaluation after the "
-        f"first) would get no batches. Give something that can be read again: a Dataset (a list of samples, "
-        f"torch.utils.data.TensorDataset) or the DataLoader itself, not iter(loader)"
+        f"first) would get no batches. Give something that can be read again: {instead}"
     )
 
 
@@ -290,7 +296,7 @@ def unpack_loader(data: Any, batch_size: int | None, name: str) -> LoaderSpec:
             f"{name} is a tuple of tensors (x, y); give a Dataset, for example "
             f"torch.utils.data.TensorDataset(x, y)"
         )
-    _refuse_one_pass(data, name)
+    refuse_one_pass(data, name)
     spec = _spec_of(data, batch_size, name)
     spec.name = name
     return spec

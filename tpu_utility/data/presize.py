@@ -218,6 +218,7 @@ def presize_images(
 
     Raises:
         ValueError: a bad ``size`` or ``mode``, or ``dst_dir`` inside ``src_dir``.
+        FileExistsError: ``dst_dir`` is a file.
         FileNotFoundError: ``src_dir`` does not exist.
 
     Example:
@@ -238,6 +239,11 @@ def presize_images(
     src_abs, dst_abs = os.path.abspath(src_dir), os.path.abspath(dst_dir)
     if dst_abs == src_abs or dst_abs.startswith(src_abs + os.sep):
         raise ValueError(f"dst_dir {dst_dir!r} must be outside src_dir {src_dir!r}")
+    if os.path.exists(dst_dir) and not os.path.isdir(dst_dir):
+        raise FileExistsError(
+            f"dst_dir {dst_dir!r} is an existing file, not a folder; the resized images go into a folder there. "
+            f"Give a folder's path (it is made if missing), or move the file away"
+        )
 
     _remove_leftovers(dst_dir)
     settings = {"size": size, "mode": mode, "quality": quality}

@@ -47,7 +47,7 @@ from .builtins import (BestEpoch, Checkpoints, MultiplierSchedule, OneCycleSched
 from .agreement import ReplicaAgreement
 from .events import Events, check_callbacks
 from .history import History
-from .metrics import METRICS, CrossEntropy, accuracy, per_sample_loss, resolve_metrics
+from .metrics import METRICS, CrossEntropy, accuracy, check_loss_fn, per_sample_loss, resolve_metrics
 from .memory import refuse_replicating
 from .monitor import Mode, StopRule, parse_duration, resolve_mode
 from .runner import (Precision, Strategy, available_cores, check_precision, choose_strategy, process_mode,
@@ -365,8 +365,7 @@ def one_cycle_fit(
     cycle = OneCycle(max_lr, pct_start, div_factor, final_div_factor, base_momentum, max_momentum, scale_lr_by_cores)
     lr_schedule = resolve_schedule(schedule, warmup, cycle)
     opt_factory, opt_name = resolve_optimizer(optimizer)
-    if loss_fn is not None and not callable(loss_fn):
-        raise TypeError(f"loss_fn must be callable, but given {loss_fn!r}")
+    check_loss_fn(loss_fn)
     _check_reduced(loss_fn)
     metric_table = resolve_metrics(metrics, loss_fn is None)
     callbacks = check_callbacks(callbacks)

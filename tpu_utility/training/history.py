@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -91,6 +92,25 @@ class History:
 
     @classmethod
     def from_dicts(cls, rows: list[dict[str, Any]]) -> History:
+        """A History from ``to_dicts()``'s rows (a checkpoint's ``"history"``).
+
+        Raises:
+            TypeError: a row that is not a dict.
+            ValueError: a row with a key EpochRecord lacks, or without one it needs, named
+                with the fields it takes.
+        """
+        fields = {f.name: f for f in dataclasses.fields(EpochRecord)}
+        needed = [name for name, f in fields.items() if f.default is dataclasses.MISSING]
+        for i, row in enumerate(rows):
+            if not isinstance(row, dict):
+                raise TypeError(f"History.from_dicts takes dicts (to_dicts()'s rows), but row {i} is {row!r}")
+            unknown, missing = [k for k in row if k not in fields], [k for k in needed if k not in row]
+            if unknown or missing:
+                wrong = f"has {unknown}, which EpochRecord does not take" if unknown else f"lacks {missing}"
+                raise ValueError(
+                    f"History.from_dicts: row {i} {wrong}; a row holds {list(fields)}, with each metric inside "
+                    f"its 'metrics' dict, as History.to_dicts() writes it (to_rows() flattens them for a CSV)"
+                )
         return cls([EpochRecord(**row) for row in rows])
 
     def to_rows(self) -> list[dict[str, Any]]:

@@ -16,7 +16,7 @@ from .. import backend
 from . import agreement
 from ..data.loaders import LabelCheck, LoaderSpec, unpack_loader
 from ..huggingface import is_causal_lm
-from .metrics import CrossEntropy, MetricSet, resolve_metrics
+from .metrics import CrossEntropy, MetricSet, check_loss_fn, resolve_metrics
 from .runner import EvalStep, Precision, Runner, default_eval_step, default_predict_step, process_mode
 
 
@@ -173,6 +173,7 @@ def evaluate(
         >>> evaluate(model, valid_ds, cores="all")       # doctest: +SKIP
         {'loss': 0.1032, 'accuracy': 0.9722}
     """
+    check_loss_fn(loss_fn)
     spec = unpack_loader(data, batch_size, "data")
     table = resolve_metrics(metrics, loss_fn is None)
     runner = _runner(model, cores, precision, spec, "evaluate")

@@ -23,7 +23,7 @@ from .builtins import LearningRates
 from .events import StopFit
 from .fit import check_number, check_seed, resolve_optimizer
 from .history import closed_figure
-from .metrics import CrossEntropy
+from .metrics import CrossEntropy, check_loss_fn
 from .runner import Placement
 from .trainer import FitPlan, Steps, train
 
@@ -137,6 +137,7 @@ def find_lr(
 
     Raises:
         ValueError, TypeError: a bad argument, named with what is allowed.
+        ValueError: the loss is nan or inf from the first step (bad data, not a learning rate).
 
     Example:
         >>> # was: an lr_finder from another library, or guessing
@@ -144,6 +145,7 @@ def find_lr(
         >>> one_cycle_fit(model, train_ds, epochs=5, max_lr=result.suggested_lr)  # doctest: +SKIP
     """
     _check_sweep(start_lr, end_lr, num_steps, smooth, diverge_factor)
+    check_loss_fn(loss_fn)
     if isinstance(read_every, bool) or not isinstance(read_every, int) or read_every < 1:
         raise ValueError(f"read_every must be a positive int, but given {read_every!r}")
     make_opt, name = resolve_optimizer(optimizer)
@@ -170,6 +172,13 @@ def find_lr(
             random.setstate(python_state)
             if xla_state is not None:
                 backend.set_rng_state(xla_state)
+    if not sweep.result.losses and sweep.smoother.not_finite is not None:
+        lr, loss = sweep.smoother.not_finite
+        raise ValueError(
+            f"the loss was {loss} from the sweep's first step (lr {lr:.2e}, too small to be the cause), so there is no "
+            f"curve to read: the data or the model gives a non-finite loss at any learning rate. Look for nan or inf "
+            f"in the inputs (torch.isfinite(x).all()) and for targets the loss cannot take, then run find_lr again"
+        )
     sweep.result.suggested_lr = suggest_lr(sweep.result.lrs, sweep.result.losses)
     return sweep.result
 
@@ -222,11 +231,13 @@ class _Smoother:
 
     def __init__(self, smooth: float, diverge_factor: float) -> None:
         self.smooth, self.factor, self.avg, self.best = smooth, diverge_factor, 0.0, math.inf
+        self.not_finite: tuple[float, float] | None = None  # (lr, loss) of the first nan or inf loss
 
     def add(self, result: LRFinderResult, lrs: list[float], values: list[float]) -> bool:
         """Appends to ``result``; True once the loss is non-finite or diverged."""
         for lr, value in zip(lrs, values):
             if not math.isfinite(value):
+                self.not_finite = (lr, value)
                 return True
             self.avg = self.smooth * self.avg + (1 - self.smooth) * value
             smoothed = self.avg / (1 - self.smooth ** (len(result.losses) + 1))

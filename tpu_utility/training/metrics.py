@@ -155,6 +155,28 @@ def resolve_metrics(metrics: Any, default_loss: bool) -> dict[str, Any]:
     return table
 
 
+def check_loss_fn(loss_fn: Any) -> None:
+    """``loss_fn`` is None or a callable ``(output, target) -> loss``; a loss's name is refused naming the callable.
+
+    Raises:
+        TypeError: naming the value given and a loss to give instead.
+    """
+    if loss_fn is None or callable(loss_fn):
+        return
+    if isinstance(loss_fn, str):
+        known = hasattr(torch.nn.functional, loss_fn) and not loss_fn.startswith("_")
+        named = f"torch.nn.functional.{loss_fn}" if known else "torch.nn.functional.cross_entropy"
+        raise TypeError(
+            f"loss_fn must be a callable (output, target) -> loss, but given the string {loss_fn!r}; give the "
+            f"function or module itself, for example loss_fn={named} or nn.CrossEntropyLoss() (names are taken "
+            f"by metrics=, not by loss_fn)"
+        )
+    raise TypeError(
+        f"loss_fn must be a callable (output, target) -> loss, such as nn.CrossEntropyLoss(), but given "
+        f"{loss_fn!r} of type {type(loss_fn).__name__}"
+    )
+
+
 def per_sample_loss(loss_fn: Callable) -> Callable:
     """The same loss with reduction='none', so padded samples can be masked out."""
     if hasattr(loss_fn, "reduction"):
