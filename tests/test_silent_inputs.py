@@ -299,11 +299,17 @@ def test_device_loader_refuses_a_generator_that_would_give_epoch_2_no_batches():
             yield torch.randn(8, 4), torch.randint(0, 2, (8,))
 
     # was: 4 batches in epoch 1, none in epoch 2, and no word
+    once = device_loader(batches())
+    assert len(list(once)) == 4
     with pytest.raises(TypeError, match=r"device_loader's loader is a generator, which can be read only once: the "
                                         r"second epoch .* would get no batches\. .*the DataLoader itself"):  # fmt: skip
-        device_loader(batches())
+        list(once)
     loader = DataLoader(TensorDataset(torch.randn(32, 4)), batch_size=8)
+    read = device_loader(iter(loader))
+    assert len(list(read)) == 4
     with pytest.raises(TypeError, match=r"is an iterator \(_SingleProcessDataLoaderIter\).*not iter\(loader\)"):
-        device_loader(iter(loader))
+        list(read)
+    for _ in range(2):  # a new generator each epoch, as docs/porting.md's word-language-model port writes it
+        assert len(list(device_loader(batches()))) == 4
     twice = device_loader([torch.ones(2, 4)] * 3)  # a list of batches is read again every epoch
     assert [len(list(twice)), len(list(twice))] == [3, 3]

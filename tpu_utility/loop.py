@@ -54,11 +54,16 @@ class DeviceLoader:
 
     def __init__(self, loader: Iterable, device: torch.device) -> None:
         self.loader, self.device = loader, device
+        self._passes = 0
 
     def __len__(self) -> int:
         return len(self.loader)  # type: ignore[arg-type]
 
     def __iter__(self) -> Iterator[Any]:
+        self._passes += 1
+        if self._passes > 1:  # a generator or iterator, read to its end: a second epoch would get no batches
+            refuse_one_pass(self.loader, "device_loader's loader", "the DataLoader itself (or a list of batches), "
+                            "not iter(loader); or a new generator each epoch, device_loader(... for ...) in the loop")
         if not backend.is_lazy(self.device):
             return (move_to_device(batch, self.device) for batch in self.loader)
         cores = backend.global_device_count() if backend.is_spmd() else None
@@ -94,8 +99,8 @@ def device_loader(loader: Iterable, device: torch.device | None = None) -> Devic
         An iterable with ``len(loader)`` batches, re-iterable every epoch.
 
     Raises:
-        TypeError: ``loader`` is a map-style Dataset (single samples), not iterable, or a
-            generator or iterator (read once: epoch 2 would get no batches).
+        TypeError: ``loader`` is a map-style Dataset (single samples) or not iterable; or, at
+            its second pass, a generator or iterator (read once: epoch 2 would get no batches).
         ValueError: Under SPMD, ``loader.batch_size`` is not a multiple of the cores; a
             ``BucketBatchSampler`` with more or fewer lengths than the dataset has samples
             (one whose lengths are in another order is warned about).
@@ -113,7 +118,6 @@ def device_loader(loader: Iterable, device: torch.device | None = None) -> Devic
         )
     if not hasattr(loader, "__iter__"):
         raise TypeError(f"device_loader takes an iterable of batches, but given {type(loader).__name__}")
-    refuse_one_pass(loader, "device_loader's loader", "the DataLoader itself (or a list of batches), not iter(loader)")
     if isinstance(loader, DataLoader) and isinstance(loader.batch_sampler, BucketBatchSampler):
         loader.batch_sampler.check_dataset(loader.dataset, "loader", loader.collate_fn, stacklevel=user_stacklevel())
     device = get_device() if device is None else torch.device(device)

@@ -690,8 +690,10 @@ class LabelCheck:
     On XLA an out-of-range label does not raise (on the CPU, cross_entropy's
     IndexError would): the run trains on garbage. Each batch's target is checked
     as the loader yields it, still on the host (no device sync). The class count
-    is dim 1 of the output of the first batch the model runs on anyway
-    (``see``), so the check costs no forward and no compile of its own; labels of
+    is the size of the output's class dimension (``class_dim``: dim 1, or the last
+    of a sequence model's ``(N, T, C)``; a model's own loss: its vocabulary) in the
+    first batch the model runs on anyway (``see``), so the check costs no forward
+    and no compile of its own; labels of
     batches loaded before that are kept (their distinct values) and checked
     then, before the loss is computed. ``ignore_index`` (-100 for
     ``nn.CrossEntropyLoss``) is allowed.
@@ -701,7 +703,7 @@ class LabelCheck:
         >>> loader = labels.loader(train_loader)           # doctest: +SKIP
         >>> for x, y in loader:                            # doctest: +SKIP
         ...     output = model(x)
-        ...     labels.see(output)   # raises ValueError if a label is not in [0, output.shape[1])
+        ...     labels.see(output, y)   # raises ValueError if a label is not in [0, classes)
     """
 
     def __init__(self, ignore_index: int = -100) -> None:
