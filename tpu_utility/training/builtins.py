@@ -27,6 +27,7 @@ callback                  order  from
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
 import random
@@ -262,7 +263,7 @@ class OneCycleSchedule(LearningRates):
         return _scaled(loop, self.cycle.max_lr, self.cycle.scale_lr_by_cores)[0]
 
     def curve(self, loop: Any) -> tuple[list[float], list[float]]:
-        return self.cycle.curve(loop.total_steps, self.max_lr(loop))
+        return dataclasses.replace(self.cycle, max_lr=self.max_lr(loop)).curve(loop.total_steps)
 
     def describe(self, loop: Any) -> str:
         """The summary line's part: the peak and whether it was scaled."""
