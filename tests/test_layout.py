@@ -287,3 +287,37 @@ def test_the_texts_check_finds_a_copy():
 
     copied = ast.parse(f"fix = {RULES['host_sync'].fix!r}")
     assert any(isinstance(n, ast.Constant) and RULES["host_sync"].fix in n.value for n in ast.walk(copied))
+
+
+def _members(source, class_name):
+    """A class's members in a module's source: its annotations, methods, and ``self.x = ...`` targets."""
+    (cls,) = [n for n in ast.walk(ast.parse(source)) if isinstance(n, ast.ClassDef) and n.name == class_name]
+    found = {n.target.id for n in cls.body if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)}
+    found |= {n.name for n in cls.body if isinstance(n, ast.FunctionDef)}
+    for node in ast.walk(cls):
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
+        for target in targets:
+            for t in ast.walk(target):
+                if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self":
+                    found.add(t.attr)
+    return found - {"__init__"}
+
+
+def test_the_trainers_loop_has_what_the_loop_protocols_promise_and_callbacks_are_typed_with_them():
+    """events.Loop (a user's hooks) and events.TrainerLoop (the built-ins') list what the trainer's Loop holds."""
+    with open(os.path.join(PACKAGE, "training", "events.py"), encoding="utf-8") as f:
+        events = f.read()
+    with open(os.path.join(PACKAGE, "training", "trainer.py"), encoding="utf-8") as f:
+        trainer = f.read()
+    promised = _members(events, "Loop") | _members(events, "TrainerLoop")
+    assert {"model", "optimizer", "history", "step", "stop", "runner"} <= promised
+    assert sorted(promised - _members(trainer, "Loop")) == []
+    assert _members("class Loop:\n    def __init__(self):\n        self.a, self.b = 1, 2\n", "Loop") == {"a", "b"}
+    untyped = []
+    for folder, _, files in os.walk(os.path.join(PACKAGE, "training")):
+        for name in sorted(files):
+            if name.endswith(".py"):
+                with open(os.path.join(folder, name), encoding="utf-8") as f:
+                    untyped += [f"{name}:{n.lineno}" for n in ast.walk(ast.parse(f.read())) if isinstance(n, ast.arg)
+                                and n.arg == "loop" and n.annotation is not None and ast.unparse(n.annotation) == "Any"]  # fmt: skip
+    assert untyped == [], "type a callback's loop as events.Loop (or TrainerLoop for the built-ins): " + ", ".join(untyped)

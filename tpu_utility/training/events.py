@@ -107,6 +107,22 @@ class Loop(Protocol):
         """Ends the run after this epoch (it is recorded and saved first), ``reason`` as the stop reason."""
 
 
+class TrainerLoop(Loop, Protocol):
+    """The loop as the built-in callbacks (``builtins.py``, ``agreement.py``) see it: ``Loop`` and the trainer's
+    own parts they drive. Not for a user's callback: these change with the trainer."""
+
+    runner: Any  # training.runner.Runner (a layer above)
+    plan: Any  # training.trainer.FitPlan
+    events: Events
+    valid_loader: Any
+    batches: int  # training batches per epoch on each core
+    saved_epoch: int  # the epoch last.pt holds
+    lr_ratios: list[float]  # each param group's share of max_lr
+    first_bad_step: int | None  # the epoch's first step with a non-finite loss
+    stop_request: str | None  # loop.stop's reason, once asked
+    compile_seconds: float  # the epoch's, all-reduced
+
+
 class StopFit(Exception):
     """Raised from a hook, ends the run at once with its message as the stop reason (fastai's CancelFitException).
 
