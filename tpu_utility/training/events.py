@@ -109,7 +109,8 @@ class Loop(Protocol):
 
 class TrainerLoop(Loop, Protocol):
     """The loop as the built-in callbacks (``builtins.py``, ``agreement.py``) see it: ``Loop`` and the trainer's
-    own parts they drive. Not for a user's callback: these change with the trainer."""
+    own parts they drive. Not for a user's callback: these change with the trainer. (Their hooks take it where
+    ``Callback``'s take ``Loop``: narrower, on purpose, as only the trainer runs them.)"""
 
     runner: Any  # training.runner.Runner (a layer above)
     plan: Any  # training.trainer.FitPlan
