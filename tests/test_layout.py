@@ -10,7 +10,13 @@ PACKAGE = os.path.join(ROOT, "tpu_utility")
 # Modules of the package by dotted name, lowest layer first: a module imports only from its own layer or
 # lower ones, so the backend never learns about training, the kit never about the trainer, and data
 # preparation never about the loop that consumes it. "data" and "training" are those packages' __init__.
+# Inside the backend the same holds module by module: what every backend answers and the probes, then the
+# backends, TorchTPU over the native one, then the choice and the functions that delegate to it.
 LAYERS = [
+    {"backend.base", "backend.hardware", "backend.versions", "backend.choice"},
+    {"backend.native", "backend.xla"},
+    {"backend.tpu"},
+    {"backend.api"},
     {"backend", "diagnostics.rules"},
     {"arguments", "remote", "files", "progress", "device", "environment", "diagnostics.port", "diagnostics.fixers",
      "huggingface"},
@@ -49,15 +55,30 @@ def _modules():
                 yield path, _unit(module) or ".".join(module) or "__init__", package
 
 
-def _imported_units(source, package):
-    """The units a module's source imports, at the top or inside functions, resolved from its relative imports."""
+def _imported_names(source, package):
+    """The package's dotted names a module's source imports, at the top or inside functions: relative imports
+    resolved, absolute ones (``tpu_utility.x``) too; ``from a import b`` gives ``a.b`` (a module or a name in a)."""
     found = set()
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.ImportFrom) and node.level:
             base = package[: len(package) - (node.level - 1)]
             base += node.module.split(".") if node.module else []
-            found.update(_unit(base + [alias.name]) for alias in node.names)
-    return found - {None}
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "tpu_utility":
+            base = node.module.split(".")[1:]
+        elif isinstance(node, ast.Import):
+            found.update(tuple(a.name.split(".")[1:]) for a in node.names if a.name.split(".")[0] == "tpu_utility")
+            continue
+        else:
+            continue
+        found.update(tuple(base + [alias.name]) for alias in node.names)
+    return found
+
+
+def _imported_units(source, package):
+    """The units a module's source imports, at the top or inside functions."""
+    # a one-part name that is no unit is a name of the package's __init__ (``from .. import __version__``)
+    return {_unit(list(parts)) or ("__init__" if len(parts) == 1 else None)
+            for parts in _imported_names(source, package)} - {None}  # fmt: skip
 
 
 def test_every_module_sits_in_a_layer():
@@ -86,12 +107,84 @@ def test_the_layering_check_sees_upward_imports_at_any_depth():
     ]
     assert _upward("training.trainer", "from .runner import Runner\nfrom ..data.loaders import set_epoch\n",
                    ["training"]) == []  # fmt: skip
+    assert _upward("backend.native", "def f():\n    from .api import naming_stalls\n", ["backend"]) == ["backend.api"]
+    assert _upward("diagnostics.check", "def f():\n    from .. import __version__\n", ["diagnostics"]) == ["__init__"]
+
+
+def _module_of(parts, modules):
+    """The module an imported dotted name lands in: the longest prefix that is a module of the package."""
+    for end in range(len(parts), -1, -1):
+        if ".".join(parts[:end]) in modules:
+            return ".".join(parts[:end])
+    return None
+
+
+def _import_graph():
+    """{module: the package's modules it imports}, module by module ("" is the package's __init__)."""
+    sources = {}
+    for folder, _, files in os.walk(PACKAGE):
+        for name in files:
+            if name.endswith(".py"):
+                parts = os.path.relpath(os.path.join(folder, name), PACKAGE)[:-3].split(os.sep)
+                package = parts[:-1]
+                module = ".".join(package if name == "__init__.py" else parts)
+                with open(os.path.join(folder, name), encoding="utf-8") as f:
+                    sources[module] = (f.read(), package)
+    return {
+        module: {_module_of(list(p), sources) for p in _imported_names(source, package)} - {None, module}
+        for module, (source, package) in sources.items()
+    }
+
+
+def _cycles(graph):
+    """The import circles of a graph: each strongly connected set of two or more modules, sorted (Tarjan)."""
+    index, low, stack, on_stack, found = {}, {}, [], set(), []
+
+    def visit(node):
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for other in sorted(graph.get(node, ())):
+            if other not in index:
+                visit(other)
+                low[node] = min(low[node], low[other])
+            elif other in on_stack:
+                low[node] = min(low[node], index[other])
+        if low[node] == index[node]:
+            members = []
+            while not members or members[-1] != node:
+                members.append(stack.pop())
+                on_stack.discard(members[-1])
+            if len(members) > 1:
+                found.append(sorted(members))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return sorted(found)
+
+
+def test_the_import_graph_has_no_circle():
+    """No module imports one that imports it back, at the top or inside a function (a function-level import
+    hides a circle from Python, not from a reader: backend/native.py imported backend/api.py, which imports it)."""
+    assert _cycles(_import_graph()) == []
+
+
+def test_the_circle_check_sees_a_circle_hidden_in_a_function():
+    # the check itself can fail: a function-level import back up closes a circle through a third module
+    graph = {"backend.api": {"backend.tpu", "backend.base"}, "backend.tpu": {"backend.native"}, "backend.base": set()}
+    graph["backend.native"] = {_module_of(list(p), graph) for p in _imported_names(
+        "def _replica_main():\n    from .api import naming_stalls\n", ["backend"])}  # fmt: skip
+    assert _cycles(graph) == [["backend.api", "backend.native", "backend.tpu"]]
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": set()}) == []
+    assert _imported_names("import tpu_utility.backend.api\nfrom tpu_utility.training import fit\n", []) == {
+        ("backend", "api"), ("training", "fit")}  # fmt: skip
 
 
 def test_the_backend_package_alone_imports_torch_xla_and_compares_device_types():
     offenders = []
     for path, unit, _ in _modules():
-        if unit == "backend":
+        if unit.split(".")[0] == "backend":
             continue
         for node in ast.walk(ast.parse(open(path).read())):
             if isinstance(node, (ast.Import, ast.ImportFrom)):
@@ -194,3 +287,37 @@ def test_the_texts_check_finds_a_copy():
 
     copied = ast.parse(f"fix = {RULES['host_sync'].fix!r}")
     assert any(isinstance(n, ast.Constant) and RULES["host_sync"].fix in n.value for n in ast.walk(copied))
+
+
+def _members(source, class_name):
+    """A class's members in a module's source: its annotations, methods, and ``self.x = ...`` targets."""
+    (cls,) = [n for n in ast.walk(ast.parse(source)) if isinstance(n, ast.ClassDef) and n.name == class_name]
+    found = {n.target.id for n in cls.body if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)}
+    found |= {n.name for n in cls.body if isinstance(n, ast.FunctionDef)}
+    for node in ast.walk(cls):
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
+        for target in targets:
+            for t in ast.walk(target):
+                if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self":
+                    found.add(t.attr)
+    return found - {"__init__"}
+
+
+def test_the_trainers_loop_has_what_the_loop_protocols_promise_and_callbacks_are_typed_with_them():
+    """events.Loop (a user's hooks) and events.TrainerLoop (the built-ins') list what the trainer's Loop holds."""
+    with open(os.path.join(PACKAGE, "training", "events.py"), encoding="utf-8") as f:
+        events = f.read()
+    with open(os.path.join(PACKAGE, "training", "trainer.py"), encoding="utf-8") as f:
+        trainer = f.read()
+    promised = _members(events, "Loop") | _members(events, "TrainerLoop")
+    assert {"model", "optimizer", "history", "step", "stop", "runner"} <= promised
+    assert sorted(promised - _members(trainer, "Loop")) == []
+    assert _members("class Loop:\n    def __init__(self):\n        self.a, self.b = 1, 2\n", "Loop") == {"a", "b"}
+    untyped = []
+    for folder, _, files in os.walk(os.path.join(PACKAGE, "training")):
+        for name in sorted(files):
+            if name.endswith(".py"):
+                with open(os.path.join(folder, name), encoding="utf-8") as f:
+                    untyped += [f"{name}:{n.lineno}" for n in ast.walk(ast.parse(f.read())) if isinstance(n, ast.arg)
+                                and n.arg == "loop" and n.annotation is not None and ast.unparse(n.annotation) == "Any"]  # fmt: skip
+    assert untyped == [], "type a callback's loop as events.Loop (or TrainerLoop for the built-ins): " + ", ".join(untyped)

@@ -126,6 +126,34 @@ runpy.run_path({str(tmp_path / "stall.py")!r}, run_name="__main__")
     assert "a collective timed out after 5 s on rank 0" in named[-1]
 
 
+def test_a_launched_hand_loops_stall_is_named_after_its_replica(monkeypatch):
+    # backend.launch hands the backend each replica's fn inside naming_stalls (the backends never import api back)
+    import pickle
+
+    from tpu_utility.backend import api
+
+    class Stalls:
+        def launch(self, fn, args, nprocs, start_method):
+            self.fn, self.args = pickle.loads(pickle.dumps(fn)), args  # spawn pickles it
+
+        def stalled(self, error):
+            return f"rank 1 of 2 did not arrive ({error})"
+
+    chosen = Stalls()
+    monkeypatch.setattr(api, "current", lambda: chosen)
+    api.launch(_stall_in_a_collective, ("my loop",), 2, "spawn")
+    with pytest.raises(api.CollectiveTimeout, match=r"^replica 1: rank 1 of 2 did not arrive \(Timed out in my loop"):
+        chosen.fn(1, *chosen.args)  # what the backend's replica runs
+    with pytest.raises(ValueError, match="not a collective"):
+        chosen.fn(0, *chosen.args)  # anything else passes through as it was
+
+
+def _stall_in_a_collective(index, where):
+    if index == 0:
+        raise ValueError("not a collective")
+    raise RuntimeError(f"Timed out in {where} at step {index}")
+
+
 def test_inside_a_torchrun_job_a_replica_that_stops_answering_is_named_too(tmp_path):
     # torchrun's ranks share the agent's TCP store (our launcher: a file store); rank 1 hangs in its own code
     script = tmp_path / "stall.py"

@@ -111,6 +111,40 @@ def test_every_schedule_argument_is_checked_with_its_range(bad, error, message):
         one_cycle_curve(**args)  # before today's fix, total_steps=0 gave an empty curve
 
 
+@pytest.mark.parametrize("bad, error, message", [case for case in BAD_SCHEDULES if "total_steps" not in case[0]])
+def test_the_one_cycle_settings_are_one_frozen_value_checked_when_made(bad, error, message):
+    import dataclasses
+
+    from tpu_utility.training.schedule import OneCycle
+
+    with pytest.raises(error, match=message):
+        OneCycle(**{"max_lr": 3e-3, **bad})
+    cycle = OneCycle(3e-3, pct_start=0.3)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cycle.pct_start = 0.5  # a callback cannot change the schedule it was handed
+    lrs, moms = cycle.curve(37)
+    assert list(zip(lrs, moms)) == [one_cycle(step, 37, 3e-3, pct_start=0.3) for step in range(37)]
+    with pytest.raises(ValueError, match=r"total_steps must be between 1 and \d+, but given 0"):
+        cycle.curve(0)
+
+
+def test_one_cycle_fit_carries_its_six_settings_as_one_value_with_the_schedules_defaults():
+    import dataclasses
+    import inspect
+
+    from tpu_utility.training.fit import resolve_schedule
+    from tpu_utility.training.schedule import OneCycle
+
+    defaults = {f.name: f.default for f in dataclasses.fields(OneCycle) if f.name != "max_lr"}
+    for function in (one_cycle_fit, one_cycle):
+        given = {name: p.default for name, p in inspect.signature(function).parameters.items() if name in defaults}
+        assert given == {k: v for k, v in defaults.items() if k in given} and len(given) >= 5, function
+    cycle = OneCycle(3e-3, pct_start=0.3, max_momentum=0.9)
+    assert resolve_schedule("one_cycle", 0, cycle) is cycle  # handed on as it is, not taken apart and made again
+    with pytest.raises(ValueError, match=r"pct_start=0.3, max_momentum=0.9 shape schedule='one_cycle' only"):
+        resolve_schedule("linear", 0, cycle)
+
+
 def test_edge_schedules_stay_finite():
     lr, momentum = one_cycle(2**53 - 1, 2**53, 1e-3, pct_start=0.9999999999999999)
     assert math.isfinite(lr) and 0 < lr <= 1e-3 and 0.85 <= momentum <= 0.95

@@ -27,9 +27,9 @@ from .data import (BucketBatchSampler, BucketCollate, CachedDataset, PresizeRepo
                    group_batches, make_sampler, padding_waste, presize_images)
 
 # the trainer: one call that trains, keeps the best epoch and predicts (or generates)
-from .training import (EMA, Callback, CSVLogger, EpochMetric, EpochRecord, GradientCheckpointing, History, LRFinderResult,
-                       MemoryPlan, StopFit, TensorBoardLogger, evaluate, find_lr, generate, memory_plan, one_cycle,
-                       one_cycle_curve, one_cycle_fit, predict)
+from .training import (EMA, Callback, CSVLogger, EpochMetric, EpochRecord, GradientCheckpointing, History, Loop,
+                       LRFinderResult, MemoryPlan, StopFit, TensorBoardLogger, evaluate, find_lr, generate, memory_plan,
+                       one_cycle, one_cycle_curve, one_cycle_fit, predict)
 
 # diagnosis: doctor (run time), check (this machine); `python -m tpu_utility.port` (your source)
 from .diagnostics import DoctorError, DoctorReport, doctor
@@ -71,6 +71,7 @@ __all__ = [
     "TensorBoardLogger",
     "launch",
     "load_checkpoint",
+    "Loop",
     "LRFinderResult",
     "make_sampler",
     "masked_loader",

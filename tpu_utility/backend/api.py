@@ -16,6 +16,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import traceback
 from typing import Any, Callable, ContextManager, Iterator, Sequence
@@ -189,7 +190,16 @@ def join_job() -> None:
 
 
 def launch(fn: Callable[..., Any], args: tuple, nprocs: int, start_method: str) -> None:
-    current().launch(fn, args, nprocs, start_method)
+    current().launch(functools.partial(_naming_replica_stalls, fn), args, nprocs, start_method)
+
+
+def _naming_replica_stalls(fn: Callable[..., Any], index: int, *args: Any) -> None:
+    """One launched replica's ``fn(index, *args)``, a collective's timeout in it named (picklable for spawn).
+
+    Here rather than in the backends' launchers, so that they never import this module back.
+    """
+    with naming_stalls(f"replica {index}"):
+        fn(index, *args)
 
 
 def all_reduce(tensors: list[torch.Tensor], op: ReduceOp = "sum") -> list[torch.Tensor]:

@@ -462,10 +462,7 @@ def _replica_main(index: int, job: tuple[str, str, int, str], fn: Callable[..., 
         dist_backend, init_method=f"file://{store}", rank=index, world_size=nprocs,
         timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S),
     )  # fmt: skip
-    from .api import naming_stalls
-
     try:
-        with naming_stalls(f"replica {index}"):  # a hand loop's collectives too
-            fn(index, *args)
+        fn(index, *args)  # api.launch hands in fn inside naming_stalls: a hand loop's collectives too
     finally:
         dist.destroy_process_group()

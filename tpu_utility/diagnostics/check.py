@@ -218,13 +218,14 @@ CHECKS: list[tuple[str, Callable[[], str]]] = [
 
 
 def _platform_lines() -> list[str]:
-    from .. import __version__
     from ..environment import setup_tpu
+
+    version = backend.installed_version("tpu_utility") or "0+unknown"  # the package's __version__, read below it
 
     info = setup_tpu(verbose=False)
     versions = ", ".join(f"{name} {backend.installed_version(name) or 'not installed'}" for name in ("libtpu", "torchvision"))
     lines = [*info.summary().splitlines(),
-             f"  python {platform.python_version()} on {platform.platform()}; tpu_utility {__version__}; {versions}"]  # fmt: skip
+             f"  python {platform.python_version()} on {platform.platform()}; tpu_utility {version}; {versions}"]  # fmt: skip
     xla_version = backend.installed_version("torch_xla")
     if xla_version:
         gone = ", ".join(rule.replaces for rule in gone_in(xla_version))

@@ -17,7 +17,7 @@ Read it top down:
 """
 
 from .callbacks import EMA, CSVLogger, GradientCheckpointing, TensorBoardLogger
-from .events import Callback, StopFit
+from .events import Callback, Loop, StopFit
 from .fit import one_cycle_fit
 from .generate import generate
 from .history import EpochRecord, History
@@ -39,6 +39,7 @@ __all__ = [
     "find_lr",
     "generate",
     "History",
+    "Loop",
     "LRFinderResult",
     "memory_plan",
     "MemoryPlan",

@@ -31,7 +31,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from .. import backend
-from .events import Callback
+from .events import Callback, TrainerLoop
 
 CAPACITY = 8192  # bytes of JSON one replica sends; what is compared is short (digests, counts, names)
 DIGEST_SAMPLES = 3  # samples read from each dataset for its digest: the first, the middle and the last
@@ -145,7 +145,7 @@ def mismatch(what: str, found: dict[str, list[Any]]) -> ReplicaMismatch:
     )
 
 
-def resume_point(loop: Any) -> str:
+def resume_point(loop: TrainerLoop) -> str:
     """Where this replica's run starts: afresh, or after a checkpoint's epoch (its step and run id).
 
     Not the path: nodes may hold copies of one checkpoint in folders of their own.
@@ -156,7 +156,7 @@ def resume_point(loop: Any) -> str:
     return f"after epoch {loop.start_epoch} (step {loop.step}) of run {run}"
 
 
-def describe_fit(loop: Any, arguments: dict[str, Any]) -> dict[str, Any]:
+def describe_fit(loop: TrainerLoop, arguments: dict[str, Any]) -> dict[str, Any]:
     """What one replica of a one_cycle_fit run was given: its data, model, arguments and resume point."""
     plan = loop.plan
     train = describe_data(plan.train.dataset)
@@ -187,7 +187,7 @@ class ReplicaAgreement(Callback):
     def __init__(self, arguments: dict[str, Any]) -> None:
         self.arguments = arguments
 
-    def on_fit_start(self, loop: Any) -> None:
+    def on_fit_start(self, loop: TrainerLoop) -> None:
         topology = loop.runner.topology
         if topology.mode != "replica" or topology.replicas < 2:
             return

@@ -27,6 +27,7 @@ callback                  order  from
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
 import random
@@ -41,7 +42,7 @@ from ..checkpoint import (CHECKPOINT_NAME, DamagedCheckpointError, class_name, l
                          save_atomic, to_cpu)  # fmt: skip
 from ..files import WriteError, exists, join
 from ..progress import format_duration, run_eta, write_line
-from .events import Callback, does
+from .events import Callback, Loop, TrainerLoop, does
 from .history import History
 from .monitor import StopRule, Watch, out_of_time
 from .schedule import LrSchedule, OneCycle, unround, warmup_steps
@@ -83,7 +84,7 @@ class _Driver:
     (its version counter moved); no device value is read.
     """
 
-    def __init__(self, loop: Any, lrs: list[float], moms: list[float] | None) -> None:
+    def __init__(self, loop: TrainerLoop, lrs: list[float], moms: list[float] | None) -> None:
         opt, device = loop.optimizer, loop.device
         self.lrs, self.moms = lrs, moms
         self.ratios = loop.lr_ratios
@@ -158,7 +159,7 @@ class _Driver:
 _BETWEEN_STEPS = ("on_step_end", "on_train_epoch_end", "on_epoch_end", "on_train_epoch_start")
 
 
-def _writers(loop: Any, schedule: Any, within_step: bool) -> list[str]:
+def _writers(loop: TrainerLoop, schedule: Any, within_step: bool) -> list[str]:
     """``Class.hook`` of each of the user's own callbacks that ran a hook since the schedule's last write.
 
     ``within_step``: between the schedule's ``on_before_step`` and the optimizer step
@@ -196,27 +197,27 @@ class LearningRates(Callback):
     order = -40
     name = "the schedule"  # for the warning: "while schedule='linear' sets it"
 
-    def curve(self, loop: Any) -> tuple[list[float], list[float] | None]:
+    def curve(self, loop: Loop) -> tuple[list[float], list[float] | None]:
         raise NotImplementedError
 
-    def on_fit_start(self, loop: Any) -> None:
+    def on_fit_start(self, loop: Loop) -> None:
         self.lrs, self.moms = self.curve(loop)
         self.driver: _Driver | None = None  # built at the first epoch, from the step a resume restored
         self.reported = False
 
-    def on_train_epoch_start(self, loop: Any, epoch: int) -> None:
+    def on_train_epoch_start(self, loop: TrainerLoop, epoch: int) -> None:
         if self.driver is None:
             self.driver = _Driver(loop, self.lrs, self.moms)
         loop.lr = self.lrs[min(loop.step, len(self.lrs) - 1)]
 
-    def on_before_step(self, loop: Any) -> None:
+    def on_before_step(self, loop: TrainerLoop) -> None:
         self._report(loop, within_step=False)
         loop.lr = self.driver.before_step(loop.optimizer)
 
-    def on_step_end(self, loop: Any) -> None:
+    def on_step_end(self, loop: TrainerLoop) -> None:
         self._report(loop, within_step=True)  # first of the on_step_end hooks: what the on_before_step ones did
 
-    def _report(self, loop: Any, within_step: bool) -> None:
+    def _report(self, loop: TrainerLoop, within_step: bool) -> None:
         change = None if self.reported else self.driver.changed(loop.optimizer)
         if change is None:
             return
@@ -236,7 +237,7 @@ class LearningRates(Callback):
             stacklevel=2,
         )
 
-    def on_fit_end(self, loop: Any) -> None:
+    def on_fit_end(self, loop: Loop) -> None:
         opt, history, done = loop.optimizer, loop.history, loop.step
         momentum = all("betas" in g or g.get("momentum", 0) > 0 for g in opt.param_groups)
         history.step_lrs = self.lrs[:done]
@@ -244,7 +245,7 @@ class LearningRates(Callback):
         history.momentum_name = "beta1" if "betas" in opt.param_groups[0] else "momentum"
 
 
-def _scaled(loop: Any, max_lr: float, by_cores: bool) -> tuple[float, str]:
+def _scaled(loop: Loop, max_lr: float, by_cores: bool) -> tuple[float, str]:
     """The peak lr of this run, and the summary's words for it."""
     peak = max_lr * (loop.cores if by_cores else 1)
     return peak, f"max_lr {peak:.2e} ({f'scaled x{loop.cores} by cores' if by_cores else 'not scaled by cores'})"
@@ -258,13 +259,13 @@ class OneCycleSchedule(LearningRates):
     def __init__(self, cycle: OneCycle) -> None:
         self.cycle = cycle
 
-    def max_lr(self, loop: Any) -> float:
+    def max_lr(self, loop: Loop) -> float:
         return _scaled(loop, self.cycle.max_lr, self.cycle.scale_lr_by_cores)[0]
 
-    def curve(self, loop: Any) -> tuple[list[float], list[float]]:
-        return self.cycle.curve(loop.total_steps, self.max_lr(loop))
+    def curve(self, loop: Loop) -> tuple[list[float], list[float]]:
+        return dataclasses.replace(self.cycle, max_lr=self.max_lr(loop)).curve(loop.total_steps)
 
-    def describe(self, loop: Any) -> str:
+    def describe(self, loop: Loop) -> str:
         """The summary line's part: the peak and whether it was scaled."""
         return _scaled(loop, self.cycle.max_lr, self.cycle.scale_lr_by_cores)[1]
 
@@ -279,11 +280,11 @@ class MultiplierSchedule(LearningRates):
         self.schedule = schedule
         self.name = f"schedule={schedule.shape!r}" if isinstance(schedule.shape, str) else f"schedule={schedule.name}"
 
-    def curve(self, loop: Any) -> tuple[list[float], None]:
+    def curve(self, loop: Loop) -> tuple[list[float], None]:
         peak = _scaled(loop, self.schedule.max_lr, self.schedule.scale_lr_by_cores)[0]
         return [peak * m for m in self.schedule.multipliers(loop.total_steps)], None
 
-    def describe(self, loop: Any) -> str:
+    def describe(self, loop: Loop) -> str:
         """The summary line's part: the shape, its warm-up in steps, the peak."""
         shape = self.name.removeprefix("schedule=")
         if isinstance(self.schedule.shape, str) and self.schedule.warmup:
@@ -308,7 +309,7 @@ class OwnLearningRates(Callback):
         self.schedule = schedule
         self.lrs: list[float] = []
 
-    def on_fit_start(self, loop: Any) -> None:
+    def on_fit_start(self, loop: TrainerLoop) -> None:
         peak = _scaled(loop, self.schedule.max_lr, self.schedule.scale_lr_by_cores)[0]
         for group, ratio in zip(loop.optimizer.param_groups, loop.lr_ratios):
             if isinstance(group["lr"], torch.Tensor):
@@ -317,16 +318,16 @@ class OwnLearningRates(Callback):
                 group["lr"] = peak * ratio
         loop.lr = peak
 
-    def on_step_end(self, loop: Any) -> None:
+    def on_step_end(self, loop: TrainerLoop) -> None:
         lr, ratio = loop.optimizer.param_groups[0]["lr"], loop.lr_ratios[0]
         on_host = not isinstance(lr, torch.Tensor) or lr.device.type == "cpu"
         loop.lr = float(lr) / ratio if on_host else math.nan
         self.lrs.append(loop.lr)
 
-    def on_fit_end(self, loop: Any) -> None:
+    def on_fit_end(self, loop: Loop) -> None:
         loop.history.step_lrs = list(self.lrs) if all(math.isfinite(x) for x in self.lrs) else []
 
-    def describe(self, loop: Any) -> str:
+    def describe(self, loop: Loop) -> str:
         """The summary line's part."""
         peak = _scaled(loop, self.schedule.max_lr, self.schedule.scale_lr_by_cores)[1]
         return f"schedule None (the lr is yours: your callbacks or scheduler), starting at {peak}"
@@ -344,7 +345,7 @@ class StopOnNaN(Callback):
 
     order = -30
 
-    def on_epoch_end(self, loop: Any, record: Any) -> None:
+    def on_epoch_end(self, loop: TrainerLoop, record: Any) -> None:
         if loop.first_bad_step is None and math.isfinite(record.train_loss):
             return
         where = f"step {loop.first_bad_step}" if loop.first_bad_step is not None else "a step"
@@ -380,7 +381,7 @@ class BestEpoch(Callback):
         self.best_state: dict[str, torch.Tensor] | None = None
         self.state_epoch = 0
 
-    def on_epoch_end(self, loop: Any, record: Any) -> None:
+    def on_epoch_end(self, loop: Loop, record: Any) -> None:
         self.improved = self.watch.update(self.rule, record.epoch, figures(record))
         loop.history.best_epoch = self.watch.best_epoch or None
         reason = self.watch.early_stop(self.rule)
@@ -396,11 +397,11 @@ class RestoreBest(Callback):
     def __init__(self, best: BestEpoch) -> None:
         self.best = best
 
-    def on_epoch_end(self, loop: Any, record: Any) -> None:
+    def on_epoch_end(self, loop: Loop, record: Any) -> None:
         if self.best.improved and self.best.state_epoch != record.epoch:  # no checkpoint's copy to share
             self.best.best_state, self.best.state_epoch = to_cpu(loop.model.state_dict()), record.epoch
 
-    def on_fit_end(self, loop: Any) -> None:
+    def on_fit_end(self, loop: Loop) -> None:
         history, watch = loop.history, self.best.watch
         if not watch.best_epoch:
             never = f"no epoch had a finite {self.best.rule.monitor}"
@@ -419,7 +420,7 @@ class TimeLimit(Callback):
     def __init__(self, seconds: float) -> None:
         self.seconds, self.previous = seconds, 0.0
 
-    def on_epoch_end(self, loop: Any, record: Any) -> None:
+    def on_epoch_end(self, loop: TrainerLoop, record: Any) -> None:
         if loop.stop_request or record.epoch >= loop.epochs:
             return
         reason = out_of_time(self.seconds, loop.elapsed, record.epoch - loop.start_epoch, loop.elapsed - self.previous)
@@ -442,13 +443,13 @@ class ProgressLine(Callback):
         self.best, self.paces = best, []  # paces: each epoch's seconds, compile left out
         self.said_why = False
 
-    def on_fit_start(self, loop: Any) -> None:
+    def on_fit_start(self, loop: Loop) -> None:
         if loop.master:
             print(loop.history.summary)
             if loop.start_epoch:
                 print(f"resumed from {loop.last_path} after epoch {loop.start_epoch}")
 
-    def on_epoch_end(self, loop: Any, record: Any) -> None:
+    def on_epoch_end(self, loop: TrainerLoop, record: Any) -> None:
         self.paces.append(max(record.seconds - loop.compile_seconds, 1e-9))
         if not loop.master:
             return
@@ -464,7 +465,7 @@ class ProgressLine(Callback):
             print(f"stopped: {loop.stop_request}")
             self.said_why = True
 
-    def on_fit_end(self, loop: Any) -> None:
+    def on_fit_end(self, loop: Loop) -> None:
         reason = loop.history.stop_reason
         if loop.master and not self.said_why and not reason.startswith("completed"):  # a StopFit: no epoch end said it
             print(f"stopped: {reason}")
@@ -496,7 +497,7 @@ class Checkpoints(Callback):
         self.fingerprint = dict(identity["fingerprint"])
         self.run_id = secrets.token_hex(8)  # this run's files carry it; a resume takes last.pt's
 
-    def on_fit_start(self, loop: Any) -> None:
+    def on_fit_start(self, loop: TrainerLoop) -> None:
         self.fingerprint["parameters"] = _parameter_digest(loop.model)
         if not (self.resume and exists(self.paths["last"])):
             return
@@ -506,7 +507,7 @@ class Checkpoints(Callback):
         if loop.master:  # a kill between last.pt and history.csv left it an epoch behind
             loop.history.to_csv(join(self.folder, HISTORY_NAME))
 
-    def on_epoch_end(self, loop: Any, record: Any) -> None:
+    def on_epoch_end(self, loop: TrainerLoop, record: Any) -> None:
         if not loop.master:
             return
         state = self._state(loop, record.epoch)
@@ -523,7 +524,7 @@ class Checkpoints(Callback):
             message = error.strerror.replace("then run again", then)
             raise WriteError(error.errno, message if then in message else f"{message}; {then}") from error
 
-    def _state(self, loop: Any, epoch: int) -> dict[str, Any]:
+    def _state(self, loop: TrainerLoop, epoch: int) -> dict[str, Any]:
         rule = self.best.rule
         state = {
             "format": 1, "epoch": epoch, "step": loop.step, "total_steps": loop.total_steps,
@@ -538,7 +539,7 @@ class Checkpoints(Callback):
         }  # fmt: skip
         return to_cpu(state)
 
-    def _restore(self, loop: Any, state: dict[str, Any]) -> None:
+    def _restore(self, loop: TrainerLoop, state: dict[str, Any]) -> None:
         path = self.paths["last"]
         self._check_fingerprint(loop, state)
         watched = state.get("monitor", {})
@@ -563,7 +564,7 @@ class Checkpoints(Callback):
         loop.history.best_epoch = self.best.watch.best_epoch or None
         self.run_id = state.get("run", self.run_id)
 
-    def _check_fingerprint(self, loop: Any, state: dict[str, Any]) -> None:
+    def _check_fingerprint(self, loop: Loop, state: dict[str, Any]) -> None:
         """Refuses a checkpoint written by a different run, naming every difference."""
         saved = state.get("config", {}).get("fingerprint", {})
         mine = self.fingerprint if saved else {}  # a checkpoint from before fingerprints: steps only
@@ -603,7 +604,7 @@ class Checkpoints(Callback):
             return f"holds epoch {int(state['epoch'])}, not epoch {epoch}", None
         return None, state
 
-    def _check_best(self, loop: Any, last_state: dict[str, Any]) -> None:
+    def _check_best(self, loop: Loop, last_state: dict[str, Any]) -> None:
         """On resume, best.pt must be this run's copy of the best epoch that last.pt records.
 
         If last.pt holds the best epoch itself (a kill between the two writes), best.pt

@@ -18,7 +18,7 @@ from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 from .. import backend
 from ..files import check_file_path
 from ..huggingface import give_back_checkpoint_functions, use_checkpoint_function
-from .events import Callback
+from .events import Callback, Loop, TrainerLoop
 
 
 class EMA(Callback):
@@ -99,7 +99,7 @@ class EMA(Callback):
     def __repr__(self) -> str:
         return f"EMA(decay={self.decay}, restore={self.restore}" + (f", every={self.every})" if self.every > 1 else ")")
 
-    def on_fit_start(self, loop: Any) -> None:
+    def on_fit_start(self, loop: Loop) -> None:
         self.model, self.since = loop.model, 0
         self.lazy = any(backend.is_lazy(p.device) for p in self.model.parameters())
         self._averaged = AveragedModel(self.model, multi_avg_fn=get_ema_multi_avg_fn(self.decay), use_buffers=True)
@@ -109,7 +109,7 @@ class EMA(Callback):
         self.training_weights = None
         self.pairs = self.pending = self.lerp_weights = None
 
-    def on_step_end(self, loop: Any) -> None:
+    def on_step_end(self, loop: Loop) -> None:
         self.since += 1
         if self.since < self.every:  # between updates nothing is traced (nor a no_grad entered)
             return
@@ -156,15 +156,15 @@ class EMA(Callback):
             (floats if mine.is_floating_point() else other).append((mine, theirs))
         return tuple(list(side) for group in (floats, other) for side in (zip(*group) if group else ((), ())))
 
-    def on_train_epoch_end(self, loop: Any) -> None:
+    def on_train_epoch_end(self, loop: Loop) -> None:
         self._average_in()
 
-    def on_train_epoch_start(self, loop: Any, epoch: int) -> None:
+    def on_train_epoch_start(self, loop: Loop, epoch: int) -> None:
         self._training_in()
         self._write_back()
         self.pairs = None  # a resume or a restore between epochs may have given the model new tensors
 
-    def on_fit_end(self, loop: Any) -> None:
+    def on_fit_end(self, loop: Loop) -> None:
         if self.restore:
             self._average_in()
         else:
@@ -235,7 +235,7 @@ class GradientCheckpointing(Callback):
         every = f"every_n_layers={self.every_n_layers}" if self.every_n_layers > 1 else ""
         return f"GradientCheckpointing({every})"
 
-    def on_fit_start(self, loop: Any) -> None:
+    def on_fit_start(self, loop: TrainerLoop) -> None:
         model = loop.model
         enable = getattr(model, "activation_checkpointing_enable", None)
         kwargs = {"every_n_layers": self.every_n_layers} if self.every_n_layers > 1 else {}
@@ -254,7 +254,7 @@ class GradientCheckpointing(Callback):
         if loop.runner.lazy:
             self._found = use_checkpoint_function(model, backend.checkpoint_function())
 
-    def on_fit_end(self, loop: Any) -> None:
+    def on_fit_end(self, loop: Loop) -> None:
         if self._switched_on:
             disable = getattr(loop.model, "activation_checkpointing_disable", None)
             (disable or loop.model.gradient_checkpointing_disable)()
@@ -288,7 +288,7 @@ class CSVLogger(Callback):
     def __repr__(self) -> str:
         return f"CSVLogger({self.path!r})"
 
-    def on_epoch_end(self, loop: Any, record: Any) -> None:
+    def on_epoch_end(self, loop: Loop, record: Any) -> None:
         if loop.master:
             loop.history.to_csv(self.path)
 
@@ -325,19 +325,19 @@ class TensorBoardLogger(Callback):
     def __getstate__(self) -> dict[str, Any]:  # a spawned launch pickles it before any writer exists
         return {**self.__dict__, "writer": None}
 
-    def on_fit_start(self, loop: Any) -> None:
+    def on_fit_start(self, loop: Loop) -> None:
         if loop.master:
             from torch.utils.tensorboard import SummaryWriter
 
             self.writer = SummaryWriter(self.log_dir)
 
-    def on_epoch_end(self, loop: Any, record: Any) -> None:
+    def on_epoch_end(self, loop: Loop, record: Any) -> None:
         if self.writer is not None:
             for name, value in _figures(record).items():
                 self.writer.add_scalar(name, value, record.epoch)
             self.writer.flush()
 
-    def on_fit_end(self, loop: Any) -> None:
+    def on_fit_end(self, loop: Loop) -> None:
         if self.writer is not None:
             self.writer.close()
             self.writer = None

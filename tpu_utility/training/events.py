@@ -34,20 +34,94 @@ whole, it acts as ``loop.stop(reason)``: the other callbacks see the epoch and i
 A callback with ``state_dict()`` and ``load_state_dict(state)`` has its state saved
 in ``last.pt`` and restored by ``resume=True``.
 
-What a hook may use of ``loop``: ``model``, ``optimizer``, ``device``, ``master``
-(True in the one process that writes files), ``epochs``, ``history`` and ``stop(reason)``;
-and, as the built-in callbacks do: ``step`` (optimizer steps done), ``total_steps``,
-``start_epoch`` (after a resume), ``lr`` (the latest step's), ``loss`` (the latest
-batch's, a device tensor), ``elapsed`` (seconds since the start, the same on every
+What a hook may use of ``loop`` is the ``Loop`` protocol below: ``model``, ``optimizer``,
+``device``, ``master`` (True in the one process that writes files), ``epochs``, ``history``
+and ``stop(reason)``; and, as the built-in callbacks do: ``step`` (optimizer steps done),
+``total_steps``, ``start_epoch`` (after a resume), ``lr`` (the latest step's), ``loss`` (the
+latest batch's, a device tensor), ``elapsed`` (seconds since the start, the same on every
 replica), ``cores`` and ``last_path`` (``last.pt``, or None).
 """
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Protocol, Sequence
+
+if TYPE_CHECKING:
+    import torch
+
+    from .history import EpochRecord, History
 
 EVENTS = ("on_fit_start", "on_train_epoch_start", "on_before_step", "on_step_end", "on_train_epoch_end",
           "on_epoch_end", "on_fit_end")  # fmt: skip
+
+
+class Loop(Protocol):
+    """What a callback's hooks are handed as ``loop``: the run's objects and figures, the same on every replica.
+
+    A type for your hooks' signatures (nothing to subclass): the loop that ``one_cycle_fit``,
+    ``find_lr`` and the built-in callbacks run has these, and a hook may use only these.
+    ``lr`` and ``model``'s weights are the hooks' to change (a learning rate written under
+    a schedule is reported); the rest is read only.
+
+    Attributes:
+        model: The model being trained, on its device (the replica's module, not a DDP wrapper).
+        optimizer: The optimizer ``one_cycle_fit`` built (``optimizer.param_groups`` for the lr).
+        device: The device the model and batches are on.
+        master: True in the one process that writes files (logs, checkpoints).
+        cores: The number of cores (replicas, or SPMD devices) training together.
+        epochs: The epochs asked for.
+        start_epoch: The first epoch this run trains (after a resume, the one it resumed at).
+        step: Optimizer steps done so far, over the whole run.
+        total_steps: Optimizer steps of the whole run on each core (the schedule's length).
+        lr: The learning rate of the latest step (the schedule writes it before each).
+        loss: The latest batch's loss, a device tensor (compute with it; a read waits for
+            the device), or None before the first step.
+        elapsed: Seconds since the run started, the same figure on every replica.
+        history: The ``History`` so far: ``records`` (one ``EpochRecord`` an epoch), ``best_epoch``.
+        last_path: Where ``last.pt`` is written, or None without ``checkpoint_dir``.
+
+    Example:
+        >>> # was: `if step % 100 == 0: print(optimizer.param_groups[0]["lr"])` in a hand loop
+        >>> class Every100(Callback):
+        ...     def on_step_end(self, loop: Loop) -> None:
+        ...         if loop.master and loop.step % 100 == 0:
+        ...             print(f"step {loop.step}/{loop.total_steps}: lr {loop.lr:.2e}")
+    """
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    device: torch.device
+    master: bool
+    cores: int
+    epochs: int
+    start_epoch: int
+    step: int
+    total_steps: int
+    lr: float
+    loss: torch.Tensor | None
+    elapsed: float
+    history: History
+    last_path: str | None
+
+    def stop(self, reason: str) -> None:
+        """Ends the run after this epoch (it is recorded and saved first), ``reason`` as the stop reason."""
+
+
+class TrainerLoop(Loop, Protocol):
+    """The loop as the built-in callbacks (``builtins.py``, ``agreement.py``) see it: ``Loop`` and the trainer's
+    own parts they drive. Not for a user's callback: these change with the trainer. (Their hooks take it where
+    ``Callback``'s take ``Loop``: narrower, on purpose, as only the trainer runs them.)"""
+
+    runner: Any  # training.runner.Runner (a layer above)
+    plan: Any  # training.trainer.FitPlan
+    events: Events
+    valid_loader: Any
+    batches: int  # training batches per epoch on each core
+    saved_epoch: int  # the epoch last.pt holds
+    lr_ratios: list[float]  # each param group's share of max_lr
+    first_bad_step: int | None  # the epoch's first step with a non-finite loss
+    stop_request: str | None  # loop.stop's reason, once asked
+    compile_seconds: float  # the epoch's, all-reduced
 
 
 class StopFit(Exception):
@@ -81,25 +155,25 @@ class Callback:
 
     order = 0
 
-    def on_fit_start(self, loop: Any) -> None:
+    def on_fit_start(self, loop: Loop) -> None:
         """The model is on its device and the optimizer built."""
 
-    def on_train_epoch_start(self, loop: Any, epoch: int) -> None:
+    def on_train_epoch_start(self, loop: Loop, epoch: int) -> None:
         """Before the epoch's first batch (``epoch`` from 0)."""
 
-    def on_before_step(self, loop: Any) -> None:
+    def on_before_step(self, loop: Loop) -> None:
         """Before an optimizer step, the gradients ready: device tensors only, never read them."""
 
-    def on_step_end(self, loop: Any) -> None:
+    def on_step_end(self, loop: Loop) -> None:
         """After an optimizer step: device tensors only, never read them."""
 
-    def on_train_epoch_end(self, loop: Any) -> None:
+    def on_train_epoch_end(self, loop: Loop) -> None:
         """After the epoch's training, before evaluation and the checkpoint."""
 
-    def on_epoch_end(self, loop: Any, record: Any) -> None:
+    def on_epoch_end(self, loop: Loop, record: EpochRecord) -> None:
         """The epoch's figures, read and all-reduced; ``loop.stop(reason)`` ends the run."""
 
-    def on_fit_end(self, loop: Any) -> None:
+    def on_fit_end(self, loop: Loop) -> None:
         """After the last epoch."""
 
 
@@ -132,7 +206,7 @@ class Events:
         # each event's hooks, looked up once: two events fire every step, and Callback's own do nothing
         self.hooks = {event: [(c, getattr(c, event)) for c in self.callbacks if does(c, event)] for event in EVENTS}
 
-    def fire(self, event: str, loop: Any, *args: Any) -> None:
+    def fire(self, event: str, loop: Loop, *args: Any) -> None:
         if event != "on_epoch_end":
             for _, hook in self.hooks[event]:
                 hook(loop, *args)

@@ -203,11 +203,11 @@ def one_cycle_fit(
     max_grad_norm: float | None = None,
     schedule: ScheduleName | Callable[[int, int], float] | None = "one_cycle",
     warmup: float | int = 0,
-    pct_start: float = 0.25,
-    div_factor: float = 25.0,
-    final_div_factor: float = 1e4,
-    base_momentum: float = 0.85,
-    max_momentum: float = 0.95,
+    pct_start: float = OneCycle.pct_start,  # the one-cycle defaults are written once, in OneCycle
+    div_factor: float = OneCycle.div_factor,
+    final_div_factor: float = OneCycle.final_div_factor,
+    base_momentum: float = OneCycle.base_momentum,
+    max_momentum: float = OneCycle.max_momentum,
     scale_lr_by_cores: bool = False,
     weight_decay: float | None = None,
     checkpoint_dir: str | None = None,
@@ -423,8 +423,7 @@ def resolve_schedule(schedule: Any, warmup: Any, cycle: OneCycle) -> OneCycle | 
         if warmup:  # 0 and 0.0: the default
             raise ValueError(f"warmup={warmup!r} shapes schedule='linear', 'cosine' or 'constant'; "
                              f"schedule='one_cycle' warms up over pct_start of the steps (now {cycle.pct_start!r})")  # fmt: skip
-        cycle.check()
-        return cycle
+        return cycle  # checked when made
     if isinstance(schedule, str) and schedule not in get_args(ScheduleName):
         raise ValueError(f"schedule must be {allowed}, but given {schedule!r}")
     if not (schedule is None or isinstance(schedule, str) or callable(schedule)):

@@ -20,7 +20,7 @@ from .. import backend
 from ..data.loaders import unpack_loader
 from ..files import check_file_path
 from .builtins import LearningRates
-from .events import StopFit
+from .events import Loop, StopFit, TrainerLoop
 from .fit import check_number, check_seed, resolve_optimizer
 from .history import closed_figure
 from .metrics import CrossEntropy, check_loss_fn
@@ -202,17 +202,17 @@ class _Sweep(LearningRates):
 
     name = "find_lr's sweep"
 
-    def curve(self, loop: Any) -> tuple[list[float], None]:
+    def curve(self, loop: Loop) -> tuple[list[float], None]:
         a = self.args
         ratio = (a.end_lr / a.start_lr) ** (1 / (a.num_steps - 1))
         return [a.start_lr * ratio**k for k in range(a.num_steps)], None  # momentum: the optimizer's own
 
-    def on_fit_start(self, loop: Any) -> None:
+    def on_fit_start(self, loop: Loop) -> None:
         super().on_fit_start(loop)
         self.result, self.pending = LRFinderResult(), []
         self.smoother = _Smoother(self.args.smooth, self.args.diverge_factor)
 
-    def on_step_end(self, loop: Any) -> None:
+    def on_step_end(self, loop: TrainerLoop) -> None:
         super().on_step_end(loop)
         self.pending.append((loop.lr, loop.loss))
         done = loop.step >= self.args.num_steps

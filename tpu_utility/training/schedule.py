@@ -18,7 +18,7 @@ from __future__ import annotations
 import functools
 import math
 import struct
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from numbers import Integral, Real
 from typing import Callable, Literal, Union
 
@@ -71,29 +71,66 @@ def _in_range(name: str, value: object, low: float, high: float, allowed: str) -
     return number
 
 
-def check_one_cycle(total_steps: int, max_lr: float, pct_start: float, div_factor: float, final_div_factor: float,
-           momenta: tuple[float, float]) -> None:  # fmt: skip
-    """Raises a ValueError/TypeError naming any one-cycle argument outside its range.
-
-    ``one_cycle``, ``one_cycle_curve`` and ``one_cycle_fit`` (before any epoch) check with it.
-    """
+def _check_total_steps(total_steps: object) -> None:
     if isinstance(total_steps, bool) or not isinstance(total_steps, int):
         raise TypeError(f"total_steps must be an int, but given {total_steps!r} of type {type(total_steps).__name__}")
     if not 1 <= total_steps <= _MAX_STEPS:
         raise ValueError(f"total_steps must be between 1 and {_MAX_STEPS}, but given {total_steps}")
-    _in_range("max_lr", max_lr, 0.0, math.inf, "finite and > 0")
-    _in_range("pct_start", pct_start, 0.0, 1.0, "between 0 and 1 (exclusive)")
-    _in_range("div_factor", div_factor, 0.0, math.inf, "finite and > 0")
-    _in_range("final_div_factor", final_div_factor, 0.0, math.inf, "finite and > 0")
-    for name, value in zip(("base_momentum", "max_momentum"), momenta):
-        if not 0.0 <= _number(name, value) < 1.0:
-            raise ValueError(f"{name} must be in [0, 1), but given {value!r}")
-    lowest = float(max_lr) / float(div_factor) / float(final_div_factor)
-    if not (math.isfinite(float(max_lr) / float(div_factor)) and lowest > 0.0):
-        raise ValueError(
-            f"max_lr / div_factor / final_div_factor must be a finite learning rate > 0, but given "
-            f"{max_lr!r} / {div_factor!r} / {final_div_factor!r}"
-        )
+
+
+@dataclass(frozen=True)
+class OneCycle:
+    """The one-cycle policy's settings as one value, checked once when made: the arguments of
+    ``torch.optim.lr_scheduler.OneCycleLR``, and whether ``max_lr`` is multiplied by the cores.
+
+    ``one_cycle_fit`` makes it from its arguments and hands it to its schedule callback;
+    ``one_cycle`` and ``one_cycle_curve`` make one from theirs. Its defaults are the only
+    ones written: those functions' signatures read them (``OneCycle.pct_start`` is 0.25).
+
+    Raises:
+        ValueError: a setting outside its range (``max_lr``, ``div_factor`` and
+            ``final_div_factor`` finite and > 0, ``pct_start`` in (0, 1), momenta in [0, 1)).
+        TypeError: a setting that is not a number.
+
+    Example:
+        >>> # was: OneCycleLR(opt, max_lr=3e-3, total_steps=100, pct_start=0.3)
+        >>> lrs, momenta = OneCycle(3e-3, pct_start=0.3).curve(100)
+        >>> round(max(lrs), 6), momenta[0]
+        (0.003, 0.95)
+    """
+
+    max_lr: float
+    pct_start: float = 0.25
+    div_factor: float = 25.0
+    final_div_factor: float = 1e4
+    base_momentum: float = 0.85
+    max_momentum: float = 0.95
+    scale_lr_by_cores: bool = False
+
+    def __post_init__(self) -> None:
+        _in_range("max_lr", self.max_lr, 0.0, math.inf, "finite and > 0")
+        _in_range("pct_start", self.pct_start, 0.0, 1.0, "between 0 and 1 (exclusive)")
+        _in_range("div_factor", self.div_factor, 0.0, math.inf, "finite and > 0")
+        _in_range("final_div_factor", self.final_div_factor, 0.0, math.inf, "finite and > 0")
+        for name in ("base_momentum", "max_momentum"):
+            if not 0.0 <= _number(name, getattr(self, name)) < 1.0:
+                raise ValueError(f"{name} must be in [0, 1), but given {getattr(self, name)!r}")
+        lowest = float(self.max_lr) / float(self.div_factor) / float(self.final_div_factor)
+        if not (math.isfinite(float(self.max_lr) / float(self.div_factor)) and lowest > 0.0):
+            raise ValueError(
+                f"max_lr / div_factor / final_div_factor must be a finite learning rate > 0, but given "
+                f"{self.max_lr!r} / {self.div_factor!r} / {self.final_div_factor!r}"
+            )
+
+    def curve(self, total_steps: int) -> tuple[list[float], list[float]]:
+        """Learning rates and momenta of every step of a ``total_steps`` run.
+
+        Raises:
+            ValueError: ``total_steps`` not in [1, 2**53]; TypeError: not an int.
+        """
+        _check_total_steps(total_steps)
+        pairs = [_one_cycle(step, total_steps, self) for step in range(total_steps)]
+        return [lr for lr, _ in pairs], [m for _, m in pairs]
 
 
 def _cos(start: float, end: float, pct: float) -> float:
@@ -104,11 +141,11 @@ def one_cycle(
     step: int,
     total_steps: int,
     max_lr: float,
-    pct_start: float = 0.25,
-    div_factor: float = 25.0,
-    final_div_factor: float = 1e4,
-    base_momentum: float = 0.85,
-    max_momentum: float = 0.95,
+    pct_start: float = OneCycle.pct_start,
+    div_factor: float = OneCycle.div_factor,
+    final_div_factor: float = OneCycle.final_div_factor,
+    base_momentum: float = OneCycle.base_momentum,
+    max_momentum: float = OneCycle.max_momentum,
 ) -> tuple[float, float]:
     """Learning rate and momentum for optimizer step ``step`` (0-based) of ``total_steps``.
 
@@ -126,40 +163,17 @@ def one_cycle(
         >>> round(lr, 6), momentum
         (0.00012, 0.95)
     """
-    check_one_cycle(total_steps, max_lr, pct_start, div_factor, final_div_factor, (base_momentum, max_momentum))
+    _check_total_steps(total_steps)
+    cycle = OneCycle(max_lr, pct_start, div_factor, final_div_factor, base_momentum, max_momentum)
     if isinstance(step, bool) or not isinstance(step, int):
         raise TypeError(f"step must be an int, but given {step!r} of type {type(step).__name__}")
     if not 0 <= step < total_steps:
         raise ValueError(f"step must be between 0 and {total_steps - 1}, but given {step}")
-    cycle = OneCycle(max_lr, pct_start, div_factor, final_div_factor, base_momentum, max_momentum)
     return _one_cycle(step, total_steps, cycle)
 
 
-@dataclass
-class OneCycle:
-    """The schedule's arguments, as in ``torch.optim.lr_scheduler.OneCycleLR``."""
-
-    max_lr: float
-    pct_start: float = 0.25
-    div_factor: float = 25.0
-    final_div_factor: float = 1e4
-    base_momentum: float = 0.85
-    max_momentum: float = 0.95
-    scale_lr_by_cores: bool = False
-
-    def check(self) -> None:
-        """Raises a ValueError/TypeError naming any argument outside its range."""
-        momenta = (self.base_momentum, self.max_momentum)
-        check_one_cycle(1, self.max_lr, self.pct_start, self.div_factor, self.final_div_factor, momenta)
-
-    def curve(self, total_steps: int, max_lr: float) -> tuple[list[float], list[float]]:
-        """Learning rates and momenta of ``total_steps`` steps peaking at ``max_lr`` (``self.max_lr``, maybe scaled)."""
-        shape = {k: v for k, v in asdict(self).items() if k not in ("max_lr", "scale_lr_by_cores")}
-        return one_cycle_curve(total_steps, max_lr, **shape)
-
-
 def _one_cycle(step: int, total_steps: int, cycle: OneCycle) -> tuple[float, float]:
-    """``one_cycle`` without its checks, for a whole curve checked once."""
+    """``one_cycle`` of a checked cycle and step count."""
     initial_lr = cycle.max_lr / cycle.div_factor
     min_lr = initial_lr / cycle.final_div_factor
     peak = float(cycle.pct_start * total_steps) - 1
@@ -181,10 +195,8 @@ def one_cycle_curve(total_steps: int, max_lr: float, **kwargs: float) -> tuple[l
         (100, 0.003)
     """
     check_keywords(kwargs, parameter_names(one_cycle, ("step", "total_steps", "max_lr")), "one_cycle_curve")
-    one_cycle(0, total_steps, max_lr, **kwargs)  # checks the arguments once, even for total_steps=0
-    cycle = OneCycle(max_lr, **kwargs)
-    pairs = [_one_cycle(s, total_steps, cycle) for s in range(total_steps)]
-    return [lr for lr, _ in pairs], [m for _, m in pairs]
+    _check_total_steps(total_steps)  # first, as one_cycle does
+    return OneCycle(max_lr, **kwargs).curve(total_steps)
 
 
 def steps_per_epoch(num_samples: int, batch_size: int, replicas: int = 1) -> int:
