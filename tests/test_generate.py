@@ -22,9 +22,14 @@ from tpu_utility.training.generate import GenerationPlan, Sampling, kv_cache_byt
 BUILD = """
 import torch
 from transformers import GemmaConfig, GemmaForCausalLM, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
-from transformers import Qwen2Config, Qwen2ForCausalLM
+from transformers import Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, Qwen2Config, Qwen2ForCausalLM
 
-def tiny(family):
+# Gemma 2 and 3: a sliding window of 6 (shorter than the 40 + 10 positions), a layer of each kind, soft-capped
+# logits; larger, untied weights so that greedy rows vary and the window and the attention cap change them
+SLIDING = dict(head_dim=8, sliding_window=6, final_logit_softcapping=3.0, query_pre_attn_scalar=8,
+               tie_word_embeddings=False, initializer_range=0.2)
+
+def tiny(family, **changed):
     torch.manual_seed(0)
     common = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, max_position_embeddings=128, bos_token_id=None, eos_token_id=None,
@@ -35,6 +40,10 @@ def tiny(family):
         return GPT2LMHeadModel(config).eval()
     if family == "gemma":
         return GemmaForCausalLM(GemmaConfig(**common, head_dim=8)).eval()
+    if family == "gemma2":
+        return Gemma2ForCausalLM(Gemma2Config(**common, **{**SLIDING, "attn_logit_softcapping": 0.5, **changed})).eval()
+    if family == "gemma3":  # layer types: sliding, full
+        return Gemma3ForCausalLM(Gemma3TextConfig(**common, **{**SLIDING, **changed}, sliding_window_pattern=2)).eval()
     kind = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}[family]
     return kind[1](kind[0](**common)).eval()
 
@@ -52,7 +61,8 @@ def on_cpu(model, prompts, new, eos=None):
 exec(BUILD)  # noqa: S102 - the same definitions as the subprocesses'
 
 NEW = 10  # new tokens per prompt
-FAMILIES = ("llama", "gpt2", "gemma", "qwen2")
+FAMILIES = ("llama", "gpt2", "gemma", "qwen2", "gemma2", "gemma3")
+SLIDING_FAMILIES = ("gemma2", "gemma3")
 
 
 def _eos_between(rows):
@@ -84,6 +94,23 @@ def test_greedy_tokens_are_the_cpus_model_generate_with_and_without_eos(cases, f
     assert got == stopped
     # the graph without stop flags: the 64-prompt test compares it with the CPU's tokens
     assert next(model.parameters()).device.type == "cpu" and not model.training
+
+
+@pytest.mark.parametrize("family", SLIDING_FAMILIES)
+def test_a_sliding_window_shorter_than_the_cache_runs_static_without_eos_and_compiles_nothing_again(cases, family):
+    model, few, eos, plain, stopped = cases[family]
+    # the window (6 < 40 + 10) and Gemma 2's attention soft-cap change the CPU's greedy rows: equal rows mean they ran
+    assert on_cpu(tiny(family, sliding_window=128), few, NEW) != plain  # noqa: F821
+    if family == "gemma2":
+        assert on_cpu(tiny(family, attn_logit_softcapping=None), few, NEW) != plain  # noqa: F821
+    model = copy.deepcopy(model).to(backend.device())  # restoring it moves nothing: the counts are generate's own
+    backend.clear_counters()
+    again = generate(model, few, max_new_tokens=NEW, eos_token_id=eos, batch_size=4, buckets=[40], progress=False)
+    assert again == stopped and backend.counters().compiles <= 4  # 1 prefill + 1 decode graph, a few small ones
+    backend.clear_counters()
+    assert generate(model, few, max_new_tokens=NEW, eos_token_id=eos, batch_size=4, buckets=[40], progress=False) == stopped
+    assert backend.counters().compiles == 0  # the window is a mask over the one cache: no shape changes by length
+    assert generate(model, few, max_new_tokens=NEW, eos_token_id=[], batch_size=4, buckets=[40], progress=False) == plain
 
 
 def test_64_prompts_compile_buckets_plus_few_graphs_then_nothing_and_read_every_k_steps(cases):
