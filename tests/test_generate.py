@@ -197,6 +197,15 @@ def test_models_it_cannot_run_and_bad_arguments_are_named(cases):
     gpt2 = cases["gpt2"][0]
     with pytest.raises(ValueError, match="learned 128 \\(config.n_positions\\)"):
         generate(gpt2, few, max_new_tokens=100, buckets=[40], progress=False)
+    from transformers import Lfm2Config, Lfm2ForCausalLM  # a convolution layer: its state is no per-position cache
+
+    conv = Lfm2ForCausalLM(Lfm2Config(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, layer_types=["full_attention", "conv"]))
+    before = backend.compile_count()
+    with pytest.raises(ValueError, match="Lfm2ForCausalLM cannot run .* its layer 1 is 'conv', which keeps a convolution "
+                                         "state.*left padding would flow into it"):  # fmt: skip
+        generate(conv, few, max_new_tokens=2, progress=False)
+    assert backend.compile_count() == before and next(conv.parameters()).device.type == "cpu"
 
 
 def test_prompts_as_a_tokenizer_gives_them_and_the_models_own_eos():
@@ -219,6 +228,11 @@ for family in want:
     got = generate(model, few, max_new_tokens=10, eos_token_id=want[family]["eos"], cores="all", batch_size=2,
                    buckets=[40], progress=False)
     out[family] = got == want[family]["tokens"]
+    if family == "gemma2":  # a sliding window shorter than the cache: the second pass compiles nothing
+        backend.clear_counters()
+        again = generate(model, few, max_new_tokens=10, eos_token_id=want[family]["eos"], cores="all", batch_size=2,
+                         buckets=[40], progress=False)
+        out["sliding_again"] = [again == got, backend.counters().compiles]
 model = tiny("llama")
 out["sampled"] = generate(model, prompts(6, seed=1), max_new_tokens=10, cores="all", batch_size=2, do_sample=True,
                           temperature=0.9, top_p=0.9, seed=7, buckets=[40], progress=False)
@@ -252,6 +266,7 @@ def test_on_four_devices_greedy_is_the_cpus_and_sampling_is_one_cores(cases, sam
     got = _run_elsewhere(_wanted(cases), {"CPU_NUM_DEVICES": "4"})
     assert (got["devices"], got["spmd"]) == (4, True), got
     assert all(got[f] for f in FAMILIES), got
+    assert got["sliding_again"] == [True, 0], got
     assert got["sampled"] == sampled_on_one_core  # 8 rows a batch over 4 devices against 3 on one core
 
 
