@@ -129,7 +129,8 @@ class GenerationPlan:
 
 
 def kv_cache_bytes(config: Any, rows: int, length: int, dtype: torch.dtype) -> int:
-    """Bytes of a full-attention KV cache: keys and values of every layer, ``rows`` × ``length`` positions.
+    """Bytes of generate's KV cache: keys and values of every layer, ``rows`` × ``length`` positions
+    (a sliding-window layer's too: generate keeps the whole length in each layer).
 
     Example:
         >>> from types import SimpleNamespace as C
