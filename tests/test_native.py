@@ -2,7 +2,7 @@
 
 torch_xla's multi-process collectives crash on several XLA:CPU devices, so the replica
 logic that both backends share (sharded loaders, all-reduced figures, gathered
-predictions, master-only saves with a barrier, best/early-stop/time-limit decisions) is
+predictions and generated rows, master-only saves with a barrier, best/early-stop/time-limit decisions) is
 run here with 2 and 4 real processes. Each test is one launch in a fresh interpreter with
 torch_xla out of the way (no PJRT_DEVICE), so the native CPU backend is chosen; every
 replica writes what it saw to a file and the test compares them.
