@@ -22,9 +22,14 @@ from tpu_utility.training.generate import GenerationPlan, Sampling, kv_cache_byt
 BUILD = """
 import torch
 from transformers import GemmaConfig, GemmaForCausalLM, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
-from transformers import Qwen2Config, Qwen2ForCausalLM
+from transformers import Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, Qwen2Config, Qwen2ForCausalLM
 
-def tiny(family):
+# Gemma 2 and 3: a sliding window of 6 (shorter than the 40 + 10 positions), a layer of each kind, soft-capped
+# logits; larger, untied weights so that greedy rows vary and the window and the attention cap change them
+SLIDING = dict(head_dim=8, sliding_window=6, final_logit_softcapping=3.0, query_pre_attn_scalar=8,
+               tie_word_embeddings=False, initializer_range=0.2)
+
+def tiny(family, **changed):
     torch.manual_seed(0)
     common = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, max_position_embeddings=128, bos_token_id=None, eos_token_id=None,
@@ -35,6 +40,10 @@ def tiny(family):
         return GPT2LMHeadModel(config).eval()
     if family == "gemma":
         return GemmaForCausalLM(GemmaConfig(**common, head_dim=8)).eval()
+    if family == "gemma2":
+        return Gemma2ForCausalLM(Gemma2Config(**common, **{**SLIDING, "attn_logit_softcapping": 0.5, **changed})).eval()
+    if family == "gemma3":  # layer types: sliding, full
+        return Gemma3ForCausalLM(Gemma3TextConfig(**common, **{**SLIDING, **changed}, sliding_window_pattern=2)).eval()
     kind = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}[family]
     return kind[1](kind[0](**common)).eval()
 
@@ -52,7 +61,8 @@ def on_cpu(model, prompts, new, eos=None):
 exec(BUILD)  # noqa: S102 - the same definitions as the subprocesses'
 
 NEW = 10  # new tokens per prompt
-FAMILIES = ("llama", "gpt2", "gemma", "qwen2")
+FAMILIES = ("llama", "gpt2", "gemma", "qwen2", "gemma2", "gemma3")
+SLIDING_FAMILIES = ("gemma2", "gemma3")
 
 
 def _eos_between(rows):
@@ -84,6 +94,23 @@ def test_greedy_tokens_are_the_cpus_model_generate_with_and_without_eos(cases, f
     assert got == stopped
     # the graph without stop flags: the 64-prompt test compares it with the CPU's tokens
     assert next(model.parameters()).device.type == "cpu" and not model.training
+
+
+@pytest.mark.parametrize("family", SLIDING_FAMILIES)
+def test_a_sliding_window_shorter_than_the_cache_runs_static_without_eos_and_compiles_nothing_again(cases, family):
+    model, few, eos, plain, stopped = cases[family]
+    # the window (6 < 40 + 10) and Gemma 2's attention soft-cap change the CPU's greedy rows: equal rows mean they ran
+    assert on_cpu(tiny(family, sliding_window=128), few, NEW) != plain  # noqa: F821
+    if family == "gemma2":
+        assert on_cpu(tiny(family, attn_logit_softcapping=None), few, NEW) != plain  # noqa: F821
+    model = copy.deepcopy(model).to(backend.device())  # restoring it moves nothing: the counts are generate's own
+    backend.clear_counters()
+    again = generate(model, few, max_new_tokens=NEW, eos_token_id=eos, batch_size=4, buckets=[40], progress=False)
+    assert again == stopped and backend.counters().compiles <= 4  # 1 prefill + 1 decode graph, a few small ones
+    backend.clear_counters()
+    assert generate(model, few, max_new_tokens=NEW, eos_token_id=eos, batch_size=4, buckets=[40], progress=False) == stopped
+    assert backend.counters().compiles == 0  # the window is a mask over the one cache: no shape changes by length
+    assert generate(model, few, max_new_tokens=NEW, eos_token_id=[], batch_size=4, buckets=[40], progress=False) == plain
 
 
 def test_64_prompts_compile_buckets_plus_few_graphs_then_nothing_and_read_every_k_steps(cases):
@@ -170,6 +197,15 @@ def test_models_it_cannot_run_and_bad_arguments_are_named(cases):
     gpt2 = cases["gpt2"][0]
     with pytest.raises(ValueError, match="learned 128 \\(config.n_positions\\)"):
         generate(gpt2, few, max_new_tokens=100, buckets=[40], progress=False)
+    from transformers import Lfm2Config, Lfm2ForCausalLM  # a convolution layer: its state is no per-position cache
+
+    conv = Lfm2ForCausalLM(Lfm2Config(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, layer_types=["full_attention", "conv"]))
+    before = backend.compile_count()
+    with pytest.raises(ValueError, match="Lfm2ForCausalLM cannot run .* its layer 1 is 'conv', which keeps a convolution "
+                                         "state.*left padding would flow into it"):  # fmt: skip
+        generate(conv, few, max_new_tokens=2, progress=False)
+    assert backend.compile_count() == before and next(conv.parameters()).device.type == "cpu"
 
 
 def test_prompts_as_a_tokenizer_gives_them_and_the_models_own_eos():
@@ -192,6 +228,11 @@ for family in want:
     got = generate(model, few, max_new_tokens=10, eos_token_id=want[family]["eos"], cores="all", batch_size=2,
                    buckets=[40], progress=False)
     out[family] = got == want[family]["tokens"]
+    if family == "gemma2":  # a sliding window shorter than the cache: the second pass compiles nothing
+        backend.clear_counters()
+        again = generate(model, few, max_new_tokens=10, eos_token_id=want[family]["eos"], cores="all", batch_size=2,
+                         buckets=[40], progress=False)
+        out["sliding_again"] = [again == got, backend.counters().compiles]
 model = tiny("llama")
 out["sampled"] = generate(model, prompts(6, seed=1), max_new_tokens=10, cores="all", batch_size=2, do_sample=True,
                           temperature=0.9, top_p=0.9, seed=7, buckets=[40], progress=False)
@@ -225,6 +266,7 @@ def test_on_four_devices_greedy_is_the_cpus_and_sampling_is_one_cores(cases, sam
     got = _run_elsewhere(_wanted(cases), {"CPU_NUM_DEVICES": "4"})
     assert (got["devices"], got["spmd"]) == (4, True), got
     assert all(got[f] for f in FAMILIES), got
+    assert got["sliding_again"] == [True, 0], got
     assert got["sampled"] == sampled_on_one_core  # 8 rows a batch over 4 devices against 3 on one core
 
 

@@ -2,12 +2,13 @@
 
 torch_xla's multi-process collectives crash on several XLA:CPU devices, so the replica
 logic that both backends share (sharded loaders, all-reduced figures, gathered
-predictions, master-only saves with a barrier, best/early-stop/time-limit decisions) is
+predictions and generated rows, master-only saves with a barrier, best/early-stop/time-limit decisions) is
 run here with 2 and 4 real processes. Each test is one launch in a fresh interpreter with
 torch_xla out of the way (no PJRT_DEVICE), so the native CPU backend is chosen; every
 replica writes what it saw to a file and the test compares them.
 """
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -362,6 +363,38 @@ def _torchrun(script, nprocs):
     return r
 
 
+HAS_TRANSFORMERS = importlib.util.find_spec("transformers") is not None  # not in the TorchTPU lane
+
+
+def _generate_job() -> str:
+    """The torchrun job's generate part: the same prompts on both ranks are split over them (each rank's
+    decoded rows recorded) and every rank gets every row in dataset order; a rank's own prompts are
+    generated alone. Empty where transformers is not installed (generate runs transformers models only)."""
+    if not HAS_TRANSFORMERS:
+        return "generated = {}"
+    from test_generate import BUILD  # the tiny causal LMs and prompts of generate's own tests
+
+    return f"""
+from tpu_utility import generate
+from tpu_utility.training.generate import Decoder
+os.environ["TPU_UTILITY_BACKEND"] = "native"  # transformers' model imports import torch_xla, which sets PJRT_DEVICE
+{BUILD}
+decoded = []
+_run = Decoder.run
+Decoder.run = lambda self, batch, rows, *rest: decoded.append(list(rows)) or _run(self, batch, rows, *rest)
+same = {{}}
+for family in ("llama", "gemma2"):
+    model, few = tiny(family), prompts(9, seed=1)
+    eos = on_cpu(model, few[:1], 3)[0][-1]   # prompt 0's third token: it stops there, others later or never
+    got = generate(model, few, max_new_tokens=6, eos_token_id=eos, batch_size=2, buckets=[40], progress=False)
+    same[family] = [got == on_cpu(model, few, 6, eos), [len(r) for r in got]]
+split, decoded = decoded, []
+own = prompts(3, seed=10 + backend.rank())
+alone = generate(tiny("gemma2"), own, max_new_tokens=6, batch_size=2, buckets=[40], progress=False)
+generated = dict(generate=same, split=split, alone=[alone == on_cpu(tiny("gemma2"), own, 6), decoded])
+"""
+
+
 def test_one_cycle_fit_and_predict_inside_a_torchrun_job_run_as_its_replicas(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
@@ -379,11 +412,22 @@ from tpu_utility import backend, one_cycle_fit, predict
 history = one_cycle_fit(mlp(), blobs(), valid_data=blobs(300, seed=1), epochs=2, max_lr=3e-2, batch_size=16,
                         progress=False)
 preds = predict(Echo(), Index(), batch_size=64, progress=False)
+
+{_generate_job()}
 write({str(out)!r}, backend.rank(), world=backend.world_size(), summary=history.summary,
-      valid=[r.valid_loss for r in history.records], preds_in_order=preds.flatten().tolist() == list(range(1001)))
+      valid=[r.valid_loss for r in history.records], preds_in_order=preds.flatten().tolist() == list(range(1001)),
+      **generated)
 """)
     _torchrun(script, 2)
     ranks = _ranks(out, 2)
+    if HAS_TRANSFORMERS:
+        split = [sorted(i for rows in r.pop("split") for i in rows) for r in ranks]
+        alone = [r.pop("alone") for r in ranks]
+        lengths = ranks[0]["generate"]["llama"][1]
+        assert all(ok for ok, _ in ranks[0]["generate"].values()) and min(lengths) < 6 == max(lengths), ranks[0]
+        # each prompt of each family decoded on one rank only, both ranks at work
+        assert sorted(split[0] + split[1]) == sorted(list(range(9)) * 2) and split[0] and split[1], split
+        assert alone == [[True, [[0, 1], [2]]]] * 2, alone  # its own 3 prompts, all decoded on that rank
     assert ranks[0] == ranks[1]
     assert ranks[0]["world"] == 2 and ranks[0]["preds_in_order"]
     assert ranks[0]["summary"].startswith("one_cycle_fit: replica on 2 cpu core(s)")

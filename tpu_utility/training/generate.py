@@ -24,7 +24,9 @@ Example:
 
 from __future__ import annotations
 
+import hashlib
 import inspect
+import json
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -35,6 +37,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from .. import backend
+from . import agreement
 from ..data.buckets import _check_buckets, choose_buckets, group_batches
 from ..huggingface import is_transformers_model
 from ..progress import progress_bar
@@ -126,7 +129,8 @@ class GenerationPlan:
 
 
 def kv_cache_bytes(config: Any, rows: int, length: int, dtype: torch.dtype) -> int:
-    """Bytes of a full-attention KV cache: keys and values of every layer, ``rows`` × ``length`` positions.
+    """Bytes of generate's KV cache: keys and values of every layer, ``rows`` × ``length`` positions
+    (a sliding-window layer's too: generate keeps the whole length in each layer).
 
     Example:
         >>> from types import SimpleNamespace as C
@@ -184,25 +188,54 @@ def causal_lm(model: Any) -> nn.Module:
     if "cache" not in inspect.signature(inner.forward).parameters:
         raise ValueError(f"{name}.forward takes no 'cache' argument; generate needs transformers 5 (pip install "
                          f"'transformers>=5')")  # fmt: skip
+    cache_layer_kinds(inner)
     return inner
 
 
-def _static_cache(model: nn.Module, length: int) -> Any:
-    """A StaticCache of ``length`` positions; refused where a layer's cache is not one fixed buffer."""
-    from transformers import StaticCache
+# the layer kinds (transformers' ``config.layer_types``) a static cache cannot hold, and why
+_UNCACHEABLE = {
+    "chunked_attention": "attends within fixed chunks, a mask generate does not build over its one cache length",
+    "conv": "keeps a convolution state, not keys and values per position, so left padding would flow into it",
+    "linear_attention": "keeps a recurrent state, not keys and values per position, so left padding would flow into it",
+    "dummy": "reads another layer's keys and values (a shared KV cache), which generate's cache does not lay out",
+}
+
+
+def cache_layer_kinds(model: nn.Module) -> list[str]:
+    """Each layer's attention kind, checked to be full or sliding-window attention, which a cache of
+    fixed buffers holds; any other kind is refused by name, before anything compiles."""
+    from transformers.cache_utils import get_layer_types_and_kwargs
 
     try:
-        cache = StaticCache(config=model.config, max_cache_len=length)
+        kinds, _ = get_layer_types_and_kwargs(model.config.get_text_config(decoder=True))
     except Exception as error:  # noqa: BLE001 - transformers says why in its own words
         raise ValueError(f"{type(model).__name__} cannot run with a static KV cache: {error}") from error
-    for k, layer in enumerate(cache.layers):
-        if getattr(layer, "is_sliding", False) and layer.max_cache_len < length:
+    for k, kind in enumerate(kinds):
+        if kind not in ("full_attention", "sliding_attention"):
+            why = _UNCACHEABLE.get(kind, "is a layer kind generate does not know")
             raise ValueError(
-                f"{type(model).__name__}'s layer {k} attends over a sliding window of {layer.max_cache_len} tokens, "
-                f"shorter than the cache of {length} (longest bucket + max_new_tokens): once the window is full its "
-                f"mask would change shape at every token (a compile per token). Keep prompts + max_new_tokens within "
-                f"{layer.max_cache_len}"
+                f"{type(model).__name__} cannot run with generate's static KV cache: its layer {k} is {kind!r}, which "
+                f"{why}. generate runs models whose layers are 'full_attention' or 'sliding_attention' "
+                f"(config.layer_types); use model.generate() for this one"
             )
+    return kinds
+
+
+def _static_cache(model: nn.Module, length: int) -> Any:
+    """A KV cache of ``length`` positions in every layer, each one fixed buffer written in place.
+
+    A sliding-window layer gets the full length too, and its window comes from the model's own
+    sliding mask over that cache: two cache slots of a row lie as far apart as their positions,
+    left padding included, so the mask is right and keeps one shape however far generation goes.
+    (transformers' ``StaticSlidingWindowLayer`` instead rolls a window-long buffer once it is
+    full, which changes the mask's shape and counts on the host: a compile per token on XLA.)
+    """
+    from transformers import StaticCache
+    from transformers.cache_utils import StaticLayer
+
+    kinds = cache_layer_kinds(model)
+    cache = StaticCache(config=model.config, max_cache_len=length)
+    cache.layers = [StaticLayer(max_cache_len=length) for _ in kinds]
     return cache
 
 
@@ -379,7 +412,9 @@ def generate(
     prompt alone. Runs on one core, on all cores (SPMD: each batch and its cache split
     over the devices) and without torch_xla (CUDA or CPU). Before anything compiles,
     a KV cache that the device cannot hold is refused with the batch size that fits.
-    In a job of several processes each process generates every row.
+    In a job of several processes (``torchrun``, ``launch``) given the same prompts,
+    the batches are split over the processes and every process gets every row, in
+    dataset order; a process given prompts of its own generates them alone.
 
     Args:
         model: A transformers causal LM (Llama, Gemma, Qwen2, GPT-2, ...) or a peft model
@@ -431,10 +466,12 @@ def generate(
     if mode not in ("single", "spmd", "replica"):
         raise ValueError(f"generate runs on one device, or on all XLA devices as one program (SPMD); cores={cores!r} "
                          f"asks the {backend.current().name} backend for {n_cores} processes: use cores=1")  # fmt: skip
-    mode = "spmd" if mode == "spmd" else "single"  # a replica of a launched job generates every row itself
+    if mode == "replica" and not _same_prompts_everywhere(prompts):
+        mode = "single"  # each replica given prompts of its own generates them all, alone
     runner = Runner(inner, "fp32", mode)
     try:
-        plan = GenerationPlan.of(lengths, buckets, runner.topology.global_batch(batch_size), max_new_tokens)
+        rows = batch_size if mode == "replica" else runner.topology.global_batch(batch_size)
+        plan = GenerationPlan.of(lengths, buckets, rows, max_new_tokens)
         _check_positions(inner, plan)
         check_memory(inner, batch_size, plan.cache_length, runner.device)
         return _generate(runner, plan, prompts, Decoder(runner, plan, stops, sampling, read_every), (max_new_tokens, progress))
@@ -451,18 +488,49 @@ def _check_positions(model: nn.Module, plan: GenerationPlan) -> None:
                          f"or shorter prompts")  # fmt: skip
 
 
+def _same_prompts_everywhere(prompts: list[list[int]]) -> bool:
+    """Whether every replica of the job was given these prompts (a digest of all of them, one all-gather)."""
+    digest = hashlib.blake2b(json.dumps(prompts).encode(), digest_size=8).hexdigest()
+    return not agreement.differences(agreement.gather({"prompts": f"{len(prompts)}:{digest}"}, backend.device()))
+
+
+def replica_share(batches: list[list[int]], replicas: int, rank: int) -> list[list[int]]:
+    """The batches one replica of ``replicas`` generates: every ``replicas``-th, from its rank (the plan
+    groups batches by bucket, so each replica gets its share of every bucket).
+
+    Example:
+        >>> replica_share([[0, 1], [2, 3], [4, 5], [6]], replicas=2, rank=1)
+        [[2, 3], [6]]
+    """
+    return batches[rank::replicas]
+
+
 def _generate(runner: Runner, plan: GenerationPlan, prompts: list[list[int]], decoder: Decoder,
               settings: tuple[int, bool]) -> list[list[int]]:  # fmt: skip
     max_new_tokens, progress = settings
-    speak = progress and runner.topology.master and backend.is_master()
-    bar = progress_bar(len(plan.batches) * max_new_tokens, "generate", enabled=speak, unit="step")
+    topology = runner.topology
+    mine = replica_share(plan.batches, topology.replicas, topology.rank)
+    speak = progress and topology.master and backend.is_master()
+    bar = progress_bar(len(mine) * max_new_tokens, "generate", enabled=speak, unit="step")
     found: dict[int, list[int]] = {}
     runner.model.eval()
     start = time.perf_counter()
-    host = [plan.host_batch(prompts, batch) for batch in plan.batches]
+    host = [plan.host_batch(prompts, batch) for batch in mine]
     with torch.no_grad():
-        for batch, rows in zip(runner.batches(host), plan.batches):
+        for batch, rows in zip(runner.batches(host), mine):
             found.update(decoder.run(batch, rows, max_new_tokens, bar.update))
             bar.set_postfix(tokens_per_s=f"{sum(map(len, found.values())) / (time.perf_counter() - start):.0f}")
     bar.close()
+    if topology.replicas > 1:
+        found = _gathered(found, len(prompts), max_new_tokens, runner.device)
     return [found[i] for i in range(len(prompts))]
+
+
+def _gathered(found: dict[int, list[int]], n: int, max_new_tokens: int, device: torch.device) -> dict[int, list[int]]:
+    """Every replica's rows, on every replica: one ``(n, max_new_tokens)`` table, -1 where this replica has
+    no token, reduced by max over the replicas (each row is one replica's) and read in one transfer."""
+    table = torch.full((n, max_new_tokens), -1, dtype=torch.int32)
+    for i, tokens in found.items():
+        table[i, : len(tokens)] = torch.tensor(tokens, dtype=torch.int32)
+    (table,) = backend.to_cpu(backend.all_reduce([table.to(device)], "max"))
+    return {i: [t for t in row if t >= 0] for i, row in enumerate(table.tolist())}
