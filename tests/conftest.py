@@ -1,9 +1,15 @@
 """Tests run on torch_xla's CPU backend; PJRT_DEVICE is set before anything imports torch_xla."""
 
+import contextlib
+import json
 import os
+import select
+import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
+import time
 
 os.environ["PJRT_DEVICE"] = "CPU"
 os.environ.pop("CPU_NUM_DEVICES", None)
@@ -41,14 +47,18 @@ SUBPROCESS_TIMEOUT = 900
 
 def run_python(code: str, env: dict | None = None, timeout: int = SUBPROCESS_TIMEOUT,
                cwd: str | None = None) -> subprocess.CompletedProcess:  # fmt: skip
-    """Runs code in a fresh interpreter (fresh XLA runtime); the caller checks the returncode.
+    """Runs code in a new interpreter (a fresh XLA runtime); the caller checks the returncode.
 
-    A child still running after ``timeout`` seconds is killed and the test fails with its output so far.
+    The interpreter is forked from this worker's warm one (``zygote.py``: torch, torch_xla and transformers
+    already imported, no runtime started) where ``warm_enough`` allows, else started fresh. A child still
+    running after ``timeout`` seconds is killed and the test fails with its output so far.
     """
     full_env = {**os.environ, "PYTHONPATH": ROOT, **(env or {})}
     for key, value in list(full_env.items()):
         if value is None:
             del full_env[key]
+    if warm_enough(code, full_env):
+        return _zygote().run(code, full_env, timeout, cwd or ROOT)
     try:
         return subprocess.run(
             [sys.executable, "-c", textwrap.dedent(code)],
@@ -56,11 +66,86 @@ def run_python(code: str, env: dict | None = None, timeout: int = SUBPROCESS_TIM
         )  # fmt: skip
     except subprocess.TimeoutExpired as expired:
         said = [x.decode(errors="replace") if isinstance(x, bytes) else (x or "") for x in (expired.stdout, expired.stderr)]
+    _timed_out(timeout, *said)
+
+
+def _timed_out(timeout: int, stdout: str, stderr: str) -> None:
     pytest.fail(
         f"the test's subprocess was still running after {timeout} s and was killed (a hang, or a "
-        f"host loaded far beyond CI's usual). Its stdout so far:\n{said[0][-2000:]}\nstderr:\n{said[1][-2000:]}",
+        f"host loaded far beyond CI's usual). Its stdout so far:\n{stdout[-2000:]}\nstderr:\n{stderr[-2000:]}",
         pytrace=False,
     )
+
+
+# What a script may change and still start from the warm interpreter: anything but the variables that the
+# imports read (torch's, torch_xla's, XLA's and libtpu's, Python's own, transformers'), and the platform.
+COLD_PREFIXES = ("XLA", "PJRT", "PT_XLA", "TF_", "LIBTPU", "TORCH", "PYTHON", "HF_", "TRANSFORMERS", "CUDA",
+                 "NEURON", "OMP_", "MKL_", "LD_", "GRPC")  # fmt: skip
+COLD_CODE = ("in sys.modules", "_Blocked", "importlib.reload")  # a script that looks at what was imported
+
+
+def warm_enough(code: str, env: dict) -> bool:
+    """Whether a script runs the same when forked from the warm interpreter as when started fresh: it does
+    not look at what is imported, and its environment differs from this process's only where no import reads."""
+    if os.environ.get("TPU_UTILITY_TEST_FRESH") or any(marker in code for marker in COLD_CODE):
+        return False
+    changed = {k for k in set(env) | set(os.environ) if env.get(k) != os.environ.get(k)} - {"PYTHONPATH"}
+    cold = [k for k in changed if k.startswith(COLD_PREFIXES) or k.startswith("TPU_") and not k.startswith("TPU_UTILITY_")]
+    return not cold and env.get("PYTHONPATH") == ROOT
+
+
+class Zygote:
+    """This worker's warm interpreter (tests/zygote.py), started at its first use and kept for the session."""
+
+    def __init__(self) -> None:
+        self.process = subprocess.Popen(
+            [sys.executable, os.path.join(ROOT, "tests", "zygote.py")], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            env={**os.environ, "PYTHONPATH": ROOT}, cwd=ROOT,
+        )  # fmt: skip
+        assert self._line(None) == "ready", "the warm interpreter (tests/zygote.py) did not start"
+
+    def _line(self, deadline: float | None) -> str | None:
+        """The zygote's next line, or None at the deadline."""
+        wait = None if deadline is None else max(0.0, deadline - time.monotonic())
+        if not select.select([self.process.stdout], [], [], wait)[0]:
+            return None
+        return self.process.stdout.readline().decode().strip()
+
+    def run(self, code: str, env: dict, timeout: int, cwd: str) -> subprocess.CompletedProcess:
+        with tempfile.TemporaryDirectory() as folder:
+            out, err = os.path.join(folder, "stdout"), os.path.join(folder, "stderr")
+            request = {"code": textwrap.dedent(code), "env": env, "cwd": cwd, "stdout": out, "stderr": err}
+            self.process.stdin.write(json.dumps(request).encode() + b"\n")
+            self.process.stdin.flush()
+            pid = int(self._line(None).split()[1])
+            said = self._line(time.monotonic() + timeout)
+            if said is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(pid, signal.SIGKILL)
+                self._line(None)
+            read = [open(path, errors="replace").read() for path in (out, err)]
+        if said is None:
+            _timed_out(timeout, *read)
+        _, returncode, cpu = said.split()
+        CHILD_CPU_SECONDS[0] += float(cpu)
+        return subprocess.CompletedProcess(["python", "-c", code], int(returncode), *read)
+
+
+_ZYGOTE: list[Zygote] = []
+CHILD_CPU_SECONDS = [0.0]  # what this worker's warm-started children spent, for a profile of the suite
+
+
+def _zygote() -> Zygote:
+    if not _ZYGOTE or _ZYGOTE[0].process.poll() is not None:
+        _ZYGOTE[:] = [Zygote()]
+    return _ZYGOTE[0]
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """The warm interpreter ends with its worker: its stdin closed, it leaves its loop and is waited for."""
+    for zygote in _ZYGOTE:
+        zygote.process.stdin.close()
+        zygote.process.wait(timeout=60)
 
 
 # What the other stacks run (make test-kaggle, make test-colab): the tests whose result can differ there.
