@@ -16,8 +16,7 @@ import pytest
 
 from conftest import run_script
 from test_native import NATIVE, _ranks, _torchrun
-
-pytestmark = pytest.mark.multidevice
+from tpu_utility.training.runner import choose_strategy
 
 MODEL = """
 import json, os, sys
@@ -103,6 +102,18 @@ def plain_model(model):
 """
 
 
+def test_fsdp_is_launched_natively_joined_in_a_job_and_refused_on_one_core():
+    native = {"sharded_processes": True}
+    assert choose_strategy("fsdp", 2, in_launch=False, **native) == "multiprocess-fsdp"  # one_cycle_fit launches
+    assert choose_strategy("fsdp", 1, in_launch=True, **native) == "fsdp"  # a torchrun process shards with the job
+    assert choose_strategy("fsdp", 4, in_launch=False) == "fsdp"  # XLA: one process over the mesh
+    with pytest.raises(ValueError, match="this process is one replica of a multi-process launch"):
+        choose_strategy("fsdp", 4, in_launch=True)  # XLA's one-process SPMD cannot run inside a launch
+    with pytest.raises(ValueError, match=r"given cores=1; give cores=N with N >= 2"):
+        choose_strategy("fsdp", 1, in_launch=False, **native)
+
+
+@pytest.mark.multidevice
 def test_one_cycle_fit_launches_fsdp_processes_that_train_as_one_unsharded_process(tmp_path):
     r = run_script(tmp_path, "fsdp_launch.py", MODEL + f"""
 from tpu_utility import one_cycle_fit
@@ -144,6 +155,7 @@ if __name__ == "__main__":
     assert seen["2"]["resume"] == {"epochs": [1, 2], "bitwise": True}, seen["2"]["resume"]
 
 
+@pytest.mark.multidevice
 def test_inside_a_torchrun_job_fsdp_shards_and_trains_as_one_process(tmp_path):
     out = tmp_path / "out"
     out.mkdir()

@@ -77,8 +77,9 @@ def choose_strategy(strategy: str, cores: int, in_launch: bool, sharded_processe
                          "a multi-process launch; call it from the main process with cores='all'")  # fmt: skip
     if strategy == "fsdp":
         if cores < 2:
-            raise ValueError(f"strategy='fsdp' shards the model over several cores, but given cores={cores}; "
-                             f"use cores='all' or another count above 1, or strategy='auto' on one core")  # fmt: skip
+            raise ValueError(f"strategy='fsdp' shards the model over several cores, but given cores={cores}; give "
+                             f"cores=N with N >= 2 (cores='all' where several devices are attached), or strategy='auto' "
+                             f"on one core")  # fmt: skip
         return "multiprocess-fsdp" if sharded_processes else "fsdp"
     if in_launch:
         return "replica"
