@@ -307,7 +307,11 @@ class NativeBackend(Backend):
         Every replica that waited times out within about one timeout of the others; one that stopped
         answering (stopped, stuck in its own code, swapping) reports nothing.
         """
-        if not distributed_ready() or "timed out" not in str(error).lower():
+        if not distributed_ready():
+            return None
+        if any(words in str(error).lower() for words in _PEER_LEFT):
+            return _left_early(error, self.rank(), self.world_size())
+        if "timed out" not in str(error).lower():
             return None
         world, me = self.world_size(), self.rank()
         waited = min(COLLECTIVE_TIMEOUT_S, STALL_REPORT_WAIT_S)
@@ -553,6 +557,36 @@ def _ranks(ranks: list[int]) -> str:
     return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
 
 
+# gloo's words when the replica at the other end of a collective has left the job
+_PEER_LEFT = ("connection closed by peer", "connection reset by peer")
+# optimizer steps this launched replica took (torch's global step hook counts them), told to the others as it leaves
+_STEPS = [0]
+
+
+def _count_step(optimizer: Any, args: Any, kwargs: Any) -> None:
+    _STEPS[0] += 1
+
+
+def _left_early(error: BaseException, me: int, world: int) -> str | None:
+    """Why a collective's peer left: the replicas that finished their function (with their step counts), told
+    through the job's store as they left; None where none said so (a crash: its own error says why)."""
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        store.set_timeout(datetime.timedelta(seconds=5))
+        left = {r: int(store.get(f"tpu_utility/finished/{r}")) for r in range(world)
+                if r != me and store.check([f"tpu_utility/finished/{r}"])}  # fmt: skip
+    except Exception:  # noqa: BLE001 - the store went with the job: gloo's own error stands
+        return None
+    if not left:
+        return None
+    said = "; ".join(f"rank {r} finished after {steps} optimizer step(s)" for r, steps in sorted(left.items()))
+    return (f"the replicas took different step counts: {said} and left, while rank {me} had taken "
+            f"{_STEPS[0]} and went on, so its next collective (DDP's gradient all-reduce, step_optimizer's average) "
+            f"found no one at the other end (gloo: {error}). Every replica must take the same number of steps: "
+            f"give each the same number of batches (make_sampler(dataset) splits a dataset evenly over the "
+            f"replicas; drop_last=True keeps every batch count equal)")
+
+
 def _silent_ranks(me: int, world: int, wait_s: float) -> list[int]:
     """Ranks that have not reported a timeout through the job's store within ``wait_s`` of this one's report."""
     store = dist.distributed_c10d._get_default_store()
@@ -602,8 +636,14 @@ def _replica_main(index: int, job: tuple[str, str, int, str], fn: Callable[..., 
     )  # fmt: skip
     from .api import naming_stalls
 
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    counting = register_optimizer_step_post_hook(_count_step)
     try:
         with naming_stalls(f"replica {index}"):  # a hand loop's collectives too
             fn(index, *args)
+        # said before the group goes: a replica still training learns why its peer left (_left_early)
+        dist.distributed_c10d._get_default_store().set(f"tpu_utility/finished/{index}", str(_STEPS[0]))
     finally:
+        counting.remove()
         dist.destroy_process_group()
