@@ -116,7 +116,7 @@ def test_fsdp_is_launched_natively_joined_in_a_job_and_refused_on_one_core():
 @pytest.mark.multidevice
 def test_one_cycle_fit_launches_fsdp_processes_that_train_as_one_unsharded_process(tmp_path):
     r = run_script(tmp_path, "fsdp_launch.py", MODEL + f"""
-from tpu_utility import one_cycle_fit
+from tpu_utility import load_checkpoint, one_cycle_fit
 
 if __name__ == "__main__":
     out, seen = {str(tmp_path)!r}, {{}}
@@ -139,6 +139,11 @@ if __name__ == "__main__":
             straight = fsdp.model.state_dict()
             seen[n]["resume"] = {{"epochs": [len(stopped.records), len(resumed.records)],
                                  "bitwise": all(torch.equal(v, straight[k]) for k, v in resumed.model.state_dict().items())}}
+            # last.pt: the optimizer's state whole, in torch's own format, loads into a plain model's SGD too
+            plain = Net()
+            sgd = torch.optim.SGD(plain.parameters(), lr=0.1, momentum=0.9)
+            load_checkpoint(os.path.join(folder, "ckpt", "last.pt"), model=plain, optimizer=sgd)
+            seen[n]["last"] = all(sgd.state[p]["momentum_buffer"].shape == p.shape for p in plain.parameters())
     print("SEEN", json.dumps(seen))
 """, env=NATIVE)
     seen = json.loads(r.stdout.split("SEEN", 1)[1])
@@ -153,6 +158,7 @@ if __name__ == "__main__":
         assert sum(held) == run["held"][0]["total"] and max(held) <= 1.1 * sum(held) / int(n), held  # 1/N each
         assert run["best"] and run["plain"], run
     assert seen["2"]["resume"] == {"epochs": [1, 2], "bitwise": True}, seen["2"]["resume"]
+    assert seen["2"]["last"]
 
 
 @pytest.mark.multidevice
