@@ -503,13 +503,19 @@ def _checkpointed(block: torch.nn.Module) -> Callable[[], None]:
     """The block's forward recomputed in the backward (``torch.utils.checkpoint``); returns the undo."""
     from torch.utils.checkpoint import checkpoint
 
-    own = block.forward
+    own, had = block.forward, block.__dict__.get("forward")  # `had`: a forward set on the instance already
 
     def forward(*args: Any, **kwargs: Any) -> Any:
         return checkpoint(own, *args, use_reentrant=False, **kwargs) if torch.is_grad_enabled() else own(*args, **kwargs)
 
+    def undo() -> None:
+        if had is None:
+            block.__dict__.pop("forward", None)
+        else:
+            block.forward = had
+
     block.forward = forward
-    return lambda: block.__dict__.pop("forward", None)
+    return undo
 
 
 def _shard_loaded(module: torch.nn.Module, state_dict: dict, prefix: str, *args: Any) -> None:
@@ -536,11 +542,14 @@ def _unshard(model: torch.nn.Module, found: _Found) -> None:
     for module in found.classes:
         if isinstance(module, FSDPModule):
             module.reshard()  # the registered parameters are the sharded ones again
+    whole: dict[int, torch.nn.Parameter] = {}  # by the sharded parameter: tied weights stay one parameter
     with torch.no_grad():
         for module in found.classes:
             for name, param in list(module._parameters.items()):
                 if isinstance(param, DTensor):
-                    module._parameters[name] = torch.nn.Parameter(param.full_tensor(), param.requires_grad)
+                    if id(param) not in whole:
+                        whole[id(param)] = torch.nn.Parameter(param.full_tensor(), param.requires_grad)
+                    module._parameters[name] = whole[id(param)]
     for module, cls in found.classes.items():
         module.__class__ = cls
         for name, hooks in _hook_dicts(module):
