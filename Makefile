@@ -45,7 +45,7 @@ KAGGLE := .venv-kaggle
 COLAB := .venv-colab
 TORCHTPU := .venv-torchtpu
 # what the TorchTPU lane runs: the code that lane has (no torch_xla there)
-TORCHTPU_TESTS := tests/test_native.py tests/test_replicas.py tests/test_torchtpu.py
+TORCHTPU_TESTS := tests/test_native.py tests/test_replicas.py tests/test_torchtpu.py tests/test_fsdp_native.py
 KAGGLE_TESTS := -m torch_release tests
 COLAB_TESTS := -m python_release tests
 PYTEST_ARGS ?= -q

@@ -154,6 +154,35 @@ def _stall_in_a_collective(index, where):
     raise RuntimeError(f"Timed out in {where} at step {index}")
 
 
+def test_a_ddp_hand_loop_whose_replicas_take_different_step_counts_says_so(tmp_path):
+    # issue 40: rank 1 returns after 3 steps; rank 0's 4th backward met gloo's "Connection closed by peer", no word why
+    r = run_script(tmp_path, "steps.py", """
+import torch
+from torch import nn
+from tpu_utility import launch
+
+
+def work(rank):
+    torch.manual_seed(0)
+    model = nn.parallel.DistributedDataParallel(nn.Linear(4, 2))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(5 if rank == 0 else 3):
+        optimizer.zero_grad()
+        model(torch.randn(8, 4)).sum().backward()
+        optimizer.step()
+
+
+if __name__ == "__main__":
+    try:
+        launch(work, nprocs=2)
+    except RuntimeError as error:
+        print("RAISED", str(error).splitlines()[-1])
+""", env=NATIVE, timeout=300)
+    said = r.stdout.split("RAISED", 1)[1]
+    assert "the replicas took different step counts: rank 1 finished after 3 optimizer step(s) and left" in said, said
+    assert "while rank 0 had taken 3 and went on" in said and "Connection closed by peer" in said, said
+
+
 def test_inside_a_torchrun_job_a_replica_that_stops_answering_is_named_too(tmp_path):
     # torchrun's ranks share the agent's TCP store (our launcher: a file store); rank 1 hangs in its own code
     script = tmp_path / "stall.py"

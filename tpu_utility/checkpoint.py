@@ -268,6 +268,7 @@ def load_state_into(state: dict[str, Any], path: str, model: torch.nn.Module | N
         model.load_state_dict(state["model"])  # copies into the parameters, on their device
     if optimizer is not None:
         optimizer.load_state_dict(state["optimizer"])  # torch moves state to each parameter's device
+        backend.shard_optimizer_state(optimizer)  # a sharded parameter's state sliced as it is (FSDP2)
         if backend.is_fused_optimizer(optimizer):  # except "step", which the fused XLA op needs there too
             for param, param_state in optimizer.state.items():
                 if isinstance(param_state.get("step"), torch.Tensor):

@@ -141,7 +141,8 @@ def _averages(optimizer: Any) -> bool:
     known = _AVERAGING.get(optimizer)
     if known is not None and known[0] == layout:
         return known[1]
-    differ = _decide_averaging(optimizer, chosen)
+    # sharded parameters (FSDP2): their gradients were reduce-scattered to the mean during the backward
+    differ = False if chosen.sharded(_parameters(optimizer)) else _decide_averaging(optimizer, chosen)
     if differ is None:
         return True
     try:

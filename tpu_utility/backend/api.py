@@ -19,7 +19,7 @@ import contextlib
 import functools
 import os
 import traceback
-from typing import Any, Callable, ContextManager, Iterator, Sequence
+from typing import Any, Callable, ContextManager, Iterable, Iterator, Sequence
 
 import torch
 
@@ -278,6 +278,14 @@ def device_loader(loader: Any, dev: torch.device, spmd_devices: int | None = Non
 
 def to_cpu(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     return current().to_cpu(tensors)
+
+
+def sharded(tensors: Iterable[torch.Tensor]) -> bool:
+    return current().sharded(tensors)
+
+
+def shard_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    current().shard_optimizer_state(optimizer)
 
 
 # ---------------------------------------------------- precision, optimizers

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Any, Callable, ContextManager, Iterator, Literal, Sequence
+from typing import Any, Callable, ContextManager, Iterable, Iterator, Literal, Sequence
 
 import torch
 from torch.utils import _pytree as pytree
@@ -244,8 +244,16 @@ class Backend:
     def shard_parameters(self, model: torch.nn.Module, blocks: Sequence[torch.nn.Module]) -> Callable[[], None]:
         """Shards every parameter of ``model`` over all devices, ``blocks`` one at a time (FSDP); returns the
         function that removes what it added to the model (its hooks)."""
-        raise NotImplementedError(f"strategy='fsdp' is built for XLA (a TPU, or PJRT_DEVICE set); the {self.name} "
-                                  f"backend has no sharded strategy yet: use strategy='auto'")  # fmt: skip
+        raise NotImplementedError(f"strategy='fsdp' is built for XLA (SPMD) and torch.distributed (FSDP2, several "
+                                  f"processes); the {self.name} backend has no sharded strategy: use strategy='auto'")  # fmt: skip
+
+    def sharded(self, tensors: Iterable[torch.Tensor]) -> bool:
+        """Whether any of ``tensors`` is sharded over the job's processes, so reading it whole is a collective
+        every process joins (FSDP2 on the native backend); False here."""
+        return False
+
+    def shard_optimizer_state(self, optimizer: torch.optim.Optimizer) -> None:
+        """Gives loaded (whole) optimizer state the layout of its sharded parameters; nothing where none is."""
 
     def use_spmd(self) -> None:
         raise ValueError(

@@ -24,7 +24,7 @@ import tempfile
 import threading
 import time
 import weakref
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -307,7 +307,11 @@ class NativeBackend(Backend):
         Every replica that waited times out within about one timeout of the others; one that stopped
         answering (stopped, stuck in its own code, swapping) reports nothing.
         """
-        if not distributed_ready() or "timed out" not in str(error).lower():
+        if not distributed_ready():
+            return None
+        if any(words in str(error).lower() for words in _PEER_LEFT):
+            return _left_early(error, self.rank(), self.world_size())
+        if "timed out" not in str(error).lower():
             return None
         world, me = self.world_size(), self.rank()
         waited = min(COLLECTIVE_TIMEOUT_S, STALL_REPORT_WAIT_S)
@@ -328,8 +332,12 @@ class NativeBackend(Backend):
                 f"TPU_UTILITY_COLLECTIVE_TIMEOUT sets the wait in seconds")
 
     def wrap_replica(self, model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
-        """``DistributedDataParallel``: gradients averaged during backward, buffers from rank 0."""
+        """``DistributedDataParallel``: gradients averaged during backward, buffers from rank 0; a sharded
+        model as it is (FSDP2 averages its gradients itself)."""
         from torch.nn.parallel import DistributedDataParallel
+
+        if self.sharded(model.parameters()):
+            return model
 
         return DistributedDataParallel(model, device_ids=None if device.type == "cpu" else [device.index])
 
@@ -343,7 +351,75 @@ class NativeBackend(Backend):
             torch.accelerator.synchronize()
 
     def to_cpu(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        return [t.detach().cpu() for t in tensors]
+        """Host copies; a sharded tensor (FSDP2's ``DTensor``) whole: a collective every process joins, one
+        tensor gathered at a time, so the device never holds more than one whole tensor beside its shards."""
+        from torch.distributed.tensor import DTensor
+
+        return [(t.full_tensor() if isinstance(t, DTensor) else t).detach().cpu() for t in tensors]
+
+    # ------------------------------------------------------------ sharding
+    def sharded(self, tensors: Iterable[torch.Tensor]) -> bool:
+        """Whether any of ``tensors`` is sharded over the job's processes (an FSDP2 ``DTensor``)."""
+        from torch.distributed.tensor import DTensor
+
+        return any(isinstance(t, DTensor) for t in tensors)
+
+    def shard_parameters(self, model: torch.nn.Module, blocks: Sequence[torch.nn.Module],
+                         checkpoint: bool = True) -> Callable[[], None]:  # fmt: skip
+        """FSDP2 (``torch.distributed.fsdp.fully_shard``) over the job's processes: each block, then the root.
+
+        Every parameter is sharded on dim 0 over a 1-D device mesh of all ranks (gloo on the CPU, nccl on
+        CUDA); a block's weights are gathered for its forward and backward only, and its gradients
+        reduce-scattered as the mean over the ranks. With ``checkpoint``, each block's activations are
+        recomputed in the backward (``torch.utils.checkpoint``, non-reentrant). Key names stay the model's own
+        (FSDP2 keeps them; the checkpointing replaces ``forward`` rather than wrapping the block), and a
+        whole (unsharded) state dict loads into the sharded model: each rank keeps its own slice.
+
+        Returns:
+            The undo: every parameter gathered whole again (a collective), FSDP2's hooks and classes taken
+            off, the blocks' own ``forward`` back; gradients are dropped.
+
+        Raises:
+            RuntimeError: this process is not one of a job of several (nothing to shard over).
+
+        Example:
+            >>> # was: for block in model.layers: fully_shard(block); fully_shard(model)
+            >>> undo = backend.current().shard_parameters(model, list(model.layers))   # doctest: +SKIP
+        """
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        world = self.world_size()
+        if world < 2:
+            raise RuntimeError(f"strategy='fsdp' shards over the processes of a job, but this process runs alone "
+                               f"(world size {world}); use cores=N (N >= 2) or run under torchrun")  # fmt: skip
+        mesh = init_device_mesh(self.device_type, (world,))
+        modules = list(model.modules())
+        found = _Found(modules)
+        unpatch = [_checkpointed(block) for block in blocks] if checkpoint else []
+        for block in blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        model._register_load_state_dict_pre_hook(_shard_loaded, with_module=True)
+
+        def undo() -> None:
+            _unshard(model, found)
+            for restore in unpatch:
+                restore()
+
+        return undo
+
+    def shard_optimizer_state(self, optimizer: torch.optim.Optimizer) -> None:
+        """Slices whole state tensors (a checkpoint's, just loaded) like their sharded parameters, with no collective."""
+        from torch.distributed.tensor import DTensor, distribute_tensor
+
+        for param, state in optimizer.state.items():
+            if not isinstance(param, DTensor):
+                continue
+            for key, value in state.items():
+                if isinstance(value, torch.Tensor) and not isinstance(value, DTensor) and value.shape == param.shape:
+                    state[key] = distribute_tensor(value.to(param.device), param.device_mesh, param.placements,
+                                                   src_data_rank=None)  # fmt: skip
 
     # ------------------------------------------------------------ counters
     @contextlib.contextmanager
@@ -410,9 +486,114 @@ class NativeBackend(Backend):
         return torch.autocast(self.device_type, dtype=dtype)
 
 
+class _Found:
+    """What FSDP2 changes on a model's modules, noted before it does: each module's class and hook keys."""
+
+    def __init__(self, modules: list[torch.nn.Module]) -> None:
+        self.classes = {module: type(module) for module in modules}
+        self.hooks = {module: {name: set(hooks) for name, hooks in _hook_dicts(module)} for module in modules}
+        self.attributes = {module: set(module.__dict__) for module in modules}
+
+
+def _hook_dicts(module: torch.nn.Module) -> list[tuple[str, dict]]:
+    return [(name, value) for name, value in vars(module).items() if name.endswith("hooks") and isinstance(value, dict)]
+
+
+def _checkpointed(block: torch.nn.Module) -> Callable[[], None]:
+    """The block's forward recomputed in the backward (``torch.utils.checkpoint``); returns the undo."""
+    from torch.utils.checkpoint import checkpoint
+
+    own, had = block.forward, block.__dict__.get("forward")  # `had`: a forward set on the instance already
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        return checkpoint(own, *args, use_reentrant=False, **kwargs) if torch.is_grad_enabled() else own(*args, **kwargs)
+
+    def undo() -> None:
+        if had is None:
+            block.__dict__.pop("forward", None)
+        else:
+            block.forward = had
+
+    block.forward = forward
+    return undo
+
+
+def _shard_loaded(module: torch.nn.Module, state_dict: dict, prefix: str, *args: Any) -> None:
+    """A load_state_dict pre-hook of the sharded root: each whole tensor given for a sharded one becomes this
+    rank's slice of it (the same split FSDP2 made), so a checkpoint of the plain model loads as it is."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    own = dict(module.named_parameters())
+    own.update(module.named_buffers())
+    for name, target in own.items():
+        value = state_dict.get(prefix + name)
+        if isinstance(target, DTensor) and isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
+            state_dict[prefix + name] = distribute_tensor(value.to(target.device), target.device_mesh,
+                                                          target.placements, src_data_rank=None)  # fmt: skip
+
+
+def _unshard(model: torch.nn.Module, found: _Found) -> None:
+    """FSDP2 taken off ``model``: parameters whole again (gathered one at a time, every rank), the classes,
+    hooks and attributes it added removed. FSDP2 has no call for this; ``fully_shard`` may be applied again after."""
+    from torch.distributed._composable_state import _module_state_mapping
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+
+    for module in found.classes:
+        if isinstance(module, FSDPModule):
+            module.reshard()  # the registered parameters are the sharded ones again
+    whole: dict[int, torch.nn.Parameter] = {}  # by the sharded parameter: tied weights stay one parameter
+    with torch.no_grad():
+        for module in found.classes:
+            for name, param in list(module._parameters.items()):
+                if isinstance(param, DTensor):
+                    if id(param) not in whole:
+                        whole[id(param)] = torch.nn.Parameter(param.full_tensor(), param.requires_grad)
+                    module._parameters[name] = whole[id(param)]
+    for module, cls in found.classes.items():
+        module.__class__ = cls
+        for name, hooks in _hook_dicts(module):
+            for key in set(hooks) - found.hooks[module].get(name, set()):
+                del hooks[key]
+        for name in set(module.__dict__) - found.attributes[module]:
+            if name != "forward":  # the checkpointing's, taken off by its own undo
+                del module.__dict__[name]
+        _module_state_mapping.pop(module, None)
+
+
 def _ranks(ranks: list[int]) -> str:
     """``rank 1`` or ``ranks 0, 2``."""
     return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
+
+
+# gloo's words when the replica at the other end of a collective has left the job
+_PEER_LEFT = ("connection closed by peer", "connection reset by peer")
+# optimizer steps this launched replica took (torch's global step hook counts them), told to the others as it leaves
+_STEPS = [0]
+
+
+def _count_step(optimizer: Any, args: Any, kwargs: Any) -> None:
+    _STEPS[0] += 1
+
+
+def _left_early(error: BaseException, me: int, world: int) -> str | None:
+    """Why a collective's peer left: the replicas that finished their function (with their step counts), told
+    through the job's store as they left; None where none said so (a crash: its own error says why)."""
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        store.set_timeout(datetime.timedelta(seconds=5))
+        left = {r: int(store.get(f"tpu_utility/finished/{r}")) for r in range(world)
+                if r != me and store.check([f"tpu_utility/finished/{r}"])}  # fmt: skip
+    except Exception:  # noqa: BLE001 - the store went with the job: gloo's own error stands
+        return None
+    if not left:
+        return None
+    said = "; ".join(f"rank {r} finished after {steps} optimizer step(s)" for r, steps in sorted(left.items()))
+    return (f"the replicas took different step counts: {said} and left, while rank {me} had taken "
+            f"{_STEPS[0]} and went on, so its next collective (DDP's gradient all-reduce, step_optimizer's average) "
+            f"found no one at the other end (gloo: {error}). Every replica must take the same number of steps: "
+            f"give each the same number of batches (make_sampler(dataset) splits a dataset evenly over the "
+            f"replicas; drop_last=True keeps every batch count equal)")
 
 
 def _silent_ranks(me: int, world: int, wait_s: float) -> list[int]:
@@ -462,7 +643,13 @@ def _replica_main(index: int, job: tuple[str, str, int, str], fn: Callable[..., 
         dist_backend, init_method=f"file://{store}", rank=index, world_size=nprocs,
         timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S),
     )  # fmt: skip
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    counting = register_optimizer_step_post_hook(_count_step)
     try:
         fn(index, *args)  # api.launch hands in fn inside naming_stalls: a hand loop's collectives too
+        # said before the group goes: a replica still training learns why its peer left (_left_early)
+        dist.distributed_c10d._get_default_store().set(f"tpu_utility/finished/{index}", str(_STEPS[0]))
     finally:
+        counting.remove()
         dist.destroy_process_group()

@@ -508,11 +508,14 @@ class Checkpoints(Callback):
             loop.history.to_csv(join(self.folder, HISTORY_NAME))
 
     def on_epoch_end(self, loop: TrainerLoop, record: Any) -> None:
-        if not loop.master:
+        # a sharded model's whole state is gathered by every process together (one tensor at a time); the master writes
+        if not (loop.master or backend.sharded(loop.model.parameters())):
             return
         state = self._state(loop, record.epoch)
         if self.best.improved and self.best.rule.restore_best:
             self.best.best_state, self.best.state_epoch = state["model"], record.epoch
+        if not loop.master:
+            return
         try:
             save_atomic(state, self.paths["last"])  # first: it records the new best epoch and holds its weights,
             loop.saved_epoch = record.epoch  # so a kill before best.pt is written leaves what resume repairs it from

@@ -50,7 +50,7 @@ from .history import History
 from .metrics import METRICS, CrossEntropy, accuracy, check_loss_fn, per_sample_loss, resolve_metrics
 from .memory import refuse_replicating
 from .monitor import Mode, StopRule, parse_duration, resolve_mode
-from .runner import (Precision, Strategy, available_cores, check_precision, choose_strategy, process_mode,
+from .runner import (LAUNCHED_MODE, Precision, Strategy, available_cores, check_precision, choose_strategy, process_mode,
                      resolve_cores)  # fmt: skip
 from .schedule import LrSchedule, OneCycle, ScheduleName, check_warmup
 from .trainer import FitPlan, Steps, train
@@ -371,7 +371,7 @@ def one_cycle_fit(
     callbacks = check_callbacks(callbacks)
     stop = _stop_rule(monitor, mode, early_stopping, restore_best, time_limit, (valid_data is not None, metric_table))
     n_cores, run_mode = process_mode(cores, strategy)
-    processes = n_cores if run_mode == "multiprocess" else 1
+    processes = n_cores if run_mode in LAUNCHED_MODE else 1
     train_spec, valid_spec = _loader_specs(train_data, valid_data, batch_size, num_workers, processes)
     if factory is None:  # a model that cannot be replicated: said now, not after minutes of compiling
         refuse_replicating(model, n_cores, train_spec.batch_size, optimizer, precision)
@@ -404,7 +404,7 @@ def one_cycle_fit(
         seed=seed, progress=progress, cores=n_cores, mode=run_mode, callbacks=callbacks,
         builtins=builtin_callbacks(lr_schedule, stop, checkpoints, progress, run_shape),
     )  # fmt: skip
-    if run_mode != "multiprocess":
+    if run_mode not in LAUNCHED_MODE:
         trained, history = train(model if factory is None else factory(), plan)
         history.model = trained
         return history
@@ -543,7 +543,7 @@ def _mp_worker(index: int, model: Any, plan: FitPlan, result: str) -> None:
 
     if backend.current().lazy:
         setup_tpu(verbose=False)  # this process's own compile-cache folder
-    replica_plan = dataclasses.replace(plan, mode="replica")  # this process is one replica of the launch
+    replica_plan = dataclasses.replace(plan, mode=LAUNCHED_MODE[plan.mode])  # one process of the launch
     trained, history = train(model if isinstance(model, nn.Module) else model(), replica_plan)
     if backend.is_master():
         save_atomic(

@@ -64,18 +64,23 @@ def resolve_cores(cores: int | str, available: int, rule: CoreRule = "one_or_all
     return cores
 
 
-def choose_strategy(strategy: str, cores: int, in_launch: bool) -> str:
-    """"single", "spmd", "fsdp" (SPMD, parameters sharded), "multiprocess" (we launch) or "replica" (already launched)."""
+def choose_strategy(strategy: str, cores: int, in_launch: bool, sharded_processes: bool = False) -> str:
+    """"single", "spmd", "fsdp" (this process shards: over its SPMD mesh on XLA, or as one process of a job
+    natively), "multiprocess" (we launch), "multiprocess-fsdp" (we launch processes that shard) or "replica"
+    (already launched). ``sharded_processes``: the backend shards over processes (native FSDP2), not a mesh."""
     if strategy not in get_args(Strategy):
         raise ValueError(f"strategy must be one of {get_args(Strategy)}, but given {strategy!r}")
     if strategy == "fsdp" and in_launch:
+        if sharded_processes:
+            return "fsdp"  # one process of the job, sharding with the others
         raise ValueError("strategy='fsdp' shards over all cores from one process, but this process is one replica of "
                          "a multi-process launch; call it from the main process with cores='all'")  # fmt: skip
     if strategy == "fsdp":
         if cores < 2:
-            raise ValueError(f"strategy='fsdp' shards the model over several cores, but given cores={cores}; "
-                             f"use cores='all', or strategy='auto' on one core")  # fmt: skip
-        return "fsdp"
+            raise ValueError(f"strategy='fsdp' shards the model over several cores, but given cores={cores}; give "
+                             f"cores=N with N >= 2 (cores='all' where several devices are attached), or strategy='auto' "
+                             f"on one core")  # fmt: skip
+        return "multiprocess-fsdp" if sharded_processes else "fsdp"
     if in_launch:
         return "replica"
     if strategy == "multiprocess":
@@ -83,6 +88,10 @@ def choose_strategy(strategy: str, cores: int, in_launch: bool) -> str:
     if cores == 1 and strategy == "auto":
         return "single"
     return "spmd"
+
+
+# the modes that launch processes, and the mode each launched process runs
+LAUNCHED_MODE = {"multiprocess": "replica", "multiprocess-fsdp": "fsdp"}
 
 
 def available_cores() -> int:
@@ -103,13 +112,13 @@ def process_mode(cores: int | str, strategy: str = "auto") -> tuple[int, str]:
     chosen = backend.current()
     n_cores = resolve_cores(cores, available_cores(), chosen.core_rule)
     in_launch = backend.in_launched_process() and backend.world_size() > 1
-    mode = choose_strategy(strategy, n_cores, in_launch)
-    if chosen.lazy or mode in ("single", "replica"):
+    mode = choose_strategy(strategy, n_cores, in_launch, sharded_processes=not chosen.lazy)
+    if chosen.lazy or mode in ("single", "replica", "fsdp", "multiprocess-fsdp"):
         return n_cores, mode
-    if strategy in ("spmd", "fsdp"):
+    if strategy == "spmd":
         raise ValueError(
             f"strategy={strategy!r} needs XLA devices (a TPU, or PJRT_DEVICE set); here the {chosen.name} backend runs "
-            f"one process per device: use strategy='auto' or 'multiprocess'"
+            f"one process per device: use strategy='auto' or 'multiprocess' ('fsdp' shards over the processes)"
         )
     return n_cores, "multiprocess" if n_cores > 1 else "single"
 
@@ -158,6 +167,8 @@ class Topology:
 
 def current_topology(mode: str) -> Topology:
     """This process's Topology; switches SPMD on for mode "spmd" (before the runtime starts)."""
+    if mode == "fsdp" and not backend.current().lazy:  # natively: one process of a job, its parameters sharded
+        return Topology("replica", replicas=backend.world_size(), rank=backend.rank())
     if mode in ("spmd", "fsdp"):  # fsdp: the same data layout, the parameters sharded too (strategies.fsdp)
         backend.use_spmd()
         return Topology("spmd", hosts=backend.process_count(), host=backend.process_index(), devices=backend.global_device_count())

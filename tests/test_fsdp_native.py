@@ -1,0 +1,200 @@
+"""strategy="fsdp" on the native backend: FSDP2 (``fully_shard``) over several gloo processes on the CPU.
+
+One launch script checks, with 2 and 4 processes started by ``one_cycle_fit(cores=N)``: per-epoch losses
+equal to one unsharded process with the same global batch (SGD: a gradient summed over the ranks instead of
+averaged would double every step, pytorch/pytorch#162338), each rank holding about 1/N of the parameter
+bytes while it trains, the blocks checkpointed, ``best.pt`` loading strictly into the plain model with
+logits equal to ``predict(history.model)``, and (2 processes) a run stopped after epoch 1 and resumed ending
+bitwise equal to an uninterrupted one. A ``torchrun`` job of 2 processes checks the same losses, bytes and
+checkpoint from inside a job.
+"""
+
+import json
+import os
+
+import pytest
+
+from conftest import run_script
+from test_native import NATIVE, _ranks, _torchrun
+from tpu_utility.training.runner import choose_strategy
+
+MODEL = """
+import json, os, sys
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+
+CALLS = [0]   # blocks' forwards run in this process: a checkpointed block runs again in the backward
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+
+    def forward(self, x):
+        CALLS[0] += torch.is_grad_enabled()
+        return x + torch.tanh(self.lin(x))
+
+
+class Net(nn.Module):
+    # three repeated blocks in a ModuleList: the blocks strategy='fsdp' finds by itself
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(1)
+        self.inp = nn.Linear(8, 16)
+        self.blocks = nn.ModuleList([Block() for _ in range(3)])
+        self.head = nn.Linear(16, 3)
+
+    def forward(self, x):
+        x = self.inp(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def blobs(n=64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    y = torch.arange(n) % 3
+    return TensorDataset(torch.randn(n, 8, generator=g) + 2.0 * nn.functional.one_hot(y, 8).float(), y)
+
+
+class Probe:
+    # at the first step each rank writes what it holds; stop_at ends the run after that epoch (no state: a
+    # resume without it is the same run)
+    def __init__(self, folder, stop_at=None):
+        self.folder, self.stop_at = folder, stop_at
+
+    def on_step_end(self, loop):
+        if loop.step != 1:
+            return
+        from torch.distributed.tensor import DTensor
+        from tpu_utility import backend
+
+        params = list(loop.model.parameters())
+        held = sum((p.to_local() if isinstance(p, DTensor) else p).numel() * p.element_size() for p in params)
+        total = sum(p.numel() * p.element_size() for p in params)
+        checkpointed = CALLS[0]   # after one step: 3 forwards, 3 recomputed
+        with open(os.path.join(self.folder, f"held{backend.rank()}.json"), "w") as f:
+            json.dump({"held": held, "total": total, "checkpointed": checkpointed,
+                       "sharded": all(isinstance(p, DTensor) for p in params)}, f)
+
+    def on_epoch_end(self, loop, record):
+        if record.epoch == self.stop_at:
+            loop.stop("stopped by the test")
+
+
+FIT = dict(epochs=2, max_lr=0.05, optimizer="sgd", progress=False, seed=0)
+
+
+def best_logits_equal(history, folder):
+    # best.pt strictly into the plain CPU model; its logits against predict(history.model)
+    from tpu_utility import load_checkpoint, predict
+
+    plain = Net()
+    load_checkpoint(os.path.join(folder, "best.pt"), model=plain)
+    x = blobs()[:][0]
+    return bool(torch.equal(plain.eval()(x), predict(history.model, x, batch_size=16, progress=False)))
+
+
+def plain_model(model):
+    # handed back unwrapped: its own class, plain tensors, no FSDP hooks left
+    from torch.distributed.tensor import DTensor
+
+    return type(model) is Net and not any(isinstance(p, DTensor) for p in model.parameters())
+"""
+
+
+def test_fsdp_is_launched_natively_joined_in_a_job_and_refused_on_one_core():
+    native = {"sharded_processes": True}
+    assert choose_strategy("fsdp", 2, in_launch=False, **native) == "multiprocess-fsdp"  # one_cycle_fit launches
+    assert choose_strategy("fsdp", 1, in_launch=True, **native) == "fsdp"  # a torchrun process shards with the job
+    assert choose_strategy("fsdp", 4, in_launch=False) == "fsdp"  # XLA: one process over the mesh
+    with pytest.raises(ValueError, match="this process is one replica of a multi-process launch"):
+        choose_strategy("fsdp", 4, in_launch=True)  # XLA's one-process SPMD cannot run inside a launch
+    with pytest.raises(ValueError, match=r"given cores=1; give cores=N with N >= 2"):
+        choose_strategy("fsdp", 1, in_launch=False, **native)
+
+
+@pytest.mark.multidevice
+def test_one_cycle_fit_launches_fsdp_processes_that_train_as_one_unsharded_process(tmp_path):
+    r = run_script(tmp_path, "fsdp_launch.py", MODEL + f"""
+from tpu_utility import load_checkpoint, one_cycle_fit
+
+if __name__ == "__main__":
+    out, seen = {str(tmp_path)!r}, {{}}
+    for n in (2, 4):
+        folder = os.path.join(out, f"n{{n}}")
+        os.makedirs(folder)
+        ref = one_cycle_fit(Net(), blobs(), batch_size=8 * n, **FIT)   # one process, the same global batch
+        fsdp = one_cycle_fit(Net, blobs(), batch_size=8, cores=n, strategy="fsdp", callbacks=[Probe(folder)],
+                             checkpoint_dir=os.path.join(folder, "ckpt"), **FIT)
+        seen[n] = {{"ref": [r.train_loss for r in ref.records], "fsdp": [r.train_loss for r in fsdp.records],
+                   "summary": fsdp.summary, "held": [json.load(open(os.path.join(folder, f"held{{k}}.json")))
+                                                     for k in range(n)],
+                   "best": best_logits_equal(fsdp, os.path.join(folder, "ckpt")), "plain": plain_model(fsdp.model)}}
+        if n == 2:   # stopped after epoch 1, then resumed: bitwise the uninterrupted run
+            ckpt = os.path.join(folder, "stopped")
+            stopped = one_cycle_fit(Net, blobs(), batch_size=8, cores=n, strategy="fsdp",
+                                    callbacks=[Probe(folder, stop_at=1)], checkpoint_dir=ckpt, **FIT)
+            resumed = one_cycle_fit(Net, blobs(), batch_size=8, cores=n, strategy="fsdp", checkpoint_dir=ckpt,
+                                    resume=True, **FIT)
+            straight = fsdp.model.state_dict()
+            seen[n]["resume"] = {{"epochs": [len(stopped.records), len(resumed.records)],
+                                 "bitwise": all(torch.equal(v, straight[k]) for k, v in resumed.model.state_dict().items())}}
+            # last.pt: the optimizer's state whole, in torch's own format, loads into a plain model's SGD too
+            plain = Net()
+            sgd = torch.optim.SGD(plain.parameters(), lr=0.1, momentum=0.9)
+            load_checkpoint(os.path.join(folder, "ckpt", "last.pt"), model=plain, optimizer=sgd)
+            seen[n]["last"] = all(sgd.state[p]["momentum_buffer"].shape == p.shape for p in plain.parameters())
+    print("SEEN", json.dumps(seen))
+""", env=NATIVE)
+    seen = json.loads(r.stdout.split("SEEN", 1)[1])
+    for n in ("2", "4"):
+        run = seen[n]
+        assert run["summary"].startswith(f"one_cycle_fit: fsdp on {n} cpu core(s) | batch 8 per core, {8 * int(n)} global")
+        # a sum over the ranks in place of the mean would double each step: the losses would part at epoch 2
+        assert run["fsdp"] == pytest.approx(run["ref"], rel=1e-4), run
+        assert run["fsdp"][1] < run["fsdp"][0]
+        held = [h["held"] for h in run["held"]]
+        assert all(h["sharded"] and h["checkpointed"] == 2 * 3 for h in run["held"]), run["held"]
+        assert sum(held) == run["held"][0]["total"] and max(held) <= 1.1 * sum(held) / int(n), held  # 1/N each
+        assert run["best"] and run["plain"], run
+    assert seen["2"]["resume"] == {"epochs": [1, 2], "bitwise": True}, seen["2"]["resume"]
+    assert seen["2"]["last"]
+
+
+@pytest.mark.multidevice
+def test_inside_a_torchrun_job_fsdp_shards_and_trains_as_one_process(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    reference = run_script(tmp_path, "reference.py", MODEL + """
+from tpu_utility import one_cycle_fit
+
+print("REF", json.dumps([r.train_loss for r in one_cycle_fit(Net(), blobs(), batch_size=16, **FIT).records]))
+""", env=NATIVE)
+    script = tmp_path / "job.py"
+    script.write_text(MODEL + f"""
+from tpu_utility import backend, one_cycle_fit
+
+folder = {str(out)!r}
+os.makedirs(os.path.join(folder, "held"), exist_ok=True)
+history = one_cycle_fit(Net(), blobs(), batch_size=8, strategy="fsdp", callbacks=[Probe(os.path.join(folder, "held"))],
+                        checkpoint_dir=os.path.join(folder, "ckpt"), **FIT)
+figures = dict(losses=[r.train_loss for r in history.records], summary=history.summary, plain=plain_model(history.model),
+               best=best_logits_equal(history, os.path.join(folder, "ckpt")),
+               held=json.load(open(os.path.join(folder, "held", f"held{{backend.rank()}}.json"))))
+with open(os.path.join(folder, f"rank{{backend.rank()}}.json"), "w") as f:
+    json.dump(figures, f)
+""")
+    _torchrun(script, 2)
+    ref = json.loads(reference.stdout.split("REF", 1)[1])
+    ranks = _ranks(out, 2)
+    assert ranks[0]["losses"] == ranks[1]["losses"] == pytest.approx(ref, rel=1e-4), (ranks, ref)
+    assert ranks[0]["summary"].startswith("one_cycle_fit: fsdp on 2 cpu core(s)")
+    held = [rank["held"]["held"] for rank in ranks]
+    assert sum(held) == ranks[0]["held"]["total"] and max(held) <= 0.55 * sum(held), held
+    for rank in ranks:
+        assert rank["held"]["sharded"] and rank["held"]["checkpointed"] == 2 * 3 and rank["best"] and rank["plain"], rank
+    assert os.path.exists(os.path.join(out, "ckpt", "best.pt"))
