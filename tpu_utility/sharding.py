@@ -210,6 +210,18 @@ def _shard_output(module: nn.Module, args: tuple, kwargs: dict[str, Any], output
     backend.shard_batch([output_scores(output, rows, type(module).__name__)])
 
 
+def _full_mask(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]] | None:
+    """Without a cache, transformers looks for packed sequences in the position ids of a batch given no attention
+    mask, which reads the device (a host sync every forward on XLA). A batch given neither gets the all-ones mask:
+    the same attention (its positions are 0..T-1, never packed), and no read."""
+    if kwargs.get("attention_mask") is not None or kwargs.get("position_ids") is not None:
+        return None
+    tokens = kwargs.get("input_ids", args[0] if args and isinstance(args[0], torch.Tensor) else None)
+    if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2:
+        return None
+    return args, {**kwargs, "attention_mask": torch.ones_like(tokens)}
+
+
 # --------------------------------------------------------------- applying
 def apply_sharding(model: nn.Module, options: FSDP) -> Callable[[], None]:
     """Shards ``model`` (on its device) as ``options`` say, in place; returns the undo (hooks, checkpointing and
@@ -223,9 +235,10 @@ def apply_sharding(model: nn.Module, options: FSDP) -> Callable[[], None]:
     if options.shard_output:
         undo.append(model.register_forward_hook(_shard_output, with_kwargs=True).remove)
     config = getattr(model, "config", None)
-    if getattr(config, "use_cache", False):  # a KV cache is dead weight while training a transformers model
+    if getattr(config, "use_cache", False):  # a checkpointed block would append its recomputed keys to a KV cache
         config.use_cache = False
         undo.append(lambda: setattr(config, "use_cache", True))
+        undo.append(model.register_forward_pre_hook(_full_mask, with_kwargs=True).remove)
 
     def undo_all() -> None:
         for step in reversed(undo):
