@@ -344,6 +344,9 @@ def one_cycle_fit(
         >>> # was: get_scheduler("linear", opt, num_warmup_steps=0.1 * total, num_training_steps=total)
         >>> history = one_cycle_fit(model, train_ds, epochs=3, max_lr=5e-5,  # doctest: +SKIP
         ...                         schedule="linear", warmup=0.1)
+        >>> # was: FSDP(model, auto_wrap_policy=...) around a CUDA loop: a model one chip cannot hold
+        >>> history = one_cycle_fit(model, train_ds, epochs=1, max_lr=2e-5,  # doctest: +SKIP
+        ...                         cores="all", strategy=FSDP(checkpoint=True))
     """
     factory = None
     if not isinstance(model, nn.Module):
