@@ -203,7 +203,7 @@ def _rows(args: tuple, kwargs: dict[str, Any]) -> int | None:
 
 def _shard_output(module: nn.Module, args: tuple, kwargs: dict[str, Any], output: Any) -> None:
     rows = _rows(args, kwargs)
-    if rows is None:
+    if rows is None or not backend.is_spmd():  # natively each process holds its own rows: nothing to split
         return
     cores = backend.global_device_count()
     check_batch(rows, cores)
@@ -306,7 +306,8 @@ def shard_model(model: nn.Module, options: FSDP | None = None, *, optimizer: Any
     options = FSDP() if options is None else options
     if not isinstance(options, FSDP):
         raise TypeError(f"options must be FSDP(...), but given {options!r}")
-    backend.use_spmd()
+    if backend.current().lazy:  # XLA: one process over every core (natively, one process per device already)
+        backend.use_spmd()
     before = list(model.parameters())
     device = get_device()
     if any(p.device != device for p in before):
