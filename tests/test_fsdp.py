@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader
 from transformers import LlamaConfig, LlamaForCausalLM
 from tpu_utility import (FSDP, Callback, device_loader, evaluate, find_lr, load_checkpoint, memory_plan,
                          one_cycle_fit, predict, shard_model, step_optimizer)
-from tpu_utility.backend import compile_count
+from tpu_utility.backend import compile_count, to_cpu
 
 torch.manual_seed(0)
 config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -69,7 +69,9 @@ def fit(strategy, **kw):
                             checkpoint_dir=folder, seed=1, **kw)
     plain = LlamaForCausalLM(config)
     load_checkpoint(os.path.join(folder, "best.pt"), model=plain)  # strict, on the CPU, the plain model's keys
-    same = all(torch.equal(v, history.model.state_dict()[k].cpu()) for k, v in plain.state_dict().items())
+    trained = history.model.state_dict()  # to the host in one graph (a .cpu() per sharded tensor compiles one each)
+    trained = dict(zip(trained, to_cpu(list(trained.values()))))
+    same = all(torch.equal(v, trained[k]) for k, v in plain.state_dict().items())
     return plain, {"losses": [r.train_loss for r in history.records], "compiles": [r.compiles for r in history.records],
                    "syncs": [r.host_syncs for r in history.records], "summary": history.summary, "specs": watch.specs,
                    "keys": sorted(history.model.state_dict()), "same_as_history": same, "bytes": watch.bytes, "after_save": watch.after_save,
