@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from tpu_utility import memory_plan
-from tpu_utility.training.memory import (GB, TransformerShape, activation_bytes, optimizer_states,
+from tpu_utility.training.memory import (GB, TransformerShape, activation_bytes, auto_shards, optimizer_states,
                                          refuse_replicating, shard_bytes)  # fmt: skip
 from tpu_utility.training.strategies import block_classes, repeated_class
 
@@ -146,3 +146,36 @@ def test_one_cycle_fit_refuses_a_model_that_cannot_be_replicated_before_any_comp
     assert backend.compile_count() == compiles  # refused before the first graph
     monkeypatch.setenv("TPU_UTILITY_DEVICE_MEMORY_GB", "0.1")  # room: the same check lets it through
     refuse_replicating(model, 1, 4, "adamw", "fp32")
+
+
+def test_auto_shards_only_between_the_two_figures_and_a_sharded_run_that_cannot_fit_is_refused(monkeypatch):
+    model = nn.Sequential(*[nn.Linear(500, 500) for _ in range(8)])  # 32.06 MB per chip replicated with AdamW
+    monkeypatch.delenv("TPU_UTILITY_DEVICE_MEMORY_GB", raising=False)
+    assert auto_shards(model, 4, 4, "adamw", "fp32") == ""  # the CPU: no chip memory, replicated as today
+    monkeypatch.setenv("TPU_UTILITY_DEVICE_MEMORY_GB", "0.1")
+    assert auto_shards(model, 4, 4, "adamw", "fp32") == ""  # one replica fits: nothing changes
+    monkeypatch.setenv("TPU_UTILITY_DEVICE_MEMORY_GB", "0.02")  # 21.5 MB: a replica cannot fit, a quarter can
+    why = auto_shards(model, 4, 4, "adamw", "fp32")
+    assert "strategy='auto' chose fsdp" in why and "32.06 MB per chip" in why and "sharded over 4" in why, why
+    refuse_replicating(model, 4, 4, "adamw", "fp32", sharded=True)  # fits sharded: no refusal
+    monkeypatch.setenv("TPU_UTILITY_DEVICE_MEMORY_GB", "0.005")  # 5.4 MB: not even a quarter and one block
+    assert auto_shards(model, 4, 4, "adamw", "fp32") == ""
+    with pytest.raises(ValueError, match=r"does not fit the chips even sharded.*over 4 cores.*mostly optimizer state"):
+        refuse_replicating(model, 4, 4, "adamw", "fp32", sharded=True)
+
+
+def test_checkpoint_module_recomputes_one_block_with_the_same_gradients_and_gives_forward_back():
+    from tpu_utility.backend.base import Backend
+
+    torch.manual_seed(0)
+    block = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 4))
+    x = torch.randn(3, 4, requires_grad=True)
+    block(x).pow(2).sum().backward()
+    plain = [p.grad.clone() for p in block.parameters()]
+    block.zero_grad()
+    undo = Backend().checkpoint_module(block)
+    assert "forward" in block.__dict__
+    block(x).pow(2).sum().backward()
+    assert all(torch.allclose(a, p.grad) for a, p in zip(plain, block.parameters()))
+    undo()
+    assert "forward" not in block.__dict__

@@ -162,7 +162,8 @@ def _cases():
             "AutoConfig.for_model('gemma', hidden_size=3072, intermediate_size=24576, num_hidden_layers=28, "
             "num_attention_heads=16, num_key_value_heads=16, head_dim=256, vocab_size=256000)")
          + "\nassert not plan.fits_replicated and plan.fits_sharded, plan\n", 1),
-        ("strategy fsdp", LLM + block('strategy="fsdp")') + "\nassert history.records[-1].train_loss > 0\n", 4),
+        ("strategy fsdp", LLM + block("strategy=FSDP(wrap=") + "\nassert 'fsdp on 4' in history.summary\n", 4),
+        ("shard_model", LLM + block("model = shard_model(model)") + "\nassert loss.item() > 0\n", 4),
         ("generate a submission", LLM + block("the best valid_loss's epoch\nprompts =")
          + "\nsub = pd.read_csv('submission.csv'); assert list(sub['id']) == list(range(5)) and len(sub) == 5, sub\n", 4),
         ("reload best.pt", "one_cycle_fit(small_cnn(), train_ds, epochs=1, max_lr=1e-3, checkpoint_dir='ckpt', progress=False)\n"

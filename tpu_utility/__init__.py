@@ -20,6 +20,7 @@ from .device import get_device, move_model
 from .environment import TpuInfo, setup_tpu
 from .loop import device_loader, inference_mode, launch, masked_loader, use_all_cores
 from .optim import step_optimizer
+from .sharding import FSDP, shard_model
 from .huggingface import static_masks
 
 # data preparation: fixed shapes, caches, images shrunk once
@@ -60,6 +61,7 @@ __all__ = [
     "EpochRecord",
     "evaluate",
     "find_lr",
+    "FSDP",
     "generate",
     "get_device",
     "grad_scaler",
@@ -79,6 +81,7 @@ __all__ = [
     "MemoryPlan",
     "move_model",
     "one_cycle",
+    "shard_model",
     "one_cycle_curve",
     "one_cycle_fit",
     "padding_waste",

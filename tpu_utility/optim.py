@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from . import backend
+from .sharding import refuse_replaced
 
 # Optimizers already checked, with the layout of their parameter groups when checked and
 # whether their parameters are on XLA: both cost a pass over the parameters, so they run
@@ -38,6 +39,7 @@ def on_xla(optimizer: Any) -> bool:
     if known is not None and known[0] == layout:
         return known[1]
     params = _parameters(optimizer)
+    refuse_replaced(params)  # built before shard_model moved the model: said by name
     check_on_device(params)
     answer = any(backend.is_lazy(p.device) for p in params)
     try:

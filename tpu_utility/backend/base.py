@@ -255,6 +255,37 @@ class Backend:
     def shard_optimizer_state(self, optimizer: torch.optim.Optimizer) -> None:
         """Gives loaded (whole) optimizer state the layout of its sharded parameters; nothing where none is."""
 
+    def checkpoint_module(self, module: torch.nn.Module) -> Callable[[], None]:
+        """Recomputes ``module``'s activations in the backward (gradient checkpointing of one block), in place:
+        its ``forward`` runs under ``checkpoint_function()`` when an input needs gradients. Returns the undo.
+
+        Example:
+            >>> undo = backend.current().checkpoint_module(model.layers[0])   # doctest: +SKIP
+        """
+        function = self.checkpoint_function()
+        found = module.__dict__.get("forward")
+
+        original = found if found is not None else type(module).forward.__get__(module)
+
+        def unpacked(count: int, names: tuple[str, ...], *packed: Any) -> Any:
+            return original(*packed[:count], **dict(zip(names, packed[count:])))
+
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            packed = (*args, *kwargs.values())  # keyword tensors as inputs too: their gradients flow
+            if not torch.is_grad_enabled() or not any(isinstance(t, torch.Tensor) and t.requires_grad for t in packed):
+                return original(*args, **kwargs)  # nothing to recompute for: inference, or frozen inputs
+            return function(unpacked, len(args), tuple(kwargs), *packed, use_reentrant=False)
+
+        module.forward = forward
+
+        def undo() -> None:
+            if found is None:
+                module.__dict__.pop("forward", None)
+            else:
+                module.forward = found
+
+        return undo
+
     def use_spmd(self) -> None:
         raise ValueError(
             f"SPMD (one process over a mesh of devices) is a torch_xla feature; the {self.name} backend "

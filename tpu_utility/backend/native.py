@@ -364,20 +364,18 @@ class NativeBackend(Backend):
 
         return any(isinstance(t, DTensor) for t in tensors)
 
-    def shard_parameters(self, model: torch.nn.Module, blocks: Sequence[torch.nn.Module],
-                         checkpoint: bool = True) -> Callable[[], None]:  # fmt: skip
+    def shard_parameters(self, model: torch.nn.Module, blocks: Sequence[torch.nn.Module]) -> Callable[[], None]:
         """FSDP2 (``torch.distributed.fsdp.fully_shard``) over the job's processes: each block, then the root.
 
         Every parameter is sharded on dim 0 over a 1-D device mesh of all ranks (gloo on the CPU, nccl on
         CUDA); a block's weights are gathered for its forward and backward only, and its gradients
-        reduce-scattered as the mean over the ranks. With ``checkpoint``, each block's activations are
-        recomputed in the backward (``torch.utils.checkpoint``, non-reentrant). Key names stay the model's own
-        (FSDP2 keeps them; the checkpointing replaces ``forward`` rather than wrapping the block), and a
+        reduce-scattered as the mean over the ranks. Key names stay the model's own (FSDP2 keeps them; the
+        strategy's per-block checkpointing, ``checkpoint_module``, replaces ``forward`` rather than wrapping), and a
         whole (unsharded) state dict loads into the sharded model: each rank keeps its own slice.
 
         Returns:
             The undo: every parameter gathered whole again (a collective), FSDP2's hooks and classes taken
-            off, the blocks' own ``forward`` back; gradients are dropped.
+            off; gradients are dropped.
 
         Raises:
             RuntimeError: this process is not one of a job of several (nothing to shard over).
@@ -396,18 +394,12 @@ class NativeBackend(Backend):
         mesh = init_device_mesh(self.device_type, (world,))
         modules = list(model.modules())
         found = _Found(modules)
-        unpatch = [_checkpointed(block) for block in blocks] if checkpoint else []
         for block in blocks:
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
         model._register_load_state_dict_pre_hook(_shard_loaded, with_module=True)
 
-        def undo() -> None:
-            _unshard(model, found)
-            for restore in unpatch:
-                restore()
-
-        return undo
+        return lambda: _unshard(model, found)
 
     def shard_optimizer_state(self, optimizer: torch.optim.Optimizer) -> None:
         """Slices whole state tensors (a checkpoint's, just loaded) like their sharded parameters, with no collective."""
@@ -497,25 +489,6 @@ class _Found:
 
 def _hook_dicts(module: torch.nn.Module) -> list[tuple[str, dict]]:
     return [(name, value) for name, value in vars(module).items() if name.endswith("hooks") and isinstance(value, dict)]
-
-
-def _checkpointed(block: torch.nn.Module) -> Callable[[], None]:
-    """The block's forward recomputed in the backward (``torch.utils.checkpoint``); returns the undo."""
-    from torch.utils.checkpoint import checkpoint
-
-    own, had = block.forward, block.__dict__.get("forward")  # `had`: a forward set on the instance already
-
-    def forward(*args: Any, **kwargs: Any) -> Any:
-        return checkpoint(own, *args, use_reentrant=False, **kwargs) if torch.is_grad_enabled() else own(*args, **kwargs)
-
-    def undo() -> None:
-        if had is None:
-            block.__dict__.pop("forward", None)
-        else:
-            block.forward = had
-
-    block.forward = forward
-    return undo
 
 
 def _shard_loaded(module: torch.nn.Module, state_dict: dict, prefix: str, *args: Any) -> None:

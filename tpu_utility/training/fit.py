@@ -48,11 +48,12 @@ from .agreement import ReplicaAgreement
 from .events import Events, check_callbacks
 from .history import History
 from .metrics import METRICS, CrossEntropy, accuracy, check_loss_fn, per_sample_loss, resolve_metrics
-from .memory import refuse_replicating
+from .memory import auto_shards, refuse_replicating
 from .monitor import Mode, StopRule, parse_duration, resolve_mode
 from .runner import (LAUNCHED_MODE, Precision, Strategy, available_cores, check_precision, choose_strategy, process_mode,
                      resolve_cores)  # fmt: skip
 from .schedule import LrSchedule, OneCycle, ScheduleName, check_warmup
+from .strategies import FSDP, resolve_strategy
 from .trainer import FitPlan, Steps, train
 
 __all__ = ["one_cycle_fit", "resolve_optimizer", "resolve_cores", "choose_strategy", "available_cores",
@@ -196,7 +197,7 @@ def one_cycle_fit(
     optimizer: str | Callable[..., torch.optim.Optimizer] = "adamw",
     batch_size: int | None = None,
     cores: int | str = 1,
-    strategy: Strategy = "auto",
+    strategy: Strategy | FSDP = "auto",
     precision: Precision = "fp32",
     metrics: str | Metric | Sequence[str | Metric] | dict[str, Any] | None = None,
     accumulate_steps: int = 1,
@@ -248,8 +249,10 @@ def one_cycle_fit(
             (first parameter named ``model``, or timm's ``model_or_params``) building its own param groups.
         batch_size: Per-core batch size (default 64, or the DataLoader's own).
         cores: 1, "all", or the number of all cores.
-        strategy: "auto" (SPMD for several cores), "spmd", "multiprocess" or "fsdp" (SPMD with the
-            parameters, gradients and optimizer state sharded over all cores: docs/large_models.md).
+        strategy: "auto" (SPMD for several cores; on XLA "fsdp" when the memory plan says one replica
+            cannot fit a chip and a shard can, said on the summary line), "spmd", "multiprocess", "fsdp"
+            (SPMD with the parameters, gradients and optimizer state sharded over all cores, each block
+            checkpointed: docs/large_models.md), or ``FSDP(wrap=..., checkpoint=...)`` for its options.
         precision: "fp32", "bf16" (autocast on TPU, casting on XLA:CPU) or "fp16":
             float16 autocast around the forward and the loss, with torch's ``GradScaler``
             (the loss scaled before backward, the gradients unscaled before clipping, a
@@ -341,6 +344,9 @@ def one_cycle_fit(
         >>> # was: get_scheduler("linear", opt, num_warmup_steps=0.1 * total, num_training_steps=total)
         >>> history = one_cycle_fit(model, train_ds, epochs=3, max_lr=5e-5,  # doctest: +SKIP
         ...                         schedule="linear", warmup=0.1)
+        >>> # was: FSDP(model, auto_wrap_policy=...) around a CUDA loop: a model one chip cannot hold
+        >>> history = one_cycle_fit(model, train_ds, epochs=1, max_lr=2e-5,  # doctest: +SKIP
+        ...                         cores="all", strategy=FSDP(checkpoint=True))
     """
     factory = None
     if not isinstance(model, nn.Module):
@@ -370,11 +376,16 @@ def one_cycle_fit(
     metric_table = resolve_metrics(metrics, loss_fn is None)
     callbacks = check_callbacks(callbacks)
     stop = _stop_rule(monitor, mode, early_stopping, restore_best, time_limit, (valid_data is not None, metric_table))
-    n_cores, run_mode = process_mode(cores, strategy)
+    word, sharding = resolve_strategy(strategy)
+    n_cores, run_mode = process_mode(cores, word)
     processes = n_cores if run_mode in LAUNCHED_MODE else 1
     train_spec, valid_spec = _loader_specs(train_data, valid_data, batch_size, num_workers, processes)
-    if factory is None:  # a model that cannot be replicated: said now, not after minutes of compiling
-        refuse_replicating(model, n_cores, train_spec.batch_size, optimizer, precision)
+    why = ""
+    if factory is None:  # a model that cannot fit: said now, not after minutes of compiling
+        if word == "auto" and run_mode == "spmd":  # the plan may choose to shard
+            why = auto_shards(model, n_cores, train_spec.batch_size, optimizer, precision)
+            run_mode, sharding = ("fsdp", FSDP()) if why else (run_mode, sharding)
+        refuse_replicating(model, n_cores, train_spec.batch_size, optimizer, precision, sharded=run_mode == "fsdp")
     loss = loss_fn if loss_fn is not None else CrossEntropy()
     if valid_spec is not None:
         per_sample_loss(loss)  # fail now, not after the first epoch
@@ -401,7 +412,8 @@ def one_cycle_fit(
         epochs=epochs, train=train_spec, valid=valid_spec, steps=steps,
         optimizer=opt_factory, optimizer_name=opt_name, optimizer_args=_optimizer_args(optimizer, weight_decay),
         metrics=metric_table, checkpoint_dir=checkpoint_dir, overwrite=overwrite, precision=precision,
-        seed=seed, progress=progress, cores=n_cores, mode=run_mode, callbacks=callbacks,
+        seed=seed, progress=progress, cores=n_cores, mode=run_mode, sharding=sharding, strategy_note=why,
+        callbacks=callbacks,
         builtins=builtin_callbacks(lr_schedule, stop, checkpoints, progress, run_shape),
     )  # fmt: skip
     if run_mode not in LAUNCHED_MODE:

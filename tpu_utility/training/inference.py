@@ -17,18 +17,21 @@ from . import agreement
 from ..data.loaders import LabelCheck, LoaderSpec, unpack_loader
 from ..huggingface import is_causal_lm
 from .metrics import CrossEntropy, MetricSet, check_loss_fn, resolve_metrics
-from .runner import EvalStep, Precision, Runner, default_eval_step, default_predict_step, process_mode
+from .runner import EvalStep, Precision, Runner, Strategy, default_eval_step, default_predict_step, process_mode
+from .strategies import FSDP, resolve_strategy
 
 
-def _runner(model: nn.Module, cores: int | str, precision: str, spec: LoaderSpec, what: str) -> Runner:
+def _runner(model: nn.Module, cores: int | str, precision: str, spec: LoaderSpec, what: str, strategy: Any) -> Runner:
     """The Runner for ``predict`` or ``evaluate``; the replicas of a job given different data each run alone
-    (``predict``: each gets its own rows) or are refused (``evaluate``: no one figure is asked for)."""
+    (``predict``: each gets its own rows) or are refused (``evaluate``: no one figure is asked for).
+    ``strategy``: as ``one_cycle_fit`` takes it ("fsdp" or ``FSDP(...)``: the model sharded over all cores)."""
     if isinstance(model, type):
         raise TypeError(f"model is the class {model.__qualname__}, not a model; give an instance, "
                         f"{model.__qualname__}(...), with its trained weights")  # fmt: skip
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, but given {model!r}")
-    _, mode = process_mode(cores)
+    word, sharding = resolve_strategy(strategy)
+    _, mode = process_mode(cores, word)
     differ = agreement.data_differences(spec.dataset, backend.device()) if mode == "replica" else []
     if differ:
         if what == "evaluate":
@@ -39,7 +42,7 @@ def _runner(model: nn.Module, cores: int | str, precision: str, spec: LoaderSpec
                 f"predict(model, its_data) gives every replica its own rows to score"
             )
         mode = "single"  # each replica predicts its own data, every row of it, alone
-    return Runner(model, precision, mode)
+    return Runner(model, precision, mode, sharding)
 
 
 def predict(
@@ -49,6 +52,7 @@ def predict(
     cores: int | str = 1,
     batch_size: int | None = None,
     precision: Precision = "fp32",
+    strategy: Strategy | FSDP = "auto",
     predict_step: Callable[[nn.Module, Any], Any] | None = None,
     tta: Sequence[Callable[[Any], Any]] | None = None,
     progress: bool = True,
@@ -86,6 +90,8 @@ def predict(
         batch_size: Per core (default 64, or the DataLoader's own).
         precision: "fp32", "bf16" or "fp16" (float16 autocast only: no backward, so no
             GradScaler; CUDA and the CPU, refused on TPUs as in ``one_cycle_fit``).
+        strategy: As ``one_cycle_fit`` takes it: "fsdp" or ``FSDP(...)`` (with ``cores="all"``) predicts with
+            the parameters sharded over the cores, for a model that one chip cannot hold; the rows are the same.
         predict_step: ``(model, batch) -> output`` replacing ``model(x)``.
         tta: Batch transforms whose outputs are averaged on the device (include
             ``lambda b: b`` to keep the plain prediction among them). Each gets
@@ -110,11 +116,12 @@ def predict(
         >>> # was: model.eval(); torch.cat([model(x.cuda()).cpu() for x, _ in loader])
         >>> probs = predict(model, test_ds, cores="all").softmax(-1)   # doctest: +SKIP
         >>> pd.DataFrame({"id": ids, "label": probs.argmax(1)}).to_csv("submission.csv")  # doctest: +SKIP
+        >>> logits = predict(llm, test_ds, cores="all", strategy="fsdp")   # doctest: +SKIP
     """
     if tta is not None and (isinstance(tta, (str, bytes)) or not all(callable(t) for t in tta)):
         raise TypeError(f"tta must be a list of batch transforms (callables), but given {tta!r}")
     spec = _every_sample_once(unpack_loader(data, batch_size, "data"))
-    runner = _runner(model, cores, precision, spec, "predict")
+    runner = _runner(model, cores, precision, spec, "predict", strategy)
     try:
         return runner.predict(runner.eval_loader(spec), predict_step or default_predict_step, tta, progress)
     finally:
@@ -146,6 +153,7 @@ def evaluate(
     cores: int | str = 1,
     batch_size: int | None = None,
     precision: Precision = "fp32",
+    strategy: Strategy | FSDP = "auto",
     eval_step: Callable[[nn.Module, Any], Any] | None = None,
 ) -> dict[str, float]:
     """Exact loss and metrics over every sample (each counted once on any number of cores).
@@ -162,7 +170,7 @@ def evaluate(
             naming them. Default "accuracy" with the default loss.
         loss_fn: Default ``nn.CrossEntropyLoss()`` over the class dimension (the last for ``(N, T, C)``
             scores against ``(N, T)`` targets); targets of -100 count in no figure.
-        cores, batch_size, precision: As for ``predict``.
+        cores, batch_size, precision, strategy: As for ``predict``.
         eval_step: ``(model, batch) -> (output, target)``.
 
     Returns:
@@ -176,7 +184,7 @@ def evaluate(
     check_loss_fn(loss_fn)
     spec = unpack_loader(data, batch_size, "data")
     table = resolve_metrics(metrics, loss_fn is None)
-    runner = _runner(model, cores, precision, spec, "evaluate")
+    runner = _runner(model, cores, precision, spec, "evaluate", strategy)
     try:
         metric_set = MetricSet(table, loss_fn or CrossEntropy(), runner.device)
         loader, step = runner.eval_loader(spec), eval_step or default_eval_step

@@ -24,7 +24,8 @@ from .events import Loop, StopFit, TrainerLoop
 from .fit import check_number, check_seed, resolve_optimizer
 from .history import closed_figure
 from .metrics import CrossEntropy, check_loss_fn
-from .runner import Placement
+from .runner import Placement, process_mode
+from .strategies import FSDP, resolve_strategy
 from .trainer import FitPlan, Steps, train
 
 
@@ -122,6 +123,7 @@ def find_lr(
     diverge_factor: float = 4.0,
     read_every: int = 10,
     seed: int = 0,
+    strategy: str | FSDP = "auto",
 ) -> LRFinderResult:
     """Sweeps the learning rate from ``start_lr`` to ``end_lr`` exponentially.
 
@@ -131,6 +133,9 @@ def find_lr(
     train/eval mode as before, and the global random state is as it was
     (``seed`` orders the data and seeds the sweep's own random ops, as in
     ``one_cycle_fit``, whose loop the sweep runs).
+
+    ``strategy``: "auto" sweeps on one core; "spmd", "fsdp" or ``FSDP(...)`` (as ``one_cycle_fit`` takes
+    them) on all cores, "fsdp" with the parameters sharded, for a model that one chip cannot hold.
 
     Returns:
         LRFinderResult with ``lrs``, smoothed ``losses``, ``suggested_lr`` and ``plot()``.
@@ -143,7 +148,13 @@ def find_lr(
         >>> # was: an lr_finder from another library, or guessing
         >>> result = find_lr(model, train_ds)                 # doctest: +SKIP
         >>> one_cycle_fit(model, train_ds, epochs=5, max_lr=result.suggested_lr)  # doctest: +SKIP
+        >>> result = find_lr(llm, train_ds, strategy="fsdp")  # doctest: +SKIP
     """
+    word, sharding = resolve_strategy(strategy)
+    if word not in ("auto", "spmd", "fsdp"):
+        raise ValueError(f"find_lr's strategy must be 'auto' (one core), 'spmd', 'fsdp' or FSDP(...) (all cores), "
+                         f"but given {strategy!r}")  # fmt: skip
+    cores, mode = (1, "single") if word == "auto" else process_mode("all", word)  # "auto": one core, as always
     _check_sweep(start_lr, end_lr, num_steps, smooth, diverge_factor)
     check_loss_fn(loss_fn)
     if isinstance(read_every, bool) or not isinstance(read_every, int) or read_every < 1:
@@ -156,6 +167,7 @@ def find_lr(
         epochs=num_steps, train=unpack_loader(train_data, batch_size, "train_data"), valid=None,
         steps=Steps(loss_fn or CrossEntropy(), default_loss=loss_fn is None), optimizer=make_opt,
         optimizer_name=name, optimizer_args={}, metrics={}, seed=check_seed(seed), progress=False, builtins=[sweep],
+        cores=cores, mode=mode, sharding=sharding,
     )  # fmt: skip
     found, saved = Placement.of(model), {k: v.detach().clone() for k, v in model.state_dict().items()}
     python_state, xla_state = random.getstate(), backend.rng_state() if backend.current().lazy else None

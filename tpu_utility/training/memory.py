@@ -22,6 +22,7 @@ from torch import nn
 
 from .. import backend
 from ..backend.hardware import tpu_device_memory
+from ..sharding import block_classes
 
 # the share of a chip's memory a plan may fill: XLA's own buffers, fragmentation and the compiler's temporaries
 # take the rest (generation's KV-cache check leaves the same)
@@ -290,19 +291,45 @@ def memory_plan(
     return MemoryPlan(tuple(terms), shards, _device_memory(device_memory), tuple(notes))
 
 
-def refuse_replicating(model: nn.Module, cores: int, batch_size: int, optimizer: Any, precision: str) -> None:
-    """Refuses, before anything compiles, a replicated run whose parameters, gradients and optimizer state
-    alone cannot fit one chip, naming the figures and the ways out (sharding, LoRA, bf16).
+def auto_shards(model: nn.Module, cores: int, batch_size: int, optimizer: Any, precision: str) -> str:
+    """For ``strategy="auto"`` on several cores: why FSDP is chosen (the plan's figures) when one replica's
+    parameters, gradients and optimizer state cannot fit a chip and a shard of them can; "" otherwise (and
+    where the chip's memory is unknown), which leaves the run replicated.
+
+    Example:
+        >>> auto_shards(nn.Linear(4, 4), 4, 8, "adamw", "fp32")   # the CPU: no chip memory to compare with
+        ''
+    """
+    plan = memory_plan(model, cores=cores, batch_size=batch_size, optimizer=optimizer, precision=precision)
+    if plan.fits_replicated or not plan.fits_sharded:
+        return ""
+    return (f"strategy='auto' chose fsdp: one replica needs {_gb(plan.replicated)} per chip, more than the "
+            f"{_gb(plan.usable)} usable of {_gb(plan.device_memory)}; sharded over {cores}: {_gb(plan.sharded)}")  # fmt: skip
+
+
+def refuse_replicating(model: nn.Module, cores: int, batch_size: int, optimizer: Any, precision: str,
+                       sharded: bool = False) -> None:  # fmt: skip
+    """Refuses, before anything compiles, a run whose parameters, gradients and optimizer state alone cannot
+    fit one chip (replicated, or ``sharded`` over ``cores``), naming the figures and the ways out (sharding,
+    LoRA, bf16, more chips).
 
     Activations are left out (the batch's length is not known here), so a refusal is never a guess.
     Nothing is checked where the chip's memory is unknown (the CPU without ``TPU_UTILITY_DEVICE_MEMORY_GB``).
 
     Raises:
-        ValueError: the plan's replicated figure, the chip's memory, and the sharded figure.
+        ValueError: the plan's replicated (or sharded) figure, the chip's memory, and the sharded figure.
     """
     plan = memory_plan(model, cores=cores, batch_size=batch_size, optimizer=optimizer, precision=precision)
-    if plan.fits_replicated:
+    if plan.fits_sharded if sharded else plan.fits_replicated:
         return
+    if sharded:
+        raise ValueError(
+            f"{type(model).__name__} does not fit the chips even sharded: strategy='fsdp' over {cores} cores needs "
+            f"{_gb(plan.sharded)} per chip, mostly {plan.dominant()} ({_gb(plan.term(plan.dominant()).sharded)}), "
+            f"but a chip has {_gb(plan.device_memory)} ({HEADROOM:.0%} usable; {backend.MEMORY_ENV} sets it). Ways "
+            f"out: more chips, LoRA adapters (peft), a bf16 model, an optimizer with less state (sgd). "
+            f"memory_plan(model, ...) prints the table"
+        )
     state = [t for t in plan.terms if not t.name.startswith("one block")]
     parts = ", ".join(f"{t.name} {_gb(t.replicated)}" for t in state)
     ways = []
@@ -354,8 +381,6 @@ def _inner(model: nn.Module) -> nn.Module:
 
 def _largest_block(model: nn.Module) -> list[nn.Parameter]:
     """The parameters of the largest module of the block class FSDP wraps (``block_classes``), or []."""
-    from .strategies.blocks import block_classes
-
     try:
         classes = block_classes(model)
     except ValueError:
@@ -364,5 +389,5 @@ def _largest_block(model: nn.Module) -> list[nn.Parameter]:
     return max((list(m.parameters()) for m in blocks), key=lambda ps: sum(p.numel() for p in ps), default=[])
 
 
-__all__ = ["memory_plan", "MemoryPlan", "refuse_replicating", "Term", "TransformerShape", "activation_bytes", "optimizer_states",
+__all__ = ["memory_plan", "MemoryPlan", "auto_shards", "refuse_replicating", "Term", "TransformerShape", "activation_bytes", "optimizer_states",
            "shard_bytes", "HEADROOM"]  # fmt: skip

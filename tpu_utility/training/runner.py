@@ -495,7 +495,8 @@ class Runner:
         >>> for batch, index in runner.batches(loader): ...          # doctest: +SKIP
     """
 
-    def __init__(self, model: nn.Module, precision: str = "fp32", mode: str = "single") -> None:
+    def __init__(self, model: nn.Module, precision: str = "fp32", mode: str = "single", sharding: Any = None,
+                 why: str = "") -> None:  # fmt: skip
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be an nn.Module, but given {model!r}")
         self.found = Placement.of(model)
@@ -510,7 +511,8 @@ class Runner:
         move_model(model, self.device)
         if self.precision.mode == "cast":
             model.to(torch.bfloat16)
-        self.strategy = room(mode)  # the parameters sharded under "fsdp"; nothing to do replicated
+        # the parameters sharded under "fsdp" (``sharding``: its FSDP options, ``why``: what chose it); nothing replicated
+        self.strategy = room(mode, sharding, why)
         self.strategy.enter(model)
         # a transformers model's masks built on the device: no host read per forward on XLA (given back after)
         self.found_attention = static_masks(model) if self.lazy else None

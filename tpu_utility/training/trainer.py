@@ -80,6 +80,8 @@ class FitPlan:
     progress: bool = True
     cores: int = 1
     mode: str = "single"
+    sharding: Any = None  # mode "fsdp": its FSDP options
+    strategy_note: str = ""  # what chose the strategy when the user did not (strategy="auto" from the memory plan)
     callbacks: list[Any] = field(default_factory=list)
     builtins: list[Any] = field(default_factory=list)
 
@@ -92,7 +94,7 @@ class Loop:
         self.plan, self.epochs = plan, plan.epochs
         torch.manual_seed(plan.seed)
         random.seed(plan.seed)
-        self.runner = runner = Runner(model, plan.precision, plan.mode)
+        self.runner = runner = Runner(model, plan.precision, plan.mode, plan.sharding, plan.strategy_note)
         if runner.lazy:
             backend.set_rng_state(plan.seed)
         self.model, self.device = runner.model, runner.device
@@ -446,6 +448,7 @@ def _summary(loop: Loop) -> str:
         f"one_cycle_fit: {plan.mode} on {loop.cores} {kind} core(s) | batch {plan.train.batch_size} per core, "
         f"{runner.topology.global_batch(plan.train.batch_size)} global | {loop.batches} batches/epoch per core "
         f"x {plan.epochs} epochs = {loop.total_steps} optimizer steps | "
+        + (f"{runner.strategy.note} | " if runner.strategy.note else "")
         + "".join(f"{part} | " for part in schedule)
         + f"{runner.precision.label} | {plan.optimizer_name}{' (torch_xla sync-free, fused)' if loop.fused else ''}"
         + (f" | peak lr per param group x{[round(r, 6) for r in loop.lr_ratios]}" if set(loop.lr_ratios) != {1.0} else "")

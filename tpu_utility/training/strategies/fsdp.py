@@ -3,25 +3,24 @@
 On XLA the backend applies FSDPv2's steps to the model in place (``backend.shard_parameters``): the model
 keeps its own modules and key names, so a checkpoint, ``history.model`` or ``predict`` never asks which
 strategy trained it. Batches are sharded over the same devices as under ``strategy="spmd"``, and the model's
-output on its batch dimension (so the compiler never replicates the logits).
+output on its batch dimension (so the compiler never replicates the logits). Each block recomputes its
+activations in the backward unless ``FSDP(checkpoint=False)`` (``sharding.apply_sharding``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
+from typing import Callable
 
-import torch
 from torch import nn
 
-from ... import backend
-from .blocks import block_classes
+from ...sharding import FSDP, apply_sharding, blocks_of
 
 
 class Replicated:
     """Every core holds the whole model (single core, SPMD data parallel, replicas): nothing to do."""
 
     name = "replicated"
+    note = ""  # said on the summary line
 
     def enter(self, model: nn.Module) -> None:
         """Called once the model is on its device."""
@@ -31,36 +30,31 @@ class Replicated:
 
 
 class Fsdp(Replicated):
-    """Each core holds 1/N of every parameter; the blocks (``block_classes``) are gathered one at a time."""
+    """Each core holds 1/N of every parameter; the blocks (``block_classes``) are gathered one at a time.
+
+    ``why``: what chose it, when not the user (``strategy="auto"`` from the memory plan).
+    """
 
     name = "fsdp"
 
-    def __init__(self, wrap: Any = None) -> None:
-        self.wrap = wrap
-        self._undo: list[Any] = []
+    def __init__(self, options: FSDP | None = None, why: str = "") -> None:
+        self.options = options or FSDP()
+        self.why = why
+        self._undo: Callable[[], None] | None = None
+        self.note = ""
 
     def enter(self, model: nn.Module) -> None:
-        classes = block_classes(model, self.wrap)
-        blocks = [m for m in model.modules() if isinstance(m, classes)]
-        self._undo = [backend.current().shard_parameters(model, blocks), model.register_forward_hook(_shard_output).remove]
+        self._undo = apply_sharding(model, self.options)
+        checkpointed = ", each checkpointed" if self.options.checkpoint else ""
+        self.note = f"fsdp: {blocks_of(model, self.options)} gathered one at a time{checkpointed}"
+        self.note += f" ({self.why})" if self.why else ""
 
     def leave(self, model: nn.Module) -> None:
-        for undo in self._undo:
-            undo()
-        self._undo = []
+        if self._undo is not None:
+            self._undo()
+        self._undo = None
 
 
-def _shard_output(module: nn.Module, inputs: Any, output: Any) -> None:
-    """The output's scores sharded on the batch dimension: the tensor, a ``ModelOutput``'s logits, a tuple's first."""
-    scores = output
-    if not isinstance(output, torch.Tensor) and isinstance(output, Mapping):
-        scores = output.get("logits")
-    elif isinstance(output, tuple) and output:
-        scores = output[0]
-    if isinstance(scores, torch.Tensor) and scores.dim() > 0:
-        backend.shard_batch([scores])
-
-
-def room(mode: str) -> Replicated:
-    """The strategy room for a run mode: ``Fsdp`` for "fsdp", else ``Replicated``."""
-    return Fsdp() if mode == "fsdp" else Replicated()
+def room(mode: str, options: FSDP | None = None, why: str = "") -> Replicated:
+    """The strategy room for a run mode: ``Fsdp(options, why)`` for "fsdp", else ``Replicated``."""
+    return Fsdp(options, why) if mode == "fsdp" else Replicated()
