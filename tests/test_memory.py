@@ -165,8 +165,10 @@ def test_auto_shards_only_between_the_two_figures_and_a_sharded_run_that_cannot_
 
 
 def test_checkpoint_module_recomputes_one_block_with_the_same_gradients_and_gives_forward_back():
+    from tpu_utility import get_device
     from tpu_utility.backend.base import Backend
 
+    get_device()  # the XLA runtime first: a CPU backward before it would break this process's XLA backwards
     torch.manual_seed(0)
     block = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 4))
     x = torch.randn(3, 4, requires_grad=True)
