@@ -7,7 +7,8 @@ per request: ``{"code", "env", "cwd", "stdout", "stderr"}``. For each it forks a
 child's CPU seconds).
 
 The child becomes what ``python -c code`` would have been: a session of its own (the caller kills its whole
-group on a timeout), the request's environment (plus what the imports here set, as they would have set it),
+group on a timeout), the request's environment (with what the imports here set, where the request left those variables as
+they were before the imports),
 its working directory, ``sys.path`` and ``sys.argv`` of ``-c``, a new empty ``__main__``, stdin from
 /dev/null and stdout/stderr into the given files. Nothing here starts a runtime: the imports start no XLA
 client, so each child starts its own, as a fresh interpreter does. The child's end unwinds out of this loop
@@ -22,8 +23,8 @@ import sys
 import types
 
 
-def _preload() -> dict[str, str]:
-    """Imports what most child scripts import; returns what the imports set in the environment."""
+def _preload() -> dict[str, tuple[str | None, str]]:
+    """Imports what most child scripts import; returns what the imports set in the environment: {name: (before, after)}."""
     before = dict(os.environ)
     import torch  # noqa: F401
 
@@ -38,16 +39,17 @@ def _preload() -> dict[str, str]:
         from transformers import GPT2LMHeadModel, LlamaForCausalLM  # noqa: F401
     except ImportError:
         pass
-    return {k: v for k, v in os.environ.items() if before.get(k) != v}
+    return {k: (before.get(k), v) for k, v in os.environ.items() if before.get(k) != v}
 
 
-def _become(request: dict, imported_env: dict[str, str], base_path: list[str]) -> None:
+def _become(request: dict, imported_env: dict[str, tuple[str | None, str]], base_path: list[str]) -> None:
     """In the forked child: the process ``python -c request["code"]`` would have started; never returns."""
     os.setsid()
     os.environ.clear()
     os.environ.update(request["env"])
-    for key, value in imported_env.items():
-        os.environ.setdefault(key, value)
+    for key, (before, after) in imported_env.items():  # as the imports would have set it from this environment
+        if os.environ.get(key) == before:
+            os.environ[key] = after
     os.chdir(request["cwd"])
     for fd, path, flags in ((0, os.devnull, os.O_RDONLY), (1, request["stdout"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC),
                             (2, request["stderr"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC)):  # fmt: skip
