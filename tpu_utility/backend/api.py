@@ -5,7 +5,9 @@ runtime runs or is asked for (a TPU attached, or ``PJRT_DEVICE`` set), TorchTPU 
 ``torch.accelerator`` reports a ``tpu`` device and Google's ``torch-tpu`` is installed,
 then the native backend on ``torch.accelerator``'s device (``cuda`` + ``nccl``), else
 the CPU (``gloo``). Until a runtime starts the choice is made again at each call, so
-``setup_tpu()`` may still set ``PJRT_DEVICE``; once one runs it is fixed.
+``setup_tpu()`` may still set ``PJRT_DEVICE``; once one runs it is fixed. A process in a
+``torch.distributed`` job of another backend (gloo, nccl) stays native: torch_xla imported
+after it joined sets ``PJRT_DEVICE``, which then chooses nothing.
 
 Example:
     >>> from tpu_utility import backend
@@ -26,7 +28,7 @@ import torch
 from . import choice, xla
 from .base import Backend, Counters, ReduceOp, SyncKind, patch_tensor_methods
 from .hardware import MEMORY_ENV, TpuHardware, detect_tpu, memory_override, pjrt_device
-from .native import NativeBackend
+from .native import NativeBackend, distributed_ready
 from .tpu import TorchTpuBackend
 from .versions import INSTALL_HINT, check_versions, fix_command, installed_version, torch_tpu_installed
 from .xla import (
@@ -58,9 +60,22 @@ def accelerator_type() -> str | None:
         return None
 
 
+def _native_job() -> str | None:
+    """The backend of the ``torch.distributed`` job this process is in ("gloo", "nccl"...), None outside one
+    or in torch_xla's own ("xla"): a group the package joined (``join_job``, ``launch``) or the user made.
+
+    Such a process stays on the native backend: an import of torch_xla after it joined (``from transformers
+    import ...`` does one) sets ``PJRT_DEVICE``, which must not move the rest of the job to XLA.
+    """
+    if not distributed_ready():
+        return None
+    group = str(torch.distributed.get_backend())
+    return None if group == "xla" else group
+
+
 def _choose() -> Backend:
     name, where = choice.asked()
-    if name == "xla" or (name == "auto" and (runtime_started() or xla_requested())):
+    if name == "xla" or (name == "auto" and (runtime_started() or (xla_requested() and _native_job() is None))):
         if not XLA_INSTALLED:
             raise ModuleNotFoundError(f"{where} needs torch_xla, which is not installed. Install it with: {INSTALL_HINT}")
         return _XLA
@@ -68,6 +83,11 @@ def _choose() -> Backend:
     if name == "tpu" and not (kind == "tpu" and torch_tpu_installed()):
         found = "torch_tpu is not installed" if not torch_tpu_installed() else f"torch.accelerator reports {kind!r}"
         raise RuntimeError(f"{where} asks for TorchTPU (device 'tpu'), but {found}. Allowed here: 'native', 'xla', 'auto'")
+    return _native_on(kind)
+
+
+def _native_on(kind: str) -> Backend:
+    """The one native backend object of device type ``kind`` (TorchTPU's for "tpu" where it is installed)."""
     if kind not in _native:
         if kind == "tpu" and torch_tpu_installed():
             _native[kind] = TorchTpuBackend()
@@ -77,7 +97,7 @@ def _choose() -> Backend:
 
 
 def current() -> Backend:
-    """The backend of this process (fixed once its runtime started).
+    """The backend of this process (fixed once its runtime started, or once it is in a native job).
 
     A backend that never starts a runtime (plain PyTorch in one process) is chosen again
     only when what the choice is made from changed: the training loop asks at every step.
@@ -85,11 +105,11 @@ def current() -> Backend:
     global _fixed, _unfixed
     if _fixed is not None:
         return _fixed
-    inputs = (*choice.inputs(), runtime_started())
+    inputs = (*choice.inputs(), runtime_started(), _native_job())
     if _unfixed is not None and _unfixed[0] == inputs:
         return _unfixed[1]
     chosen = _choose()
-    if chosen.started():
+    if chosen.started() or (chosen is not _XLA and _native_job() is not None):
         _fixed, _unfixed = chosen, None
     else:
         _unfixed = (inputs, chosen)
@@ -108,6 +128,8 @@ def ask(name: str, where: str = "setup_tpu(backend=...)") -> Backend:
     try:
         chosen = _choose()
         running = _fixed or (_XLA if runtime_started() else None)
+        if running is None and _native_job() is not None:
+            running = _native_on(accelerator_type() or "cpu")
         if running is not None and running is not chosen:
             raise RuntimeError(
                 f"{where.replace('...', repr(name))} cannot switch this process to the {chosen.name} backend: "
@@ -127,6 +149,8 @@ def why() -> str:
     if name != "auto":
         ignored = f"; {choice.pjrt_origin()}, ignored" if name != "xla" and pjrt_device() else ""
         return f"{where}{ignored}"
+    if chosen is not _XLA and _native_job() is not None and xla_requested():
+        return f"this process is in a torch.distributed job ({_native_job()}); {choice.pjrt_origin()}, ignored"
     if chosen is _XLA:
         if runtime_started() and pjrt_device() is None:
             return "the XLA runtime already runs in this process"
