@@ -28,7 +28,7 @@ import torch
 from . import choice, xla
 from .base import Backend, Counters, ReduceOp, SyncKind, patch_tensor_methods
 from .hardware import MEMORY_ENV, TpuHardware, detect_tpu, memory_override, pjrt_device
-from .native import NativeBackend, distributed_ready
+from .native import NativeBackend
 from .tpu import TorchTpuBackend
 from .versions import INSTALL_HINT, check_versions, fix_command, installed_version, torch_tpu_installed
 from .xla import (
@@ -60,22 +60,9 @@ def accelerator_type() -> str | None:
         return None
 
 
-def _native_job() -> str | None:
-    """The backend of the ``torch.distributed`` job this process is in ("gloo", "nccl"...), None outside one
-    or in torch_xla's own ("xla"): a group the package joined (``join_job``, ``launch``) or the user made.
-
-    Such a process stays on the native backend: an import of torch_xla after it joined (``from transformers
-    import ...`` does one) sets ``PJRT_DEVICE``, which must not move the rest of the job to XLA.
-    """
-    if not distributed_ready():
-        return None
-    group = str(torch.distributed.get_backend())
-    return None if group == "xla" else group
-
-
 def _choose() -> Backend:
     name, where = choice.asked()
-    if name == "xla" or (name == "auto" and (runtime_started() or (xla_requested() and _native_job() is None))):
+    if name == "xla" or (name == "auto" and (runtime_started() or xla_requested())):
         if not XLA_INSTALLED:
             raise ModuleNotFoundError(f"{where} needs torch_xla, which is not installed. Install it with: {INSTALL_HINT}")
         return _XLA
@@ -105,11 +92,11 @@ def current() -> Backend:
     global _fixed, _unfixed
     if _fixed is not None:
         return _fixed
-    inputs = (*choice.inputs(), runtime_started(), _native_job())
+    inputs = (*choice.inputs(), runtime_started())
     if _unfixed is not None and _unfixed[0] == inputs:
         return _unfixed[1]
     chosen = _choose()
-    if chosen.started() or (chosen is not _XLA and _native_job() is not None):
+    if chosen.started() or (chosen is not _XLA and choice.native_job() is not None):
         _fixed, _unfixed = chosen, None
     else:
         _unfixed = (inputs, chosen)
@@ -128,7 +115,7 @@ def ask(name: str, where: str = "setup_tpu(backend=...)") -> Backend:
     try:
         chosen = _choose()
         running = _fixed or (_XLA if runtime_started() else None)
-        if running is None and _native_job() is not None:
+        if running is None and choice.native_job() is not None:
             running = _native_on(accelerator_type() or "cpu")
         if running is not None and running is not chosen:
             raise RuntimeError(
@@ -149,8 +136,10 @@ def why() -> str:
     if name != "auto":
         ignored = f"; {choice.pjrt_origin()}, ignored" if name != "xla" and pjrt_device() else ""
         return f"{where}{ignored}"
-    if chosen is not _XLA and _native_job() is not None and xla_requested():
-        return f"this process is in a torch.distributed job ({_native_job()}); {choice.pjrt_origin()}, ignored"
+    job = choice.native_job()
+    if chosen is not _XLA and job is not None and XLA_INSTALLED and (pjrt_device() or detect_tpu().chips):
+        found = choice.pjrt_origin() if pjrt_device() else f"a TPU is attached ({detect_tpu().chips} chips)"
+        return f"this process is in a torch.distributed job ({job}); {found}, ignored"
     if chosen is _XLA:
         if runtime_started() and pjrt_device() is None:
             return "the XLA runtime already runs in this process"
