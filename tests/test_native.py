@@ -597,12 +597,18 @@ def test_the_porting_guides_hand_loop_inside_a_torchrun_job_trains_one_model(tmp
     script = tmp_path / "hand_job.py"
     script.write_text(COMMON + HAND_LOOP + f"""
 dist.init_process_group("gloo")   # a torchrun script's own first line
+import importlib.util
+if importlib.util.find_spec("torch_xla") is not None:
+    import torch_xla   # after the user's own group, before the package chose anything: it sets PJRT_DEVICE
+from tpu_utility import get_device
+chosen = [repr(backend.current()), str(get_device())]
 model, losses, calls = hand_loop()
-write({str(out)!r}, backend.rank(), weights=weights(model), losses=losses, calls=calls)
+write({str(out)!r}, backend.rank(), weights=weights(model), losses=losses, calls=calls, chosen=chosen)
 dist.destroy_process_group()
 """)
     _torchrun(script, 2)
     first, second = _ranks(out, 2)
+    assert first["chosen"] == second["chosen"] == ["NativeBackend('cpu', 'gloo')", "cpu"]  # the user's gloo job
     assert first["weights"] == second["weights"]  # bitwise; each replica trained its own before
     assert first["losses"][1] < first["losses"][0]
     assert first["calls"] == second["calls"] == [["all_gather", "all_reduce"]] + [["all_reduce"]] * 11
