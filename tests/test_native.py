@@ -377,7 +377,6 @@ def _generate_job() -> str:
     return f"""
 from tpu_utility import generate
 from tpu_utility.training.generate import Decoder
-os.environ["TPU_UTILITY_BACKEND"] = "native"  # transformers' model imports import torch_xla, which sets PJRT_DEVICE
 {BUILD}
 decoded = []
 _run = Decoder.run
@@ -407,16 +406,31 @@ import torch.distributed as dist
 atexit.register(lambda: open(os.path.join({str(out)!r}, "exit" + os.environ["RANK"]), "w").write(
     "group left" if not dist.is_initialized() else "group still open"))
 
-from tpu_utility import backend, one_cycle_fit, predict
+import importlib.util
+from tpu_utility import backend, evaluate, get_device, one_cycle_fit, predict
 
-history = one_cycle_fit(mlp(), blobs(), valid_data=blobs(300, seed=1), epochs=2, max_lr=3e-2, batch_size=16,
+model = mlp()
+history = one_cycle_fit(model, blobs(), valid_data=blobs(300, seed=1), epochs=2, max_lr=3e-2, batch_size=16,
                         progress=False)
 preds = predict(Echo(), Index(), batch_size=64, progress=False)
+
+# torch_xla imported after the job was joined, as transformers' model imports do: it sets PJRT_DEVICE=CPU,
+# and the process must stay on the job's own gloo backend (it switched to XLA and failed at the next call)
+has_xla = importlib.util.find_spec("torch_xla") is not None
+if has_xla:
+    import torch_xla
+after_xla = [repr(backend.current()), str(get_device()), evaluate(model, blobs(300, seed=1), batch_size=16)["loss"]]
+if has_xla:
+    after_xla.append(backend.why())
+    try:
+        backend.ask("xla")   # what setup_tpu(backend="xla") asks
+    except RuntimeError as error:
+        after_xla.append(str(error))
 
 {_generate_job()}
 write({str(out)!r}, backend.rank(), world=backend.world_size(), summary=history.summary,
       valid=[r.valid_loss for r in history.records], preds_in_order=preds.flatten().tolist() == list(range(1001)),
-      **generated)
+      after_xla=after_xla, **generated)
 """)
     _torchrun(script, 2)
     ranks = _ranks(out, 2)
@@ -430,6 +444,15 @@ write({str(out)!r}, backend.rank(), world=backend.world_size(), summary=history.
         assert alone == [[True, [[0, 1], [2]]]] * 2, alone  # its own 3 prompts, all decoded on that rank
     assert ranks[0] == ranks[1]
     assert ranks[0]["world"] == 2 and ranks[0]["preds_in_order"]
+    # the job stays on gloo after torch_xla's import, says why, and refuses a switch to XLA by name
+    chosen, dev, loss, *said = ranks[0]["after_xla"]
+    assert (chosen, dev) == ("NativeBackend('cpu', 'gloo')", "cpu") and abs(loss - ranks[0]["valid"][-1]) < 1e-4, (
+        ranks[0]["after_xla"], ranks[0]["valid"])
+    if importlib.util.find_spec("torch_xla") is not None:
+        why, refused = said
+        assert why == "this process is in a torch.distributed job (gloo); PJRT_DEVICE=CPU was set by torch_xla " \
+            "when it was imported, ignored", why
+        assert "cannot switch this process to the xla backend: the cpu backend already runs here" in refused, refused
     assert ranks[0]["summary"].startswith("one_cycle_fit: replica on 2 cpu core(s)")
     # The group the package made is destroyed before the interpreter's teardown: left to it,
     # gloo's threads outlived Python and a rank aborted after a good run (SIGABRT in CI).
@@ -574,12 +597,18 @@ def test_the_porting_guides_hand_loop_inside_a_torchrun_job_trains_one_model(tmp
     script = tmp_path / "hand_job.py"
     script.write_text(COMMON + HAND_LOOP + f"""
 dist.init_process_group("gloo")   # a torchrun script's own first line
+import importlib.util
+if importlib.util.find_spec("torch_xla") is not None:
+    import torch_xla   # after the user's own group, before the package chose anything: it sets PJRT_DEVICE
+from tpu_utility import get_device
+chosen = [repr(backend.current()), str(get_device())]
 model, losses, calls = hand_loop()
-write({str(out)!r}, backend.rank(), weights=weights(model), losses=losses, calls=calls)
+write({str(out)!r}, backend.rank(), weights=weights(model), losses=losses, calls=calls, chosen=chosen)
 dist.destroy_process_group()
 """)
     _torchrun(script, 2)
     first, second = _ranks(out, 2)
+    assert first["chosen"] == second["chosen"] == ["NativeBackend('cpu', 'gloo')", "cpu"]  # the user's gloo job
     assert first["weights"] == second["weights"]  # bitwise; each replica trained its own before
     assert first["losses"][1] < first["losses"][0]
     assert first["calls"] == second["calls"] == [["all_gather", "all_reduce"]] + [["all_reduce"]] * 11

@@ -5,7 +5,9 @@ runtime runs or is asked for (a TPU attached, or ``PJRT_DEVICE`` set), TorchTPU 
 ``torch.accelerator`` reports a ``tpu`` device and Google's ``torch-tpu`` is installed,
 then the native backend on ``torch.accelerator``'s device (``cuda`` + ``nccl``), else
 the CPU (``gloo``). Until a runtime starts the choice is made again at each call, so
-``setup_tpu()`` may still set ``PJRT_DEVICE``; once one runs it is fixed.
+``setup_tpu()`` may still set ``PJRT_DEVICE``; once one runs it is fixed. A process in a
+``torch.distributed`` job of another backend (gloo, nccl) stays native: torch_xla imported
+after it joined sets ``PJRT_DEVICE``, which then chooses nothing.
 
 Example:
     >>> from tpu_utility import backend
@@ -68,6 +70,11 @@ def _choose() -> Backend:
     if name == "tpu" and not (kind == "tpu" and torch_tpu_installed()):
         found = "torch_tpu is not installed" if not torch_tpu_installed() else f"torch.accelerator reports {kind!r}"
         raise RuntimeError(f"{where} asks for TorchTPU (device 'tpu'), but {found}. Allowed here: 'native', 'xla', 'auto'")
+    return _native_on(kind)
+
+
+def _native_on(kind: str) -> Backend:
+    """The one native backend object of device type ``kind`` (TorchTPU's for "tpu" where it is installed)."""
     if kind not in _native:
         if kind == "tpu" and torch_tpu_installed():
             _native[kind] = TorchTpuBackend()
@@ -77,7 +84,7 @@ def _choose() -> Backend:
 
 
 def current() -> Backend:
-    """The backend of this process (fixed once its runtime started).
+    """The backend of this process (fixed once its runtime started, or once it is in a native job).
 
     A backend that never starts a runtime (plain PyTorch in one process) is chosen again
     only when what the choice is made from changed: the training loop asks at every step.
@@ -89,7 +96,7 @@ def current() -> Backend:
     if _unfixed is not None and _unfixed[0] == inputs:
         return _unfixed[1]
     chosen = _choose()
-    if chosen.started():
+    if chosen.started() or (chosen is not _XLA and choice.native_job() is not None):
         _fixed, _unfixed = chosen, None
     else:
         _unfixed = (inputs, chosen)
@@ -108,6 +115,8 @@ def ask(name: str, where: str = "setup_tpu(backend=...)") -> Backend:
     try:
         chosen = _choose()
         running = _fixed or (_XLA if runtime_started() else None)
+        if running is None and choice.native_job() is not None:
+            running = _native_on(accelerator_type() or "cpu")
         if running is not None and running is not chosen:
             raise RuntimeError(
                 f"{where.replace('...', repr(name))} cannot switch this process to the {chosen.name} backend: "
@@ -127,6 +136,10 @@ def why() -> str:
     if name != "auto":
         ignored = f"; {choice.pjrt_origin()}, ignored" if name != "xla" and pjrt_device() else ""
         return f"{where}{ignored}"
+    job = choice.native_job()
+    if chosen is not _XLA and job is not None and XLA_INSTALLED and (pjrt_device() or detect_tpu().chips):
+        found = choice.pjrt_origin() if pjrt_device() else f"a TPU is attached ({detect_tpu().chips} chips)"
+        return f"this process is in a torch.distributed job ({job}); {found}, ignored"
     if chosen is _XLA:
         if runtime_started() and pjrt_device() is None:
             return "the XLA runtime already runs in this process"

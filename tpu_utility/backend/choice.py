@@ -3,7 +3,8 @@
 Pure state and checks, no torch: ``api`` and ``xla`` read it. ``"auto"`` leaves the
 choice to what is installed and attached (``api``'s order); ``"native"`` is PyTorch's
 own devices (CUDA or another ``torch.accelerator``, else the CPU) even where torch_xla
-set ``PJRT_DEVICE`` when something imported it; ``"xla"`` is torch_xla (the TPU, else
+set ``PJRT_DEVICE`` when something imported it (``"auto"`` chooses it too in a process that
+already joined a gloo or nccl job); ``"xla"`` is torch_xla (the TPU, else
 XLA on the host CPU); ``"tpu"`` is TorchTPU.
 
 Example:
@@ -57,10 +58,25 @@ def asked() -> tuple[str, str]:
     return from_environment()
 
 
-def inputs() -> tuple[str | None, str | None, str | None]:
+def inputs() -> tuple[str | None, ...]:
     """What the choice is made from and may change in a process, read without checking anything:
-    ``setup_tpu``'s argument, ``TPU_UTILITY_BACKEND`` and ``PJRT_DEVICE``."""
-    return _asked, os.environ.get(VARIABLE), os.environ.get("PJRT_DEVICE")
+    ``setup_tpu``'s argument, ``TPU_UTILITY_BACKEND``, ``PJRT_DEVICE`` and the native job joined."""
+    return _asked, os.environ.get(VARIABLE), os.environ.get("PJRT_DEVICE"), native_job()
+
+
+def native_job() -> str | None:
+    """The backend of the ``torch.distributed`` job this process is in ("gloo", "nccl"...); None outside one,
+    or in torch_xla's own ("xla"). A group the package joined (``join_job``, ``launch``) or the user made.
+
+    With ``"auto"`` such a process stays on the native backend: torch_xla imported after it joined
+    (``from transformers import ...`` imports it) sets ``PJRT_DEVICE``, which must not move the rest of
+    the job to XLA. Read from ``sys.modules``: without torch.distributed imported there is no group.
+    """
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        return None
+    group = str(dist.get_backend())
+    return None if group == "xla" else group
 
 
 def from_environment() -> tuple[str, str]:

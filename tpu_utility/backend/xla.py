@@ -32,11 +32,11 @@ XLA_INSTALLED: bool = module_installed("torch_xla")
 
 def xla_requested() -> bool:
     """True when XLA should be used: torch_xla installed, and asked for (``backend="xla"``), or with
-    ``backend="auto"`` a TPU attached or PJRT_DEVICE set."""
+    ``backend="auto"`` a TPU attached or PJRT_DEVICE set, in a process not in a gloo or nccl job."""
     name, _ = choice.asked()
     if name != "auto":
         return name == "xla" and XLA_INSTALLED
-    return XLA_INSTALLED and (pjrt_device() is not None or detect_tpu().chips > 0)
+    return XLA_INSTALLED and choice.native_job() is None and (pjrt_device() is not None or detect_tpu().chips > 0)
 
 
 def xla_loaded() -> bool:
@@ -142,18 +142,6 @@ CPU_BACKWARD_FIRST = (
 _autograd_ready = False
 
 
-def device(index: int | None = None) -> torch.device:
-    """The XLA device (this process's, or core ``index``). Starts the runtime.
-
-    Raises:
-        RuntimeError: a CPU backward pass ran before the runtime started (``CPU_BACKWARD_FIRST``).
-    """
-    torch_xla = require_xla()
-    chosen = torch_xla.device(index)
-    _check_autograd(chosen)
-    return chosen
-
-
 def _check_autograd(dev: torch.device) -> None:
     """One small backward on ``dev``, traced, never run: the autograd engine sizes its device queues at
     the first backward of the process, so this is that first one once the runtime runs, or it finds the trap
@@ -171,32 +159,12 @@ def _check_autograd(dev: torch.device) -> None:
     _autograd_ready = True
 
 
-def addressable_device_count() -> int:
-    """XLA devices this process can address (starts the runtime)."""
-    require_xla()
-    import torch_xla.runtime as xr
-
-    return xr.addressable_runtime_device_count() if xr.is_spmd() else xr.addressable_device_count()
-
-
 def global_device_count() -> int:
     """All XLA devices of the job (the SPMD mesh size). Starts the runtime."""
     require_xla()
     import torch_xla.runtime as xr
 
     return xr.global_runtime_device_count()
-
-
-def sync(wait: bool = False) -> None:
-    """Cuts the lazy graph here and runs it (torch_xla.sync)."""
-    torch_xla = require_xla()
-    torch_xla.sync(wait=wait)  # since torch_xla 2.4
-
-
-def wait_device_ops() -> None:
-    import torch_xla.core.xla_model as xm
-
-    xm.wait_device_ops()
 
 
 def world_size() -> int:
@@ -206,33 +174,6 @@ def world_size() -> int:
 
         return xr.world_size()
     return 1
-
-
-def ordinal() -> int:
-    """This replica's global rank (xr.global_ordinal); 0 outside a launch."""
-    if xla_loaded() and (runtime_started() or in_launched_process()):
-        import torch_xla.runtime as xr
-
-        return xr.global_ordinal()
-    return 0
-
-
-def launch(fn: Callable[..., Any], args: tuple = (), start_method: str = "spawn") -> None:
-    """Runs ``fn(index, *args)`` once per device in fresh processes."""
-    torch_xla = require_xla()
-    if runtime_started():
-        raise RuntimeError(
-            "The XLA runtime already started in this process, so a multi-process launch "
-            "cannot follow. Restart the kernel and launch before touching the XLA device "
-            "(no get_device(), no tensors on 'xla'), or use one process for all cores: "
-            "use_all_cores() in a hand-written loop, strategy='spmd' in one_cycle_fit."
-        )
-    if hasattr(torch_xla, "launch"):
-        torch_xla.launch(fn, args=args, start_method=start_method)
-    else:  # torch_xla < 2.5
-        import torch_xla.distributed.xla_multiprocessing as xmp
-
-        xmp.spawn(fn, args=args, start_method=start_method)
 
 
 def initialize_cache(path: str) -> bool:
@@ -248,59 +189,6 @@ def initialize_cache(path: str) -> bool:
 
 
 # --------------------------------------------------------------- training
-def reduce_gradients(optimizer: torch.optim.Optimizer) -> None:
-    """All-reduces (averages) gradients across replicas; a no-op on one replica."""
-    import torch_xla.core.xla_model as xm
-
-    xm.reduce_gradients(optimizer)
-
-
-def all_reduce(tensors: list[torch.Tensor], op: str = "sum") -> list[torch.Tensor]:
-    """Reduces each tensor over replicas ("sum", "min" or "max"); identity on one replica.
-
-    Under SPMD there is one replica: the graph already spans every device.
-    """
-    if world_size() == 1:
-        return tensors
-    import torch_xla.core.xla_model as xm
-
-    reduce_type = {"sum": xm.REDUCE_SUM, "min": xm.REDUCE_MIN, "max": xm.REDUCE_MAX}[op]
-    return [xm.all_reduce(reduce_type, t) for t in tensors]
-
-
-def rendezvous(tag: str) -> None:
-    """Waits until every replica gets here (xm.rendezvous)."""
-    if world_size() == 1:
-        return
-    import torch_xla.core.xla_model as xm
-
-    xm.rendezvous(tag)
-
-
-def get_rng_state() -> int:
-    import torch_xla.core.xla_model as xm
-
-    return int(xm.get_rng_state())
-
-
-def set_rng_state(state: int) -> None:
-    import torch_xla.core.xla_model as xm
-
-    xm.set_rng_state(state)
-
-
-def fused_optimizer(name: str) -> type | None:
-    """torch_xla's sync-free Adam / AdamW for ``name``, or None.
-
-    They take the same arguments as torch's and run one fused XLA op per
-    parameter, with the step count on the device, so a learning rate that changes
-    every step (as Python floats) neither syncs nor recompiles, and tracing is cheap.
-    """
-    from torch_xla.amp import syncfree
-
-    return {"adam": syncfree.Adam, "adamw": syncfree.AdamW}.get(name)
-
-
 def checkpoint(function: Callable[..., Any], *args: Any, use_reentrant: bool | None = None, **kwargs: Any) -> Any:
     """torch_xla's activation checkpoint, called as torch's is.
 
@@ -313,30 +201,6 @@ def checkpoint(function: Callable[..., Any], *args: Any, use_reentrant: bool | N
     from torch_xla.utils.checkpoint import checkpoint as xla_checkpoint
 
     return xla_checkpoint(function, *args, use_reentrant=True, **kwargs)
-
-
-def is_fused_optimizer(optimizer: Any) -> bool:
-    if not xla_loaded():
-        return False
-    from torch_xla.amp import syncfree
-
-    return isinstance(optimizer, (syncfree.Adam, syncfree.AdamW))
-
-
-def bf16_autocast_available(hardware: str | None = None) -> bool:
-    """torch_xla's autocast supports TPU (and CUDA builds), but refuses XLA:CPU.
-
-    Args:
-        hardware: The XLA device type ("TPU", "CPU"...); None asks the running
-            runtime (False when none runs).
-    """
-    return (hardware or runtime_device_type()) == "TPU"
-
-
-def autocast(dev: torch.device, dtype: torch.dtype) -> Any:
-    from torch_xla.amp import autocast as xla_autocast
-
-    return xla_autocast(dev, dtype=dtype)
 
 
 # ------------------------------------------------------------------- SPMD
@@ -369,23 +233,6 @@ def is_spmd() -> bool:
     import torch_xla.runtime as xr
 
     return xr.is_spmd()
-
-
-def process_count() -> int:
-    """Processes of the job (one per host on a pod slice under SPMD); 1 off XLA."""
-    if not (runtime_started()):
-        return 1
-    import torch_xla.runtime as xr
-
-    return xr.process_count()
-
-
-def process_index() -> int:
-    if not (runtime_started()):
-        return 0
-    import torch_xla.runtime as xr
-
-    return xr.process_index()
 
 
 @functools.lru_cache(maxsize=None)
@@ -481,30 +328,6 @@ class _Relay:
             self.error = error
 
 
-def device_loader(loader: Any, dev: torch.device, spmd_devices: int | None = None, minibatch: bool = False) -> Any:
-    """torch_xla's MpDeviceLoader: background host-to-device copies, one graph cut per batch.
-
-    With ``spmd_devices``, each batch is sharded along dim 0 over that many
-    devices; ``minibatch`` when each host loads only its share. An exception in
-    the user's Dataset or collate_fn is raised here, in the caller's thread.
-    """
-    import torch_xla.distributed.parallel_loader as pl
-
-    sharding = _BatchSharding(_data_mesh(spmd_devices), minibatch) if spmd_devices else None
-    relay = _Relay(loader)
-    batches = pl.MpDeviceLoader(relay, dev, input_sharding=sharding)
-
-    def relayed() -> Any:
-        import torch_xla.debug.profiler as xp
-
-        xp.set_tracer_marked_step(False)  # a cut left marked by an earlier loop is not this loop's
-        yield from batches
-        if relay.error is not None:
-            raise relay.error
-
-    return relayed()
-
-
 def all_gather(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """Concatenates each tensor over replicas along dim 0; identity on one replica."""
     if world_size() == 1:
@@ -520,14 +343,6 @@ def gather_all_tensors(tensor: torch.Tensor, group: Any = None) -> list[torch.Te
     return list(gathered.unbind(0))
 
 
-def skip_next_loader_sync() -> None:
-    """Tells torch_xla's MpDeviceLoader that the graph was just cut, so its next batch skips its own cut
-    (torch_xla's own flag, which its StepTrace sets for the same reason)."""
-    import torch_xla.debug.profiler as xp
-
-    xp.set_tracer_marked_step(True)
-
-
 def local_shards(t: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
     """Each device's piece of an XLA tensor (SPMD-sharded or not), as (device, CPU tensor)."""
     import torch_xla
@@ -536,12 +351,6 @@ def local_shards(t: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
 
 
 # ---------------------------------------------------------------- metrics
-def clear_metrics() -> None:
-    import torch_xla.debug.metrics as met
-
-    met.clear_all()
-
-
 def compile_count() -> int:
     """Graphs compiled so far in this process (torch_xla's CompileTime metric)."""
     if not xla_loaded():
@@ -581,39 +390,6 @@ def transfer_from_device_count() -> int:
     return int(data[0]) if data else 0
 
 
-def fallback_ops() -> list[str]:
-    """Ops that ran on the host CPU because XLA has no lowering for them.
-
-    torch_xla also lists ``aten::_local_scalar_dense`` there: that is the read
-    of a value by ``.item()`` (a host sync, counted by host_sync_count), not a
-    missing lowering.
-    """
-    if not xla_loaded():
-        return []
-    import torch_xla.debug.metrics as met
-
-    return sorted(op for op in met.executed_fallback_ops() if op != "aten::_local_scalar_dense")
-
-
-def to_cpu(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """Copies XLA tensors to the host in one transfer (CPU tensors pass through).
-
-    Under SPMD, tensors sharded over the devices (a batch, an output computed from
-    one) are first made whole on every device in one graph, which compiles once for
-    their shapes: torch_xla's own transfer of a sharded tensor gathers its shards
-    with a program that it compiles anew at every transfer.
-    """
-    xla = [t for t in tensors if t.device.type == "xla"]
-    if not xla:
-        return [t.detach().cpu() for t in tensors]
-    import torch_xla
-
-    if is_spmd():
-        xla = _replicated(xla)
-    moved = iter(torch_xla._XLAC._xla_get_cpu_tensors(xla))
-    return [next(moved) if t.device.type == "xla" else t.detach().cpu() for t in tensors]
-
-
 def _replicated(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """The tensors, each that may be sharded (pending ones included) replaced by a copy every device holds whole.
 
@@ -636,45 +412,13 @@ def _replicated(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     return [copies.get(i, t) for i, t in enumerate(tensors)]
 
 
-# ------------------------------------------------------ doctor's probes
-def pending_ir_nodes() -> int:
-    """IR nodes that live XLA tensors still wait to run, summed over the tensors; 0 if none.
-
-    After a step that cuts its graph (``torch_xla.sync()``) this stays the same
-    from step to step; a step without a cut leaves a graph that grows with every
-    step. Reads torch_xla's live-tensor report; starts nothing.
-    """
-    if not xla_loaded():
-        return 0
-    import re
-
-    import torch_xla
-
-    report = torch_xla._XLAC._xla_tensors_report(0, "")
-    return sum(int(n) for n in re.findall(r"ir_nodes=(\d+)", report))
-
-
-def xla_tensors_created() -> int:
-    """XLA tensors created so far in this process (torch_xla's CreateXlaTensor counter)."""
-    if not xla_loaded():
-        return 0
-    import torch_xla.debug.metrics as met
-
-    return int(met.counter_value("CreateXlaTensor") or 0)
-
-
-def available_devices() -> int:
-    """XLA devices this job could use, counted without starting the runtime."""
-    if not xla_requested():
-        return 1
-    kind = pjrt_device() or ("TPU" if detect_tpu().chips else "CPU")  # unset: what torch_xla's import picks
-    if kind == "TPU":
-        return detect_tpu().devices
-    return int(os.environ.get(f"{kind}_NUM_DEVICES", "1"))
-
-
 class XlaBackend(Backend):
-    """torch_xla: lazy graphs cut at each step, SPMD or one process per chip, real counters."""
+    """torch_xla: lazy graphs cut at each step, SPMD or one process per chip, real counters.
+
+    Each operation lives in one place: in its method, or, where other functions of this module use it
+    too (``runtime_started``, ``world_size``, ``all_gather``, ``is_spmd``...), in that module function,
+    bound here as the method itself.
+    """
 
     name = "xla"
     device_type = "xla"
@@ -687,70 +431,167 @@ class XlaBackend(Backend):
     def __repr__(self) -> str:
         return "XlaBackend()"
 
-    def started(self) -> bool:
-        return runtime_started()
+    started = staticmethod(runtime_started)
 
     def device(self, index: int | None = None) -> torch.device:
-        return device(index)
+        """The XLA device (this process's, or core ``index``). Starts the runtime.
+
+        Raises:
+            RuntimeError: a CPU backward pass ran before the runtime started (``CPU_BACKWARD_FIRST``).
+        """
+        torch_xla = require_xla()
+        chosen = torch_xla.device(index)
+        _check_autograd(chosen)
+        return chosen
 
     def device_count(self) -> int:
-        return available_devices()
+        """XLA devices this job could use, counted without starting the runtime."""
+        if not xla_requested():
+            return 1
+        kind = pjrt_device() or ("TPU" if detect_tpu().chips else "CPU")  # unset: what torch_xla's import picks
+        if kind == "TPU":
+            return detect_tpu().devices
+        return int(os.environ.get(f"{kind}_NUM_DEVICES", "1"))
 
-    def world_size(self) -> int:
-        return world_size()
+    world_size = staticmethod(world_size)
 
     def rank(self) -> int:
-        return ordinal()
+        """This replica's global rank (xr.global_ordinal); 0 outside a launch."""
+        if xla_loaded() and (runtime_started() or in_launched_process()):
+            import torch_xla.runtime as xr
 
-    def in_launched_process(self) -> bool:
-        return in_launched_process()
+            return xr.global_ordinal()
+        return 0
+
+    in_launched_process = staticmethod(in_launched_process)
 
     def launch(self, fn: Callable[..., Any], args: tuple, nprocs: int, start_method: str) -> None:
-        if runtime_started() and not is_spmd() and addressable_device_count() == 1:
-            fn(0, *args)  # one device, its runtime running here (setup_tpu started it): this process is the replica
+        """Runs ``fn(index, *args)`` once per device in fresh processes (torch_xla starts one per chip itself);
+        with one device whose runtime already runs here (``setup_tpu`` started it), this process is the replica.
+
+        Raises:
+            RuntimeError: the runtime already runs here with several devices, so no launch can follow.
+        """
+        if runtime_started() and not is_spmd() and self.addressable_device_count() == 1:
+            fn(0, *args)
             return
-        launch(fn, args=args, start_method=start_method)  # torch_xla starts one process per chip itself
+        torch_xla = require_xla()
+        if runtime_started():
+            raise RuntimeError(
+                "The XLA runtime already started in this process, so a multi-process launch "
+                "cannot follow. Restart the kernel and launch before touching the XLA device "
+                "(no get_device(), no tensors on 'xla'), or use one process for all cores: "
+                "use_all_cores() in a hand-written loop, strategy='spmd' in one_cycle_fit."
+            )
+        if hasattr(torch_xla, "launch"):
+            torch_xla.launch(fn, args=args, start_method=start_method)
+        else:  # torch_xla < 2.5
+            import torch_xla.distributed.xla_multiprocessing as xmp
+
+            xmp.spawn(fn, args=args, start_method=start_method)
 
     def all_reduce(self, tensors: list[torch.Tensor], op: ReduceOp = "sum") -> list[torch.Tensor]:
-        return all_reduce(tensors, op)
+        """Reduces each tensor over replicas ("sum", "min" or "max"); identity on one replica.
 
-    def all_gather(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-        return all_gather(tensors)
+        Under SPMD there is one replica: the graph already spans every device.
+        """
+        if world_size() == 1:
+            return tensors
+        import torch_xla.core.xla_model as xm
+
+        reduce_type = {"sum": xm.REDUCE_SUM, "min": xm.REDUCE_MIN, "max": xm.REDUCE_MAX}[op]
+        return [xm.all_reduce(reduce_type, t) for t in tensors]
+
+    all_gather = staticmethod(all_gather)
 
     def barrier(self, tag: str) -> None:
-        rendezvous(tag)
+        """Waits until every replica gets here (xm.rendezvous)."""
+        if world_size() == 1:
+            return
+        import torch_xla.core.xla_model as xm
+
+        xm.rendezvous(tag)
 
     def reduce_gradients(self, optimizer: torch.optim.Optimizer) -> None:
-        reduce_gradients(optimizer)
+        """All-reduces (averages) gradients across replicas; a no-op on one replica."""
+        import torch_xla.core.xla_model as xm
+
+        xm.reduce_gradients(optimizer)
 
     def metric_sync_fn(self) -> Callable[..., list[torch.Tensor]] | None:
         return gather_all_tensors if world_size() > 1 else None
 
     def sync(self, wait: bool = False) -> None:
-        sync(wait)
+        """Cuts the lazy graph here and runs it (torch_xla.sync)."""
+        torch_xla = require_xla()
+        torch_xla.sync(wait=wait)  # since torch_xla 2.4
 
     def wait(self) -> None:
-        wait_device_ops()
+        import torch_xla.core.xla_model as xm
+
+        xm.wait_device_ops()
 
     def skip_next_loader_sync(self) -> None:
-        skip_next_loader_sync()
+        """Tells torch_xla's MpDeviceLoader that the graph was just cut, so its next batch skips its own cut
+        (torch_xla's own flag, which its StepTrace sets for the same reason)."""
+        import torch_xla.debug.profiler as xp
+
+        xp.set_tracer_marked_step(True)
 
     def device_loader(self, loader: Any, device: torch.device, spmd_devices: int | None = None,
                       minibatch: bool = False) -> Any:  # fmt: skip
-        return device_loader(loader, device, spmd_devices, minibatch)
+        """torch_xla's MpDeviceLoader: background host-to-device copies, one graph cut per batch.
+
+        With ``spmd_devices``, each batch is sharded along dim 0 over that many
+        devices; ``minibatch`` when each host loads only its share. An exception in
+        the user's Dataset or collate_fn is raised here, in the caller's thread.
+        """
+        import torch_xla.distributed.parallel_loader as pl
+
+        sharding = _BatchSharding(_data_mesh(spmd_devices), minibatch) if spmd_devices else None
+        relay = _Relay(loader)
+        batches = pl.MpDeviceLoader(relay, device, input_sharding=sharding)
+
+        def relayed() -> Any:
+            import torch_xla.debug.profiler as xp
+
+            xp.set_tracer_marked_step(False)  # a cut left marked by an earlier loop is not this loop's
+            yield from batches
+            if relay.error is not None:
+                raise relay.error
+
+        return relayed()
 
     def to_cpu(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        return to_cpu(tensors)
+        """Copies XLA tensors to the host in one transfer (CPU tensors pass through).
+
+        Under SPMD, tensors sharded over the devices (a batch, an output computed from
+        one) are first made whole on every device in one graph, which compiles once for
+        their shapes: torch_xla's own transfer of a sharded tensor gathers its shards
+        with a program that it compiles anew at every transfer.
+        """
+        xla = [t for t in tensors if t.device.type == "xla"]
+        if not xla:
+            return [t.detach().cpu() for t in tensors]
+        import torch_xla
+
+        if is_spmd():
+            xla = _replicated(xla)
+        moved = iter(torch_xla._XLAC._xla_get_cpu_tensors(xla))
+        return [next(moved) if t.device.type == "xla" else t.detach().cpu() for t in tensors]
 
     def bf16_autocast_available(self) -> bool:
-        return bf16_autocast_available()
+        """torch_xla's autocast supports TPU (and CUDA builds), but refuses XLA:CPU; False while no runtime runs."""
+        return runtime_device_type() == "TPU"
 
     def fp16_available(self) -> bool:
         """TPUs compute in bfloat16 and XLA:CPU has no autocast at all: no float16 path to scale."""
         return False
 
     def autocast(self, device: torch.device, dtype: torch.dtype) -> Any:
-        return autocast(device, dtype)
+        from torch_xla.amp import autocast as xla_autocast
+
+        return xla_autocast(device, dtype=dtype)
 
     def hardware(self, device: torch.device) -> str | None:
         if not self.owns(device):
@@ -773,32 +614,59 @@ class XlaBackend(Backend):
         return tpu_device_memory(detect_tpu().kind)
 
     def fused_optimizer(self, name: str) -> type | None:
-        return fused_optimizer(name)
+        """torch_xla's sync-free Adam / AdamW for ``name``, or None.
+
+        They take the same arguments as torch's and run one fused XLA op per
+        parameter, with the step count on the device, so a learning rate that changes
+        every step (as Python floats) neither syncs nor recompiles, and tracing is cheap.
+        """
+        from torch_xla.amp import syncfree
+
+        return {"adam": syncfree.Adam, "adamw": syncfree.AdamW}.get(name)
 
     def is_fused_optimizer(self, optimizer: Any) -> bool:
-        return is_fused_optimizer(optimizer)
+        if not xla_loaded():
+            return False
+        from torch_xla.amp import syncfree
+
+        return isinstance(optimizer, (syncfree.Adam, syncfree.AdamW))
 
     def rng_state(self) -> int:
-        return get_rng_state()
+        import torch_xla.core.xla_model as xm
+
+        return int(xm.get_rng_state())
 
     def set_rng_state(self, state: int) -> None:
-        set_rng_state(state)
+        import torch_xla.core.xla_model as xm
+
+        xm.set_rng_state(state)
 
     def counters(self) -> Counters:
         return Counters(compile_count(), execute_count(), host_sync_count(), transfer_from_device_count(), True)
 
     def fallback_ops(self) -> list[str]:
-        return fallback_ops()
+        """Ops that ran on the host CPU because XLA has no lowering for them.
+
+        torch_xla also lists ``aten::_local_scalar_dense`` there: that is the read
+        of a value by ``.item()`` (a host sync, counted by host_sync_count), not a
+        missing lowering.
+        """
+        if not xla_loaded():
+            return []
+        import torch_xla.debug.metrics as met
+
+        return sorted(op for op in met.executed_fallback_ops() if op != "aten::_local_scalar_dense")
 
     def clear_counters(self) -> None:
-        clear_metrics()
+        import torch_xla.debug.metrics as met
+
+        met.clear_all()
 
     def unmeasured(self) -> tuple[str, ...]:
         """Nothing: torch_xla counts compiles, host syncs and CPU fallbacks itself."""
         return ()
 
-    def is_spmd(self) -> bool:
-        return is_spmd()
+    is_spmd = staticmethod(is_spmd)
 
     def shard_batch(self, tensors: Sequence[torch.Tensor]) -> None:
         if is_spmd():
@@ -815,19 +683,49 @@ class XlaBackend(Backend):
         return shard_parameters(model, blocks)
 
     def process_count(self) -> int:
-        return process_count()
+        """Processes of the job (one per host on a pod slice under SPMD); 1 off XLA."""
+        if not runtime_started():
+            return 1
+        import torch_xla.runtime as xr
+
+        return xr.process_count()
 
     def process_index(self) -> int:
-        return process_index()
+        if not runtime_started():
+            return 0
+        import torch_xla.runtime as xr
 
-    def global_device_count(self) -> int:
-        return global_device_count()
+        return xr.process_index()
+
+    global_device_count = staticmethod(global_device_count)
 
     def addressable_device_count(self) -> int:
-        return addressable_device_count()
+        """XLA devices this process can address (starts the runtime)."""
+        require_xla()
+        import torch_xla.runtime as xr
+
+        return xr.addressable_runtime_device_count() if xr.is_spmd() else xr.addressable_device_count()
 
     def pending_ir_nodes(self) -> int:
-        return pending_ir_nodes()
+        """IR nodes that live XLA tensors still wait to run, summed over the tensors; 0 if none.
+
+        After a step that cuts its graph (``torch_xla.sync()``) this stays the same
+        from step to step; a step without a cut leaves a graph that grows with every
+        step. Reads torch_xla's live-tensor report; starts nothing.
+        """
+        if not xla_loaded():
+            return 0
+        import re
+
+        import torch_xla
+
+        report = torch_xla._XLAC._xla_tensors_report(0, "")
+        return sum(int(n) for n in re.findall(r"ir_nodes=(\d+)", report))
 
     def tensors_created(self) -> int:
-        return xla_tensors_created()
+        """XLA tensors created so far in this process (torch_xla's CreateXlaTensor counter)."""
+        if not xla_loaded():
+            return 0
+        import torch_xla.debug.metrics as met
+
+        return int(met.counter_value("CreateXlaTensor") or 0)
