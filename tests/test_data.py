@@ -40,7 +40,7 @@ def test_validation_on_four_replicas_counts_1001_samples_once():
 
 @pytest.mark.filterwarnings("ignore:dropping the last")
 def test_hosts_of_a_pod_slice_each_load_their_share_of_the_global_batch():
-    from tpu_utility.training.runner import Topology
+    from tpu_utility.training.topology import Topology
 
     hosts, devices, per_core = 4, 16, 8
     layouts = [Topology("spmd", hosts=hosts, host=h, devices=devices) for h in range(hosts)]
@@ -69,7 +69,7 @@ def test_hosts_of_a_pod_slice_each_load_their_share_of_the_global_batch():
 def test_single_and_multiprocess_layouts_and_an_uneven_mesh():
     import pytest
 
-    from tpu_utility.training.runner import Topology
+    from tpu_utility.training.topology import Topology
 
     single = Topology()
     assert (single.loaders, single.loader_batch(64), single.global_batch(64), single.cores) == ((1, 0), 64, 64, 1)

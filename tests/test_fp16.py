@@ -14,7 +14,7 @@ import torch
 from conftest import flat_digits, run_python, small_mlp
 from tpu_utility import backend, evaluate, one_cycle_fit
 from tpu_utility.backend.tpu import TorchTpuBackend
-from tpu_utility.training.runner import check_precision
+from tpu_utility.training.precision import check_precision
 
 NATIVE = {"PJRT_DEVICE": None, "CPU_NUM_DEVICES": None}
 NATIVE_CPU = {**NATIVE, "CUDA_VISIBLE_DEVICES": ""}  # the CPU even where a GPU is

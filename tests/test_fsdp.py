@@ -12,7 +12,7 @@ from torch import nn
 
 from conftest import run_python
 from tpu_utility import FSDP, one_cycle_fit
-from tpu_utility.training.runner import choose_strategy
+from tpu_utility.training.topology import choose_strategy
 from tpu_utility.sharding import block_classes, check_batch, output_scores, refuse_replaced, resolve_strategy
 
 FSDP_SCRIPT = r"""

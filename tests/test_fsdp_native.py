@@ -16,7 +16,7 @@ import pytest
 
 from conftest import run_script
 from test_native import NATIVE, _ranks, _torchrun
-from tpu_utility.training.runner import choose_strategy
+from tpu_utility.training.topology import choose_strategy
 
 MODEL = """
 import json, os, sys

@@ -25,7 +25,7 @@ LAYERS = [
     {"training.memory"},
     {"data.loaders", "training.metrics", "training.callbacks", "training.builtins", "training.agreement"},
     {"data", "loop"},
-    {"training.runner"},
+    {"training.topology", "training.steps", "training.precision", "training.runner"},  # the runner's rooms
     {"training.trainer", "training.inference", "training.generate", "diagnostics.doctor"},
     {"training.fit"},
     {"training.lr_finder", "training", "diagnostics.check", "diagnostics"},

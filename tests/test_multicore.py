@@ -5,7 +5,7 @@ import pytest
 
 from conftest import run_python, run_script
 from tpu_utility.environment import choose_start_method
-from tpu_utility.training.runner import choose_strategy, resolve_cores
+from tpu_utility.training.topology import choose_strategy, resolve_cores
 
 SPMD_SCRIPT = """
 import warnings; warnings.simplefilter("ignore")

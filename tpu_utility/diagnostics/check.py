@@ -121,7 +121,7 @@ def _one_core() -> str:
 
 
 def _all_cores() -> str:
-    from ..training.runner import available_cores
+    from ..training.topology import available_cores
 
     cores = available_cores()
     how = "SPMD" if cores > 1 else "1 device here, so the same as one core"
@@ -171,7 +171,7 @@ def _checkpoint() -> str:
 
 def _bf16() -> str:
     from ..device import get_device
-    from ..training.runner import PrecisionMode
+    from ..training.precision import PrecisionMode
 
     mode = PrecisionMode.choose("bf16", get_device())
     if mode.mode != "autocast":

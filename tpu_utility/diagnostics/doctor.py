@@ -49,7 +49,7 @@ from ..data.buckets import choose_buckets
 from ..device import move_to_device
 from ..loop import INFERENCE_MODE_ERROR
 from ..optim import step_optimizer
-from ..training.runner import LossStep
+from ..training.steps import LossStep
 from .rules import COLLECT_ON_DEVICE, LOWERED_REPLACEMENTS, MEASURED_FIXES, NO_DYNAMIC_SHAPE, RULES
 
 Kind = Literal[

@@ -3,7 +3,9 @@
 Read it top down:
 
 - ``fit.py``: ``one_cycle_fit()``, the public entry; checks every argument once and plans the run.
-- ``runner.py``: what one process needs to run a model on its share of the cores (topology, steps, loaders).
+- ``runner.py``: what one process needs to run a model on its share of the cores (device, loaders, evaluation and
+  prediction), over three rooms: ``topology.py`` (how many cores, which strategy, who loads which samples),
+  ``steps.py`` (what is called on a batch: the loss, evaluation and prediction steps) and ``precision.py``.
 - ``trainer.py``: the epoch loop each process runs: the per-batch path, validation, one read per epoch; it fires events.
 - ``builtins.py``: the callbacks one_cycle_fit's arguments become: schedule, stop rules, checkpoints, progress line.
 - ``schedule.py``, ``monitor.py``, ``metrics.py``: the one-cycle policy, the best-epoch and stop rules, exact metrics.

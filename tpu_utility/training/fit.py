@@ -50,8 +50,8 @@ from .history import History
 from .metrics import METRICS, CrossEntropy, accuracy, check_loss_fn, per_sample_loss, resolve_metrics
 from .memory import auto_shards, refuse_replicating
 from .monitor import Mode, StopRule, parse_duration, resolve_mode
-from .runner import (LAUNCHED_MODE, Precision, Strategy, available_cores, check_precision, choose_strategy, process_mode,
-                     resolve_cores)  # fmt: skip
+from .precision import Precision, check_precision
+from .topology import LAUNCHED_MODE, Strategy, available_cores, choose_strategy, process_mode, resolve_cores
 from .schedule import LrSchedule, OneCycle, ScheduleName, check_warmup
 from .strategies import FSDP, resolve_strategy
 from .trainer import FitPlan, Steps, train

@@ -41,7 +41,8 @@ from . import agreement
 from ..data.buckets import _check_buckets, choose_buckets, group_batches
 from ..huggingface import is_transformers_model
 from ..progress import progress_bar
-from .runner import Runner, process_mode
+from .runner import Runner
+from .topology import process_mode
 
 _MASK32 = 0xFFFFFFFF
 MEMORY_HEADROOM = 0.9  # of a device's memory left over by the weights, the share a KV cache may take

@@ -17,7 +17,10 @@ from . import agreement
 from ..data.loaders import LabelCheck, LoaderSpec, unpack_loader
 from ..huggingface import is_causal_lm
 from .metrics import CrossEntropy, MetricSet, check_loss_fn, resolve_metrics
-from .runner import EvalStep, Precision, Runner, Strategy, default_eval_step, default_predict_step, process_mode
+from .precision import Precision
+from .runner import Runner
+from .steps import EvalStep, default_eval_step, default_predict_step
+from .topology import Strategy, process_mode
 from .strategies import FSDP, resolve_strategy
 
 

@@ -24,7 +24,8 @@ from .events import Loop, StopFit, TrainerLoop
 from .fit import check_number, check_seed, resolve_optimizer
 from .history import closed_figure
 from .metrics import CrossEntropy, check_loss_fn
-from .runner import Placement, process_mode
+from .runner import Placement
+from .topology import process_mode
 from .strategies import FSDP, resolve_strategy
 from .trainer import FitPlan, Steps, train
 

@@ -38,7 +38,8 @@ from .builtins import BEST_NAME, HISTORY_NAME
 from .events import Events, StopFit
 from .history import EpochRecord, History
 from .metrics import MetricSet
-from .runner import EvalStep, LossStep, Runner
+from .runner import Runner
+from .steps import EvalStep, LossStep
 from .schedule import peak_ratios, total_optimizer_steps
 
 _NO_BAD_STEP = float(2**24)  # "no non-finite loss yet"; exact in float32

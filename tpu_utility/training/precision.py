@@ -1,0 +1,143 @@
+"""Precision: fp32, bf16 (autocast where the backend has it, else the model and inputs cast) or fp16 with
+torch's ``GradScaler``, checked once (``check_precision``) and applied by one ``PrecisionMode`` per run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from contextlib import nullcontext
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Any, Literal, get_args
+
+import torch
+from torch.utils import _pytree as pytree
+
+from .. import backend
+from .steps import Batch
+
+Precision = Literal["fp32", "bf16", "fp16"]
+
+
+def _cast_floats(batch: Batch, dtype: torch.dtype) -> Batch:
+    return pytree.tree_map(
+        lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, batch
+    )
+
+
+def check_precision(precision: Any, device: torch.device | None = None) -> None:
+    """Refuses a precision that is not one of ``Precision``, and ``"fp16"`` where this backend has no float16 path.
+
+    float16 autocast with torch's ``GradScaler`` runs on CUDA and the CPU (native backend);
+    TPUs (torch_xla, TorchTPU) compute in bfloat16 and XLA:CPU has no autocast.
+
+    Args:
+        precision: The value given.
+        device: The run's device, where it is known (naming the hardware under it); None
+            names the backend's device type without starting its runtime.
+
+    Raises:
+        ValueError: the value, and for fp16 the device and the precisions it has.
+    """
+    if precision not in get_args(Precision):
+        raise ValueError(f"precision must be one of {get_args(Precision)}, but given {precision!r}")
+    chosen = backend.current()
+    if precision != "fp16" or chosen.fp16_available():
+        return
+    if device is None and chosen.lazy:
+        device = torch.device(chosen.device_type)  # "xla": its hardware is named without starting the runtime
+    hardware = chosen.hardware(device) if device is not None else None
+    where = f"XLA:{hardware}" if chosen.lazy and hardware else hardware or chosen.device_type
+    raise ValueError(
+        f"precision='fp16' (float16 autocast and a GradScaler) has no path on {where} (the {chosen.name} backend): "
+        f"use precision='bf16' (what TPUs compute in; it has float32's range, so no loss scaling is needed) or "
+        f"precision='fp32'. fp16 runs on CUDA GPUs (and, slowly, the CPU)"
+    )
+
+
+@dataclass
+class PrecisionMode:
+    """How the precision is applied on this device.
+
+    ``mode``: "fp32"; bf16 by "autocast", or by "cast"ing model and inputs where the
+    device has no bf16 autocast (XLA:CPU); "fp16": float16 autocast around the forward
+    and the loss, and torch's ``GradScaler`` in training (``backward``, ``scaler``), whose
+    state a checkpoint keeps (``state_dict``).
+
+    Example:
+        >>> # was: scaler = torch.cuda.amp.GradScaler()
+        >>> #      with torch.autocast("cuda", dtype=torch.float16): loss = loss_fn(model(x), y)
+        >>> #      scaler.scale(loss).backward(); scaler.step(opt); scaler.update()
+        >>> precision = PrecisionMode.choose("fp16", torch.device("cuda"))   # doctest: +SKIP
+        >>> with precision.context():                                        # doctest: +SKIP
+        ...     loss = loss_fn(model(x), y)
+        >>> precision.backward(loss)                                         # doctest: +SKIP
+        >>> step_optimizer(opt, scaler=precision.scaler)                     # doctest: +SKIP
+    """
+
+    mode: str  # "fp32", "autocast", "cast" or "fp16"
+    device: torch.device
+
+    @classmethod
+    def choose(cls, precision: str, device: torch.device) -> PrecisionMode:
+        check_precision(precision, device)
+        if precision in ("fp32", "fp16"):
+            return cls(precision, device)
+        if backend.is_lazy(device):  # XLA: its autocast on TPUs, else cast (XLA:CPU refuses autocast)
+            return cls("autocast" if backend.bf16_autocast_available() else "cast", device)
+        return cls("autocast", device)
+
+    @property
+    def name(self) -> str:
+        """The ``precision=`` value: "fp32", "bf16" or "fp16"."""
+        return {"autocast": "bf16", "cast": "bf16"}.get(self.mode, self.mode)
+
+    def context(self) -> Any:
+        if self.mode not in ("autocast", "fp16"):
+            return nullcontext()
+        dtype = torch.float16 if self.mode == "fp16" else torch.bfloat16
+        if backend.owns(self.device):
+            return backend.autocast(self.device, dtype)
+        return torch.autocast(self.device.type, dtype=dtype)
+
+    def inputs(self, batch: Batch) -> Batch:
+        return _cast_floats(batch, torch.bfloat16) if self.mode == "cast" else batch
+
+    @cached_property
+    def scaler(self) -> torch.amp.GradScaler | None:
+        """torch's ``GradScaler`` under fp16 (made when training first asks; evaluate and predict never do), else None."""
+        return torch.amp.GradScaler(self.device.type) if self.mode == "fp16" else None
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """``loss.backward()``, the loss scaled first under fp16 (``scaler.scale(loss).backward()``)."""
+        (loss if self.scaler is None else self.scaler.scale(loss)).backward()
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint keeps: the precision, and the GradScaler's state (``{}`` without one)."""
+        return {"precision": self.name, "scaler": self.scaler.state_dict() if self.scaler is not None else {}}
+
+    def load_state_dict(self, state: Mapping[str, Any], path: str) -> str | None:
+        """Takes a checkpoint's GradScaler state, so a resumed fp16 run goes on with its scale.
+
+        Returns what a change of precision since ``path`` was written means (a fresh
+        scaler, or a scaler state left unused), for the caller to say; None if none.
+        """
+        saved, scaler_state = state.get("precision"), state.get("scaler") or {}
+        if self.scaler is not None and scaler_state:
+            self.scaler.load_state_dict(scaler_state)
+        if saved == self.name or (saved is None and self.scaler is None):
+            return None  # the same precision, or a checkpoint from before it was recorded and nothing to restore
+        written = f"was written with precision={saved!r}" if saved else "records no precision (an earlier release)"
+        change = f"{path} {written} and this run uses precision={self.name!r}"
+        if self.scaler is not None and not scaler_state:
+            fresh = f"a fresh GradScaler starts at scale {self.scaler.get_scale():g}"
+            return f"{change}: {fresh} (halved at each step whose gradients overflow)"
+        if scaler_state:
+            unused = f"the checkpoint's GradScaler state (scale {scaler_state.get('scale'):g}) is left unused"
+            return f"{change}: {unused}, as {self.name} scales no loss"
+        return f"{change}: the weights and optimizer state go on in {self.name}"
+
+    @property
+    def label(self) -> str:
+        return {"fp32": "fp32", "autocast": "bf16 (autocast)", "cast": "bf16 (model and inputs cast)",
+                "fp16": "fp16 (autocast + GradScaler)"}[self.mode]  # fmt: skip
