@@ -152,9 +152,9 @@ def test_fsdp_on_four_devices_shards_every_parameter_and_trains_as_the_replicate
         # losses of the replicated run with accumulate_steps=2 and max_grad_norm, with and without checkpointing
         assert run["losses"] == pytest.approx(spmd["losses"], rel=1e-4)
         assert run["syncs"] == [0, 0, 0], run["syncs"]
-        # flat after epoch 1: its record's count is read before its first checkpoint save, whose graph gathering
-        # the sharded tensors for the host compiles once then (docs/large_models.md) and shows in epoch 2's count
-        assert run["after_save"] == [run["compiles"][1]] * 3 and run["compiles"][1] == run["compiles"][2], (
+        # flat from epoch 1, its checkpoint saves included: the sharded tensors reach the host from their shards,
+        # never whole on a device, so a save compiles nothing (it once compiled a gather graph at epoch 1's end)
+        assert run["compiles"] == [run["compiles"][0]] * 3 and run["after_save"] == run["compiles"], (
             run["compiles"], run["after_save"])
         assert run["keys"] == out["base_keys"] and run["same_as_history"]  # no _orig_module. or FSDP prefixes
         assert run["use_cache"] is True and run["forward_restored"]  # given back after training
@@ -164,8 +164,6 @@ def test_fsdp_on_four_devices_shards_every_parameter_and_trains_as_the_replicate
     assert spmd["bytes"][0] == spmd["bytes"][1]
     assert auto["losses"][-1] < auto["losses"][0]
     assert spmd["compiles"][0] == spmd["compiles"][1] == spmd["compiles"][2], spmd["compiles"]  # nothing to gather
-    assert auto["compiles"][1] - auto["compiles"][0] == 1, auto["compiles"]  # the first save's one gather graph
-    assert auto["after_save"][0] - auto["compiles"][0] == 1, auto["after_save"]  # ... compiled at epoch 1's end
     assert "strategy='fsdp'" in out["refusal"] and "per chip" in out["refusal"], out.get("refusal")
     # predict and evaluate sharded: every row, in dataset order, equal to the replicated model's
     assert out["predict"]["shape"] == [12, 16, 64] and out["predict"]["on_cpu"]

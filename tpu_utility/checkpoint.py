@@ -39,14 +39,14 @@ _CONTAINERS = (dict, OrderedDict, Counter, list, tuple, set)
 
 
 def to_cpu(tree: Any) -> Any:
-    """The same structure with every tensor copied to the host (one transfer on XLA).
+    """The same structure with every tensor copied to the host (one transfer on XLA; a sharded one from its shards).
 
     A copy also of what is already on the CPU: a snapshot of a CPU model's weights
     must not change as the model trains on.
     """
     leaves, spec = pytree.tree_flatten(tree)
     positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
-    moved = backend.to_cpu([leaves[i] for i in positions])
+    moved = backend.state_to_cpu([leaves[i] for i in positions])
     for i, tensor in zip(positions, moved):
         leaves[i] = tensor.clone() if leaves[i].device.type == "cpu" else tensor
     return pytree.tree_unflatten(leaves, spec)

@@ -89,7 +89,7 @@ class SavedThroughCpu:
             from . import backend
 
             state = self.model.state_dict()
-            kwargs["state_dict"] = dict(zip(state, backend.to_cpu(list(state.values()))))
+            kwargs["state_dict"] = dict(zip(state, backend.state_to_cpu(list(state.values()))))
         return self.save(*args, **kwargs)
 
 

@@ -293,6 +293,10 @@ def to_cpu(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     return current().to_cpu(tensors)
 
 
+def state_to_cpu(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    return current().state_to_cpu(tensors)
+
+
 def sharded(tensors: Iterable[torch.Tensor]) -> bool:
     return current().sharded(tensors)
 

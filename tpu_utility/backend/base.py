@@ -166,6 +166,11 @@ class Backend:
         """Copies tensors to the host, in one transfer where the backend can."""
         return [t.detach().cpu() for t in tensors]
 
+    def state_to_cpu(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Copies a model's or an optimizer's state to the host for a checkpoint: as ``to_cpu``, except where a
+        backend shards it over devices, whose shards it puts together on the host (never whole on a device)."""
+        return self.to_cpu(tensors)
+
     # ----------------------------------------------------------- precision
     def bf16_autocast_available(self) -> bool:
         return False

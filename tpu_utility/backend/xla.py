@@ -412,6 +412,26 @@ def _replicated(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     return [copies.get(i, t) for i, t in enumerate(tensors)]
 
 
+def _from_shards(t: torch.Tensor) -> torch.Tensor | None:
+    """A tensor sharded over this host's devices, put together on the host from their shards (a transfer each, no
+    graph, never whole on a device); None where a part of it lives on another host's devices."""
+    import torch_xla
+
+    shards = torch_xla._XLAC._get_local_shards([t])[0]
+    places = torch_xla._XLAC._get_local_shard_replica_and_indices([t])[0]
+    whole, filled = torch.empty(t.shape, dtype=t.dtype), set()
+    for (data, _), (_, indices) in zip(shards, places):
+        if indices is Ellipsis:  # replicated over the devices: any one shard is the whole
+            return data.clone()
+        region = tuple(indices)
+        key = tuple((s.start, s.stop) for s in region)
+        if key not in filled:  # a partly replicated sharding holds a region on several devices
+            whole[region] = data[tuple(slice(0, s.stop - s.start) for s in region)]  # its padding left out
+            filled.add(key)
+    covered = sum(torch.Size(stop - start for start, stop in key).numel() for key in filled)
+    return whole if covered == t.numel() else None
+
+
 class XlaBackend(Backend):
     """torch_xla: lazy graphs cut at each step, SPMD or one process per chip, real counters.
 
@@ -579,6 +599,23 @@ class XlaBackend(Backend):
             xla = _replicated(xla)
         moved = iter(torch_xla._XLAC._xla_get_cpu_tensors(xla))
         return [next(moved) if t.device.type == "xla" else t.detach().cpu() for t in tensors]
+
+    def state_to_cpu(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """As ``to_cpu``, but a tensor sharded over the devices (an FSDP model's parameters, their optimizer
+        state) is put together on the host from its shards: never whole on a device (where a model that
+        only fits sharded could not be), and no graph to compile for it."""
+        import torch_xla
+
+        spec = torch_xla._XLAC._get_xla_sharding_spec
+        sharded = [i for i, t in enumerate(tensors)
+                   if t.device.type == "xla" and t.dim() and t.numel() and spec(t) not in ("", "{replicated}")]  # fmt: skip
+        if not is_spmd() or not sharded:
+            return self.to_cpu(tensors)
+        torch_xla._XLAC._xla_sync_multi([tensors[i] for i in sharded], devices=[], wait=True)  # pending -> device data
+        whole = {i: _from_shards(tensors[i]) for i in sharded}
+        rest = [i for i in range(len(tensors)) if whole.get(i) is None]
+        whole.update(zip(rest, self.to_cpu([tensors[i] for i in rest])))
+        return [whole[i] for i in range(len(tensors))]
 
     def bf16_autocast_available(self) -> bool:
         """torch_xla's autocast supports TPU (and CUDA builds), but refuses XLA:CPU; False while no runtime runs."""
