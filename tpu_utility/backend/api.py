@@ -360,8 +360,7 @@ def compile_count() -> int:
     read, not the four of ``counters()`` (0.1 ms of host time a step, each a copy of
     the metric's samples).
     """
-    chosen = current()
-    return xla.compile_count() if chosen is _XLA else chosen.counters().compiles
+    return current().compile_count()
 
 
 def execute_count() -> int:
