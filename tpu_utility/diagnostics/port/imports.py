@@ -1,7 +1,7 @@
 """The imports the rewrites need, added by LibCST's own ``AddImportsVisitor``.
 
-``GatherImportsVisitor`` reads what every cell imports already (``from tpu_utility import *``
-counts); ``AddImportsVisitor`` adds the rest at the end of a block of imports, merging a name
+What no cell imports already (``from tpu_utility import *`` counts) LibCST's
+``AddImportsVisitor`` adds at the end of a block of imports, merging a name
 into that block's ``from M import ...`` line where it has one. What is chosen here is only
 where LibCST looks: the cell (the one with the program's torch_xla imports, else its first
 imports, else its first Python cell: the first of these not after the first cell that uses it), and
@@ -20,36 +20,60 @@ from typing import Any
 from ..fixers.tree import code, dotted, libcst
 from .report import Change, PortReport
 
-Item = tuple  # (module, name or None, alias or None), as LibCST's ImportItem takes them
+_Item = tuple  # (module, name or None, alias or None), as LibCST's ImportItem takes them
 _MODULES = {"torch_xla": ("torch_xla", None, None), "xr": ("torch_xla.runtime", None, "xr")}  # else tpu_utility's
 _MARK = "# tpu_utility.port"
 
 
-def _items(plan: Any) -> list[Item]:
+def _items(plan: Any) -> list[_Item]:
     """What the plan needs, as (module, name, alias): ``porter.need(name)`` and the fixers' own ``plan.imports``."""
     needs = [_MODULES.get(name, ("tpu_utility", name, None)) for name in sorted(plan.needs)]
     return list(dict.fromkeys([*needs, *plan.imports]))
 
 
-def _bound(item: Item) -> str:
+def _bound(item: _Item) -> str:
     """The name an import binds: ``xr``, ``torch_xla``, ``get_device``."""
     module, name, alias = item
     return alias or name or module.split(".")[0]
 
 
-def _missing(items: list[Item], modules: list[Any]) -> list[Item]:
-    """The items that no module imports yet, as LibCST's ``GatherImportsVisitor`` reads them."""
-    from libcst.codemod import CodemodContext
-    from libcst.codemod.visitors import GatherImportsVisitor, ImportItem
+def _read(module: Any) -> tuple[set[str], list[Any]]:
+    """The names a cell uses and its import statements (at any depth), in one walk."""
+    cst = libcst()
+    names: set[str] = set()
+    imports: list[Any] = []
 
-    have: set[Any] = set()
-    starred: set[str] = set()
-    for module in modules:
-        gathered = GatherImportsVisitor(CodemodContext())
-        module.visit(gathered)
-        have.update(gathered.symbol_mapping.values())
-        starred.update(m for m, names in gathered.object_mapping.items() if "*" in names)
-    return [item for item in items if ImportItem(*item) not in have and not (item[1] and item[0] in starred)]
+    class Read(cst.CSTVisitor):
+        def visit_Name(self, node: Any) -> None:
+            names.add(node.value)
+
+        def visit_Import(self, node: Any) -> None:
+            imports.append(node)
+
+        def visit_ImportFrom(self, node: Any) -> None:
+            imports.append(node)
+
+    module.visit(Read())
+    return names, imports
+
+
+def _missing(items: list[_Item], imports: list[Any]) -> list[_Item]:
+    """The items that none of ``imports`` (the program's import nodes) imports; ``from M import *`` has M's names.
+
+    Read here from LibCST's evaluated names rather than by its ``GatherImportsVisitor``, whose construction alone
+    costs 10-20 ms (it scans its class for matcher decorators), a port of a small program five times over.
+    """
+    cst = libcst()
+    have: set[_Item] = set()
+    for node in imports:
+        if isinstance(node, cst.Import):
+            have.update((a.evaluated_name, None, a.evaluated_alias) for a in node.names)
+        elif not node.relative and node.module is not None:  # the program's own modules import nothing we add
+            module = dotted(node.module)
+            names = node.names
+            have.update([(module, "*", None)] if isinstance(names, cst.ImportStar) else
+                        [(module, a.evaluated_name, a.evaluated_alias) for a in names])  # fmt: skip
+    return [item for item in items if item not in have and not (item[1] and (item[0], "*", None) in have)]
 
 
 def _is_import(stmt: Any) -> bool:
@@ -112,31 +136,29 @@ def _marked(before: list[Any], after: list[Any]) -> tuple[list[Any], dict[int, t
     return body, changed
 
 
-def _add(cell: Any, items: list[Item], report: PortReport) -> None:
-    """Adds ``items`` to a cell with ``AddImportsVisitor``, given the cell from its anchor on; reports each line."""
+def _add(cell: Any, module: Any, items: list[_Item], report: PortReport) -> None:
+    """Adds ``items`` to a cell (parsed: ``module``) with ``AddImportsVisitor``; reports each line added or merged.
+
+    LibCST is given the cell from its anchor to the statement after that block of imports (where it may add a
+    blank line); it changes nothing further on.
+    """
     cst = libcst()
     from libcst.codemod import CodemodContext
     from libcst.codemod.visitors import AddImportsVisitor, ImportItem
-    from libcst.metadata import MetadataWrapper, PositionProvider
 
-    module = cst.parse_module(cell.result)
     body = list(module.body)
     at = _anchor(body)
     at = _opening(body) if at is None else at
-    part = module.with_changes(body=body[at:])
+    end = next((i for i in range(at, len(body)) if not _is_import(body[i])), len(body)) + 2  # a docstring, a statement
+    part = module.with_changes(body=body[at:end])
     added = part.visit(AddImportsVisitor(CodemodContext(), [ImportItem(*item) for item in items]))
     new, changed = _marked(list(part.body), list(added.body))
-    wrapper = MetadataWrapper(module.with_changes(body=[*body[:at], *new]), unsafe_skip_copy=True)
-    lines = wrapper.resolve(PositionProvider)
+    body = [*body[:at], *new, *body[end:]]
     for i, (before, after) in changed.items():
-        report.changes.append(Change("imports", cell.where(lines[new[i]].start.line), before, after))
-    cell.result = wrapper.module.code
-
-
-def _uses(module: Any, name: str) -> bool:
-    from libcst import matchers as m
-
-    return bool(m.findall(module, m.Name(name)))
+        head = module.with_changes(body=body[: at + i], footer=()).code  # the code above the line
+        line = len(head.splitlines()) + len(body[at + i].leading_lines) + 1
+        report.changes.append(Change("imports", cell.where(line), before, after))
+    cell.result = module.with_changes(body=body).code
 
 
 def add_imports(cells: list[Any], plan: Any, report: PortReport) -> None:
@@ -144,16 +166,19 @@ def add_imports(cells: list[Any], plan: Any, report: PortReport) -> None:
     with imports, else the first Python cell; the first of these that does not come after the first cell using it."""
     cst = libcst()
     ported = [c for c in cells if c.result is not None]
+    if not ported or not (plan.needs or plan.imports):
+        return
     modules = [cst.parse_module(c.result) for c in ported]
-    items = _missing(_items(plan), modules)
+    read = [_read(module) for module in modules]
+    items = _missing(_items(plan), [node for _, imports in read for node in imports])
     if not items:
         return
     xla = next((i for i, module in enumerate(modules) if any(_imports_torch_xla(stmt) for stmt in module.body)), None)
     first = next((i for i, module in enumerate(modules) if any(_is_import(stmt) for stmt in module.body)), None)
-    targets: dict[int, list[Item]] = {}
+    targets: dict[int, list[_Item]] = {}
     for item in items:
-        use = next((i for i, module in enumerate(modules) if _uses(module, _bound(item))), len(modules))
+        use = next((i for i, (names, _) in enumerate(read) if _bound(item) in names), len(modules))
         target = next(i for i in (xla, first, 0) if i is not None and i <= use)
         targets.setdefault(target, []).append(item)
     for i, wanted in sorted(targets.items()):
-        _add(ported[i], wanted, report)
+        _add(ported[i], modules[i], wanted, report)
