@@ -171,3 +171,39 @@ def test_xla_renames_come_from_the_table():
 def test_xla_use_bf16_is_named():
     assert _port('import os\nos.environ["XLA_USE_BF16"] = "1"\n')[2] == {"xla_use_bf16"}
     _unchanged('import os\nos.environ["PJRT_DEVICE"] = "TPU"\n')
+
+
+# ---------------------------------------------------------------- the imports (port/imports.py: LibCST's AddImportsVisitor)
+def test_imports_go_after_the_environment_lines_that_come_before_torch_xla():
+    # a kernel sets XLA's environment between its first import and torch_xla's: nothing torch_xla moves above it
+    new, _, _ = _port('import os\nos.environ["XLA_FLAGS"] = "--xla_dump_to=/tmp"\nimport torch_xla.core.xla_model as xm\n'
+                      "import torch\n\nd = xm.xla_device()\nr = xm.get_ordinal()\n")
+    lines = new.splitlines()
+    added = [lines.index("import torch_xla  # tpu_utility.port"), lines.index("import torch_xla.runtime as xr  # tpu_utility.port")]
+    assert min(added) > lines.index('os.environ["XLA_FLAGS"] = "--xla_dump_to=/tmp"'), new
+    assert "d = torch_xla.device()" in lines and "r = xr.global_ordinal()" in lines
+
+
+def test_imports_merge_into_the_programs_own_kit_line_and_a_star_import_needs_none():
+    new, report = port_source('import torch\nfrom tpu_utility import autocast  # mine\ndevice = torch.device("cuda")\n')
+    assert new.splitlines()[1] == "from tpu_utility import get_device, autocast  # mine"  # the user's comment stays
+    assert [(c.where, c.before, c.after) for c in report.changes if c.rule == "imports"] == [
+        ("line 2", "from tpu_utility import autocast  # mine", "from tpu_utility import get_device, autocast  # mine")]
+    new, report = port_source('import torch\nfrom tpu_utility import *\ndevice = torch.device("cuda")\n')
+    assert new == 'import torch\nfrom tpu_utility import *\ndevice = get_device()\n'
+    assert not [c for c in report.changes if c.rule == "imports"]
+
+
+def test_imports_in_a_notebook_come_no_later_than_the_first_cell_using_them_and_after_its_pip_lines():
+    from tpu_utility.diagnostics.port.cells import port_cells
+    from tpu_utility.diagnostics.port.report import PortReport
+
+    report = PortReport("notebook")
+    # get_device is used in cell 2, before the torch_xla imports of cell 3: it goes with the imports of cell 1
+    out = port_cells(["!pip install -q timm\nimport torch\n", "device = torch.device('cuda')\n",
+                      "import os\nos.environ['PJRT_DEVICE'] = 'TPU'\nimport torch_xla.core.xla_model as xm\nxm.mark_step()\n"],
+                     indexed=True, report=report)
+    assert out[0] == "!pip install -q timm\nimport torch\nfrom tpu_utility import get_device  # tpu_utility.port\n"
+    assert out[1] == "device = get_device()\n"
+    assert out[2].splitlines()[2:4] == ["import torch_xla.core.xla_model as xm", "import torch_xla  # tpu_utility.port"]
+    assert sorted(c.where for c in report.changes if c.rule == "imports") == ["cell 1, line 3", "cell 3, line 4"]

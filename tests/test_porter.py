@@ -185,7 +185,7 @@ def test_the_input_is_never_changed_and_the_output_lands_beside_it(tmp_path, cap
     assert main([str(script)]) == 0
     assert script.read_bytes() == before
     assert (tmp_path / "train_tpu.py").read_text() == (
-        "from tpu_utility import get_device  # tpu_utility.port\ndevice = get_device()\n")
+        "from tpu_utility import get_device  # tpu_utility.port\n\ndevice = get_device()\n")
     assert "line 1: torch.device(\"cuda\") -> get_device()" in capsys.readouterr().out
     (tmp_path / "train_tpu.py").unlink()
     assert main([str(script), "--diff"]) == 0

@@ -18,7 +18,7 @@ def fix_import(porter: Any, original: Any, updated: Any) -> Any:
     if not ours:
         return None
     porter.plan.hf_adamw.add(ours[0].asname.name.value if ours[0].asname else "AdamW")
-    porter.plan.lines.append("from torch.optim import AdamW" + (f" as {ours[0].asname.name.value}" if ours[0].asname else ""))
+    porter.plan.imports.append(("torch.optim", "AdamW", ours[0].asname.name.value if ours[0].asname else None))
     kept = [a for a in updated.names if a.name.value != "AdamW"]
     if not kept:
         porter.change("transformers_adamw", original, cst.Name("removed"))

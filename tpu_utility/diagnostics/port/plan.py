@@ -24,8 +24,8 @@ class Plan:
     spawned: str | None = None  # the function a multi-process launch runs
     stuck: list[Any] = field(default_factory=list)  # top-level blocks that ask the runtime but cannot move
     imported: dict[str, str] = field(default_factory=dict)  # `from torch.x import y as z`: z -> torch.x.y
-    needs: set[str] = field(default_factory=set)  # imports the rewrites need
-    lines: list[str] = field(default_factory=list)  # other import lines the rewrites need
+    needs: set[str] = field(default_factory=set)  # names the rewrites need imported: torch_xla, xr, the kit's (port.imports)
+    imports: list[tuple[str, str | None, str | None]] = field(default_factory=list)  # others: (module, name, alias)
     models: set[str] = field(default_factory=set)  # names the program uses as modules (fixers.move_model)
     hf_adamw: set[str] = field(default_factory=set)  # names bound to transformers.AdamW
 
