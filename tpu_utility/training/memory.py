@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -23,7 +22,7 @@ import torch
 from torch import nn
 
 from .. import backend
-from ..backend.hardware import tpu_device_memory
+from ..backend.hardware import memory_override, tpu_device_memory
 from ..sharding import block_classes
 
 # the share of a chip's memory a plan may fill: XLA's own buffers, fragmentation and the compiler's temporaries
@@ -379,15 +378,9 @@ def host_memory() -> int | None:
         True
         >>> del os.environ["TPU_UTILITY_HOST_MEMORY_GB"]
     """
-    value = os.environ.get(HOST_MEMORY_ENV)
-    if value is not None and value.strip():
-        try:
-            gib = float(value)
-        except ValueError:
-            gib = -1.0
-        if not gib > 0:
-            raise ValueError(f"{HOST_MEMORY_ENV} must be a positive number of GiB (e.g. 64), but is {value!r}")
-        return int(gib * 2**30)
+    given = memory_override(HOST_MEMORY_ENV)
+    if given is not None:
+        return given
     try:
         with open("/proc/meminfo") as info:
             found = [line.split()[1] for line in info if line.startswith("MemAvailable:")]
