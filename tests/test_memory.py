@@ -116,6 +116,9 @@ def test_a_7b_model_on_a_v5e_8_cannot_be_replicated_and_can_be_sharded(build, we
     assert _state(plan, "sharded") / GB == pytest.approx(4 * weights_gb / 8, rel=0.1)
     assert not plan.fits_replicated and plan.fits_sharded
     assert plan.dominant(sharded=False).startswith("optimizer state (AdamW")
+    # the host: the whole model once; a checkpoint gathers it with both moments
+    assert f"{plan.term('parameters').replicated / GB:.2f} GB to hold the model whole" in str(plan)
+    assert f"{3 * plan.term('parameters').replicated / GB:.2f} GB while a checkpoint gathers" in str(plan), str(plan)
 
     import peft
 

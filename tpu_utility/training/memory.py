@@ -244,7 +244,8 @@ def memory_plan(
 
     Returns:
         A ``MemoryPlan``: ``.replicated`` and ``.sharded`` (bytes per chip), ``.fits_replicated`` and
-        ``.fits_sharded``, ``.terms``; ``print(plan)`` shows the table.
+        ``.fits_sharded``, ``.terms``; ``print(plan)`` shows the table, and in its notes the host RAM a
+        sharded run needs (the model whole before it is sharded; a checkpoint's gathered state).
 
     Raises:
         ValueError: a bad core count, batch size, precision or TPU kind.
@@ -276,7 +277,9 @@ def memory_plan(
         Term("gradients", whole(trainable, 1), split(trainable, 1)),
         Term(f"optimizer state ({opt_name}, {states} per parameter)", whole(trainable, states), split(trainable, states)),
     ]
-    notes = []
+    size, state = whole(params, 1), whole(trainable, states)
+    notes = [f"host RAM: {_gb(size)} to hold the model whole before it is sharded, "
+             f"{_gb(host_bytes(size, state, 1, True))} while a checkpoint gathers its parameters and optimizer state"]
     frozen = len(params) - len(trainable)
     if frozen:
         notes.append(f"{sum(p.numel() for p in trainable):,} of {sum(p.numel() for p in params):,} parameters train "
