@@ -39,9 +39,10 @@ def device_bytes(tensors):
     # from the live shards' indices: the runtime reports no memory under SPMD
     held = whole = bound = 0
     tensors = [t for t in tensors if t.numel()]
-    places = torch_xla._XLAC._get_local_shard_replica_and_indices(tensors)
-    for t, per_device in zip(tensors, places):
-        _, index = per_device[0]
+    spec = torch_xla._XLAC._get_xla_sharding_spec
+    places = iter(torch_xla._XLAC._get_local_shard_replica_and_indices([t for t in tensors if spec(t)]))
+    for t in tensors:
+        _, index = next(places)[0] if spec(t) else (None, Ellipsis)  # no sharding at all: whole on every device
         size = t.element_size()
         if index is Ellipsis or not isinstance(index, (tuple, list)):
             held += t.numel() * size
