@@ -397,8 +397,8 @@ def refuse_host_shortage(model: nn.Module, optimizer: Any, processes: int, check
     (``processes`` copies, one per process that builds it) or, with ``checkpoints``, the parameters and optimizer
     state a save gathers whole on the host (``host_bytes``).
 
-    The model's own parameters already on the host count as loaded: they are freed when it moves to its
-    device. ``HEADROOM`` of the available RAM is used, as of a chip's. Nothing is checked where the host's
+    In one process the model's own parameters already on the host count as loaded: they are freed when it
+    moves to its device (launched processes each load a copy beside the caller's, which stays). ``HEADROOM`` of the available RAM is used, as of a chip's. Nothing is checked where the host's
     memory is unknown.
 
     Raises:
@@ -411,7 +411,7 @@ def refuse_host_shortage(model: nn.Module, optimizer: Any, processes: int, check
     states, opt_name = optimizer_states(optimizer)
     size = sum(p.numel() * p.element_size() for p in params)
     state = sum(p.numel() * p.element_size() * states for p in params if p.requires_grad)
-    loaded = sum(p.numel() * p.element_size() for p in params if p.device.type == "cpu")
+    loaded = sum(p.numel() * p.element_size() for p in params if p.device.type == "cpu") if processes == 1 else 0
     needed = host_bytes(size, state, processes, checkpoints)
     if needed <= HEADROOM * available + loaded:
         return
@@ -421,8 +421,9 @@ def refuse_host_shortage(model: nn.Module, optimizer: Any, processes: int, check
         what += f"; each checkpoint gathers its parameters and {opt_name} state whole on the host ({_gb(size + state)})"
     raise ValueError(
         f"not enough host RAM to load {type(model).__name__} for sharding: {what}, so the host needs {_gb(needed)}, "
-        f"but {_gb(available)} is available ({HEADROOM:.0%} usable, plus the {_gb(loaded)} the model holds there "
-        f"now; {HOST_MEMORY_ENV} sets it). Ways out: a host with more RAM, a bf16 model (dtype=torch.bfloat16), "
+        f"but {_gb(available)} is available ({HEADROOM:.0%} usable"
+        + (f", plus the {_gb(loaded)} the model holds there now" if loaded else "")
+        + f"; {HOST_MEMORY_ENV} sets it). Ways out: a host with more RAM, a bf16 model (dtype=torch.bfloat16), "
         f"LoRA adapters (peft: optimizer state for them alone)"
         + (", no checkpoint_dir (nothing gathered on the host)" if checkpoints else "")
         + (", fewer processes" if processes > 1 else "")
