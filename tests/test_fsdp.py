@@ -1,8 +1,10 @@
 """strategy="fsdp" on 4 XLA:CPU devices, in one subprocess: every parameter sharded 4 ways while training, the
 losses of the replicated run (with accumulation, clipping, and with and without per-block checkpointing),
 strategy="auto" choosing it from the memory plan, flat compiles, no host syncs, the bytes each device holds,
-predict/evaluate/find_lr sharded, the hand loop's shard_model, and checkpoints with the plain model's own keys.
-The bad inputs that need no devices are checked in this process."""
+predict/evaluate/find_lr sharded, the hand loop's shard_model, checkpoints with the plain model's own keys, a run
+killed after epoch 1 and resumed bitwise (its restored state sharded again), and peft LoRA sharded (adapters alone
+optimized, the base bit-equal, the adapter reloaded). A resume with another core count (from the killed run's
+folder) and the bad inputs that need no devices are checked in this process."""
 
 import json
 
@@ -37,9 +39,10 @@ def device_bytes(tensors):
     # from the live shards' indices: the runtime reports no memory under SPMD
     held = whole = bound = 0
     tensors = [t for t in tensors if t.numel()]
-    places = torch_xla._XLAC._get_local_shard_replica_and_indices(tensors)
-    for t, per_device in zip(tensors, places):
-        _, index = per_device[0]
+    spec = torch_xla._XLAC._get_xla_sharding_spec
+    places = iter(torch_xla._XLAC._get_local_shard_replica_and_indices([t for t in tensors if spec(t)]))
+    for t in tensors:
+        _, index = next(places)[0] if spec(t) else (None, Ellipsis)  # no sharding at all: whole on every device
         size = t.element_size()
         if index is Ellipsis or not isinstance(index, (tuple, list)):
             held += t.numel() * size
@@ -54,7 +57,10 @@ def device_bytes(tensors):
     return held, whole, bound
 
 class Watch(Callback):
-    after_save, order = (), 100  # after every built-in: the Checkpoints callback has written last.pt and best.pt
+    after_save, order, restored = (), 100, None  # after every built-in: Checkpoints has written or restored
+    def on_fit_start(self, loop):  # a resume's optimizer state, as loaded from last.pt and before any step
+        state = [t for s in loop.optimizer.state.values() for t in s.values() if torch.is_tensor(t) and t.dim()]
+        self.restored = device_bytes(state) if state else None
     def on_epoch_end(self, loop, record):
         self.after_save = [*self.after_save, compile_count()]
         self.specs = {n: torch_xla._XLAC._get_xla_sharding_spec(p) for n, p in loop.model.named_parameters()}
@@ -62,19 +68,25 @@ class Watch(Callback):
         state = [t for s in loop.optimizer.state.values() for t in s.values() if torch.is_tensor(t) and t.dim()]
         self.bytes = device_bytes([*loop.model.parameters(), *state])
 
-def fit(strategy, **kw):
-    model, watch, folder = copy.deepcopy(base), Watch(), tempfile.mkdtemp()
+class Killed(Callback):
+    order = 200  # after every built-in and Watch: epoch 1's last.pt and best.pt are written, then the process "dies"
+    def on_epoch_end(self, loop, record):
+        raise SystemExit(f"killed after epoch {record.epoch}")
+
+def fit(strategy, folder=None, also=(), **kw):
+    model, watch, folder = copy.deepcopy(base), Watch(), folder or tempfile.mkdtemp()
     history = one_cycle_fit(model, data, epochs=3, max_lr=1e-2, batch_size=2, cores="all", strategy=strategy,
-                            accumulate_steps=2, max_grad_norm=0.5, progress=False, callbacks=[watch],
+                            accumulate_steps=2, max_grad_norm=0.5, progress=False, callbacks=[watch, *also],
                             checkpoint_dir=folder, seed=1, **kw)
     plain = LlamaForCausalLM(config)
     load_checkpoint(os.path.join(folder, "best.pt"), model=plain)  # strict, on the CPU, the plain model's keys
     trained = history.model.state_dict()  # to the host in one graph (a .cpu() per sharded tensor compiles one each)
     trained = dict(zip(trained, to_cpu(list(trained.values()))))
     same = all(torch.equal(v, trained[k]) for k, v in plain.state_dict().items())
+    fit.trained = trained
     return plain, {"losses": [r.train_loss for r in history.records], "compiles": [r.compiles for r in history.records],
                    "syncs": [r.host_syncs for r in history.records], "summary": history.summary, "specs": watch.specs,
-                   "keys": sorted(history.model.state_dict()), "same_as_history": same, "bytes": watch.bytes, "after_save": watch.after_save,
+                   "keys": sorted(history.model.state_dict()), "same_as_history": same, "bytes": watch.bytes, "after_save": watch.after_save, "restored": watch.restored,
                    "use_cache": history.model.config.use_cache,
                    "forward_restored": all("forward" not in m.__dict__ for m in history.model.modules())}
 
@@ -85,6 +97,15 @@ os.environ["TPU_UTILITY_DEVICE_MEMORY_GB"] = str(limit / 1e9)
 out["plan"] = [plan.replicated, plan.sharded, limit * 0.9]
 plain, out["auto"] = fit("auto")  # the plan chooses fsdp, with per-block checkpointing (FSDP()'s default)
 _, out["no_checkpoint"] = fit(FSDP(checkpoint=False))
+straight = fit.trained
+# killed right after epoch 1's checkpoints (nothing after them runs: no fit end, no restore), then resumed
+kept = os.environ["KEEP"]  # the test resumes from it in its own process with another core count
+try:
+    fit(FSDP(checkpoint=False), folder=kept, also=[Killed()])
+except SystemExit as stop:
+    out["killed"] = str(stop)
+_, out["resumed"] = fit(FSDP(checkpoint=False), folder=kept, resume=True)
+out["resumed"]["bitwise"] = sorted(k for k, v in straight.items() if not torch.equal(v, fit.trained[k]))
 try:
     one_cycle_fit(copy.deepcopy(base), data, epochs=1, max_lr=1e-2, batch_size=2, cores="all", strategy="spmd")
 except ValueError as error:
@@ -103,6 +124,32 @@ out["evaluate"] = [evaluate(plain, rows, cores="all", batch_size=2, strategy=FSD
 before = {k: v.clone() for k, v in plain.state_dict().items()}
 sweep = find_lr(plain, data, batch_size=2, num_steps=4, read_every=2, strategy="fsdp")
 out["find_lr"] = {"losses": sweep.losses, "unchanged": all(torch.equal(v, plain.state_dict()[k]) for k, v in before.items())}
+
+# peft LoRA sharded: the optimizer holds the adapters alone, the base stays bit-equal, the adapter reloads
+import peft
+lora_config = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"])
+lora = peft.get_peft_model(copy.deepcopy(base), lora_config)
+frozen = {k: v.clone() for k, v in lora.state_dict().items() if "lora_" not in k}
+class Held(Callback):
+    def on_fit_start(self, loop):
+        held = {id(p) for g in loop.optimizer.param_groups for p in g["params"]}
+        self.held = [n for n, p in loop.model.named_parameters() if id(p) in held]
+held = Held()
+tuned = one_cycle_fit(lora, data, epochs=1, max_lr=1e-2, batch_size=2, cores="all", strategy="fsdp", progress=False,
+                      callbacks=[held], seed=1)
+state = tuned.model.state_dict()
+state = dict(zip(state, to_cpu(list(state.values()))))
+on_cpu = peft.get_peft_model(copy.deepcopy(base), lora_config)  # history.model's weights, on the CPU
+on_cpu.load_state_dict(state)
+adapter = tempfile.mkdtemp()
+tuned.model.save_pretrained(adapter)
+reloaded = peft.PeftModel.from_pretrained(copy.deepcopy(base), adapter)
+with torch.no_grad():
+    gap = float((reloaded(input_ids=ids[:4]).logits - on_cpu(input_ids=ids[:4]).logits).abs().max())
+out["lora"] = {"held": held.held, "trainable": [n for n, p in lora.named_parameters() if p.requires_grad],
+               "base_changed": sorted(k for k, v in frozen.items() if not torch.equal(v, state[k])),
+               "lora_B": [float(v.abs().max()) for k, v in reloaded.state_dict().items() if "lora_B" in k],
+               "gap": gap, "summary": tuned.summary}
 
 # the hand loop: shard_model before the optimizer; one built before is refused by name
 model = copy.deepcopy(base)
@@ -135,8 +182,9 @@ print("RESULT" + json.dumps(out))
 
 
 @pytest.mark.multidevice
-def test_fsdp_on_four_devices_shards_every_parameter_and_trains_as_the_replicated_run():
-    r = run_python(FSDP_SCRIPT, env={"CPU_NUM_DEVICES": "4"}, timeout=900)
+def test_fsdp_on_four_devices_shards_every_parameter_and_trains_as_the_replicated_run(tmp_path):
+    kept = tmp_path / "killed"
+    r = run_python(FSDP_SCRIPT, env={"CPU_NUM_DEVICES": "4", "KEEP": str(kept)}, timeout=900)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
     out = json.loads(r.stdout.split("RESULT", 1)[1])
     spmd, auto, plain_fsdp = out["spmd"], out["auto"], out["no_checkpoint"]
@@ -170,6 +218,34 @@ def test_fsdp_on_four_devices_shards_every_parameter_and_trains_as_the_replicate
     assert out["predict"]["max_diff"] <= 1e-5 * max(1.0, out["predict"]["scale"]), out["predict"]
     assert out["evaluate"][0] == pytest.approx(out["evaluate"][1], rel=1e-5)
     assert len(out["find_lr"]["losses"]) == 4 and out["find_lr"]["unchanged"]
+    # killed after epoch 1's checkpoint and resumed: bitwise the uninterrupted run, its state sharded again
+    resumed = out["resumed"]
+    assert out["killed"] == "killed after epoch 1"
+    assert resumed["bitwise"] == [] and resumed["losses"] == plain_fsdp["losses"], (resumed, plain_fsdp["losses"])
+    assert not {n: s for n, s in resumed["specs"].items() if "devices=[" not in s or "replicate" in s}
+    for held, whole, bound in (resumed["restored"], resumed["bytes"]):  # the loaded AdamW state sliced like its
+        assert held <= bound < 0.3 * whole, resumed  # parameters at once, never whole on every device
+    assert plain_fsdp["restored"] is None  # a fresh run: nothing restored
+    # another core count: last.pt holds whole tensors (any count could read them), but the global batch and the
+    # schedule's steps follow the cores, so resume=True refuses it by name; here, in this process's one device
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64))
+    data = [{"input_ids": row, "labels": row} for row in torch.randint(0, 64, (32, 16))]
+    with pytest.raises(ValueError) as error:
+        one_cycle_fit(model, data, epochs=3, max_lr=1e-2, batch_size=2, cores=1, accumulate_steps=2, max_grad_norm=0.5,
+                      progress=False, checkpoint_dir=str(kept), seed=1, resume=True)
+    message = str(error.value)
+    assert "was written by a different run, so resume=True refuses it" in message, message
+    assert "cores: checkpoint 4, this run 1" in message and "optimizer steps: checkpoint 6, this run 24" in message
+    # peft LoRA sharded
+    lora = out["lora"]
+    assert lora["held"] == lora["trainable"] and all("lora_" in n for n in lora["held"]), lora["held"]
+    assert len(lora["held"]) == 8 and "fsdp on 4" in lora["summary"]  # A and B of q_proj and v_proj, 2 layers
+    assert lora["base_changed"] == [], lora["base_changed"]
+    assert min(lora["lora_B"]) > 0 and lora["gap"] <= 1e-5, lora
     # the hand loop
     assert "shard_model" in out["stale_step"] and "train nothing" in out["stale_step"]
     assert "shard_model" in out["stale_given"]

@@ -116,6 +116,9 @@ def test_a_7b_model_on_a_v5e_8_cannot_be_replicated_and_can_be_sharded(build, we
     assert _state(plan, "sharded") / GB == pytest.approx(4 * weights_gb / 8, rel=0.1)
     assert not plan.fits_replicated and plan.fits_sharded
     assert plan.dominant(sharded=False).startswith("optimizer state (AdamW")
+    # the host: the whole model once; a checkpoint gathers it with both moments
+    assert f"{plan.term('parameters').replicated / GB:.2f} GB to hold the model whole" in str(plan)
+    assert f"{3 * plan.term('parameters').replicated / GB:.2f} GB while a checkpoint gathers" in str(plan), str(plan)
 
     import peft
 
@@ -181,3 +184,61 @@ def test_checkpoint_module_recomputes_one_block_with_the_same_gradients_and_give
     assert all(torch.allclose(a, p.grad) for a, p in zip(plain, block.parameters()))
     undo()
     assert "forward" not in block.__dict__
+
+
+# ------------------------------------------------------------- host RAM
+def test_host_bytes_is_the_larger_of_the_loaded_copies_and_a_checkpoints_gathered_state():
+    from tpu_utility.training.memory import host_bytes
+
+    assert host_bytes(100, 200, 1, checkpoints=False) == 100  # the whole model once, before it is sharded
+    assert host_bytes(100, 200, 1, checkpoints=True) == 300  # a save: parameters and AdamW state whole
+    assert host_bytes(100, 200, 4, checkpoints=True) == 400  # four processes each build the model
+
+
+def test_host_memory_from_the_override_or_proc_meminfo(monkeypatch):
+    from tpu_utility.training.memory import host_memory
+
+    monkeypatch.setenv("TPU_UTILITY_HOST_MEMORY_GB", "2")
+    assert host_memory() == 2 * 2**30
+    monkeypatch.setenv("TPU_UTILITY_HOST_MEMORY_GB", "lots")
+    with pytest.raises(ValueError, match="TPU_UTILITY_HOST_MEMORY_GB must be a positive number.*'lots'"):
+        host_memory()
+    monkeypatch.delenv("TPU_UTILITY_HOST_MEMORY_GB")
+    assert host_memory() is None or 0 < host_memory() < 2**50  # this host's MemAvailable
+
+
+def test_a_sharded_run_the_host_cannot_hold_is_refused_before_training(monkeypatch, tmp_path):
+    from torch.utils.data import TensorDataset
+
+    from tpu_utility import backend, one_cycle_fit
+    from tpu_utility.training import fit as fit_module
+
+    model = nn.Sequential(nn.Linear(1000, 1000), nn.Linear(1000, 2))  # 4.01 MB of fp32 weights, 8.02 MB AdamW state
+    data = TensorDataset(torch.randn(8, 1000), torch.randint(0, 2, (8,)))
+    run = dict(epochs=1, max_lr=1e-3, batch_size=4, progress=False, strategy="fsdp")
+    # this process has one XLA device: fsdp over 4 cores, and over 2 launched processes, as process_mode says them
+    monkeypatch.setattr(fit_module, "process_mode", lambda cores, word: (4, "fsdp"))
+    monkeypatch.setenv("TPU_UTILITY_HOST_MEMORY_GB", str(6e6 / 2**30))  # 6 MB available: 5.4 MB usable
+    compiles = backend.compile_count()
+    with pytest.raises(ValueError) as error:  # a save gathers 12.04 MB; the model's own 4.01 MB are freed by then
+        one_cycle_fit(model, data, checkpoint_dir=str(tmp_path / "ckpt"), **run)
+    message = str(error.value)
+    for part in ("not enough host RAM to load Sequential for sharding", "the whole model (4.01 MB)",
+                 "each checkpoint gathers its parameters and AdamW state whole on the host (12.04 MB)",
+                 "the host needs 12.04 MB", "6.00 MB is available", "plus the 4.01 MB the model holds there now",
+                 "TPU_UTILITY_HOST_MEMORY_GB", "bf16", "LoRA", "no checkpoint_dir"):  # fmt: skip
+        assert part in message, (part, message)
+    assert backend.compile_count() == compiles and not (tmp_path / "ckpt").exists()  # before anything ran
+
+    monkeypatch.setattr(fit_module, "process_mode", lambda cores, word: (2, "multiprocess-fsdp"))
+    monkeypatch.setenv("TPU_UTILITY_HOST_MEMORY_GB", str(8.5e6 / 2**30))  # 7.65 MB usable: two copies of 4.01 MB
+    with pytest.raises(ValueError) as error:  # do not fit, beside the caller's own copy (which stays)
+        one_cycle_fit(model, data, **run)
+    message = str(error.value)
+    assert "2 processes each load the whole model (4.01 MB)" in message and "needs 8.02 MB" in message, message
+    assert "8.50 MB is available (90% usable;" in message and "fewer processes" in message, message
+    from tpu_utility.training.memory import refuse_host_shortage
+
+    monkeypatch.setenv("TPU_UTILITY_HOST_MEMORY_GB", str(10e6 / 2**30))  # 9 MB usable + the model's 4.01 MB: fits
+    refuse_host_shortage(model, "adamw", 1, checkpoints=True)
+    refuse_host_shortage(model, "sgd", 2, checkpoints=False)

@@ -79,15 +79,16 @@ def pjrt_device() -> str | None:
 
 
 
-def memory_override() -> int | None:
-    """Bytes of memory per device that ``TPU_UTILITY_DEVICE_MEMORY_GB`` sets (GiB, fractions allowed), or None.
+def memory_override(variable: str = MEMORY_ENV) -> int | None:
+    """Bytes of memory per device that ``TPU_UTILITY_DEVICE_MEMORY_GB`` sets (GiB, fractions allowed), or None;
+    ``variable``: another such variable (the host's RAM, ``TPU_UTILITY_HOST_MEMORY_GB``).
 
     The one place this variable is read: every memory plan (generation's KV cache, training's) asks here.
 
     Raises:
         ValueError: a value that is not a positive number, named with the variable.
     """
-    value = os.environ.get(MEMORY_ENV)
+    value = os.environ.get(variable)
     if value is None or not value.strip():
         return None
     try:
@@ -95,7 +96,8 @@ def memory_override() -> int | None:
     except ValueError:
         gib = -1.0
     if not gib > 0:
-        raise ValueError(f"{MEMORY_ENV} must be a positive number of GiB per device (e.g. 16), but is {value!r}")
+        per = " per device" if variable == MEMORY_ENV else ""
+        raise ValueError(f"{variable} must be a positive number of GiB{per} (e.g. 16), but is {value!r}")
     return int(gib * 2**30)
 
 

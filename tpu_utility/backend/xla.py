@@ -721,6 +721,21 @@ class XlaBackend(Backend):
     def shard_parameters(self, model: torch.nn.Module, blocks: Sequence[torch.nn.Module]) -> Callable[[], None]:
         return shard_parameters(model, blocks)
 
+    def shard_optimizer_state(self, optimizer: torch.optim.Optimizer) -> None:
+        """Gives whole state tensors (a checkpoint's, just loaded: torch moves them to the device replicated) the
+        sharding of their parameter, so a resumed run holds the same quarter per device as an uninterrupted one."""
+        import torch_xla
+
+        if not is_spmd():
+            return
+        for param, state in optimizer.state.items():
+            if param.device.type != "xla" or torch_xla._XLAC._get_xla_sharding_spec(param) in ("", "{replicated}"):
+                continue
+            layout = torch_xla._XLAC._get_xla_op_sharding(param)
+            for value in state.values():
+                if isinstance(value, torch.Tensor) and value.device.type == "xla" and value.shape == param.shape:
+                    torch_xla._XLAC._xla_mark_sharding(value, layout)
+
     def process_count(self) -> int:
         """Processes of the job (one per host on a pod slice under SPMD); 1 off XLA."""
         if not runtime_started():

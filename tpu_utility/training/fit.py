@@ -48,7 +48,7 @@ from .agreement import ReplicaAgreement
 from .events import Events, check_callbacks
 from .history import History
 from .metrics import METRICS, CrossEntropy, accuracy, check_loss_fn, per_sample_loss, resolve_metrics
-from .memory import auto_shards, refuse_replicating
+from .memory import auto_shards, refuse_host_shortage, refuse_replicating
 from .monitor import Mode, StopRule, parse_duration, resolve_mode
 from .precision import Precision, check_precision
 from .topology import LAUNCHED_MODE, Strategy, available_cores, choose_strategy, process_mode, resolve_cores
@@ -386,6 +386,8 @@ def one_cycle_fit(
             why = auto_shards(model, n_cores, train_spec.batch_size, optimizer, precision)
             run_mode, sharding = ("fsdp", FSDP()) if why else (run_mode, sharding)
         refuse_replicating(model, n_cores, train_spec.batch_size, optimizer, precision, sharded=run_mode == "fsdp")
+        if run_mode in ("fsdp", "multiprocess-fsdp"):  # the host holds it whole before it is sharded, and each save
+            refuse_host_shortage(model, optimizer, processes, checkpoint_dir is not None)
     loss = loss_fn if loss_fn is not None else CrossEntropy()
     if valid_spec is not None:
         per_sample_loss(loss)  # fail now, not after the first epoch

@@ -6,8 +6,9 @@
 
 The model may live on the ``meta`` device (``with torch.device("meta"): AutoModelForCausalLM.from_config(cfg)``),
 so a 7B plan costs no RAM. The math is plain functions of numbers (``optimizer_states``, ``shard_bytes``,
-``activation_bytes``), tested alone; the chip's memory comes from the backend (its hardware table, the GPU's own,
-or ``TPU_UTILITY_DEVICE_MEMORY_GB``).
+``activation_bytes``, ``host_bytes``), tested alone; the chip's memory comes from the backend (its hardware table,
+the GPU's own, or ``TPU_UTILITY_DEVICE_MEMORY_GB``), the host's from ``/proc/meminfo`` (``MemAvailable``) or
+``TPU_UTILITY_HOST_MEMORY_GB``.
 """
 
 from __future__ import annotations
@@ -21,13 +22,14 @@ import torch
 from torch import nn
 
 from .. import backend
-from ..backend.hardware import tpu_device_memory
+from ..backend.hardware import memory_override, tpu_device_memory
 from ..sharding import block_classes
 
 # the share of a chip's memory a plan may fill: XLA's own buffers, fragmentation and the compiler's temporaries
 # take the rest (generation's KV-cache check leaves the same)
 HEADROOM = 0.9
 GB = 1e9
+HOST_MEMORY_ENV = "TPU_UTILITY_HOST_MEMORY_GB"  # the host's available RAM in GiB, read in place of /proc/meminfo
 
 # optimizer state tensors per trainable parameter, each in the parameter's dtype (as torch keeps them)
 _STATES = {"Adam": 2, "AdamW": 2, "NAdam": 2, "RAdam": 2, "Adamax": 2, "Adagrad": 1, "Adadelta": 2, "ASGD": 2,
@@ -77,6 +79,17 @@ def shard_bytes(numel: int, itemsize: int, shards: int) -> int:
         (12, 40)
     """
     return math.ceil(numel / shards) * itemsize
+
+
+def host_bytes(params: int, state: int, copies: int, checkpoints: bool) -> int:
+    """Host RAM a sharded run needs at its peak: ``copies`` whole models before they are sharded (one per process
+    that builds one), or, with checkpoints, the whole parameters and optimizer state a save gathers on the host.
+
+    Example:
+        >>> host_bytes(10, 20, 1, False), host_bytes(10, 20, 1, True), host_bytes(10, 20, 4, True)
+        (10, 30, 40)
+    """
+    return max(copies * params, params + state if checkpoints else 0)
 
 
 @dataclass(frozen=True)
@@ -231,7 +244,8 @@ def memory_plan(
 
     Returns:
         A ``MemoryPlan``: ``.replicated`` and ``.sharded`` (bytes per chip), ``.fits_replicated`` and
-        ``.fits_sharded``, ``.terms``; ``print(plan)`` shows the table.
+        ``.fits_sharded``, ``.terms``; ``print(plan)`` shows the table, and in its notes the host RAM a
+        sharded run needs (the model whole before it is sharded; a checkpoint's gathered state).
 
     Raises:
         ValueError: a bad core count, batch size, precision or TPU kind.
@@ -263,7 +277,9 @@ def memory_plan(
         Term("gradients", whole(trainable, 1), split(trainable, 1)),
         Term(f"optimizer state ({opt_name}, {states} per parameter)", whole(trainable, states), split(trainable, states)),
     ]
-    notes = []
+    size, state = whole(params, 1), whole(trainable, states)
+    notes = [f"host RAM: {_gb(size)} to hold the model whole before it is sharded, "
+             f"{_gb(host_bytes(size, state, 1, True))} while a checkpoint gathers its parameters and optimizer state"]
     frozen = len(params) - len(trainable)
     if frozen:
         notes.append(f"{sum(p.numel() for p in trainable):,} of {sum(p.numel() for p in params):,} parameters train "
@@ -351,6 +367,69 @@ def refuse_replicating(model: nn.Module, cores: int, batch_size: int, optimizer:
     )
 
 
+def host_memory() -> int | None:
+    """The host's available RAM in bytes: ``TPU_UTILITY_HOST_MEMORY_GB`` (GiB) when set, else ``MemAvailable`` of
+    ``/proc/meminfo``; None where neither is there (nothing is checked then).
+
+    Raises:
+        ValueError: the variable set to something other than a positive number, named with its value.
+
+    Example:
+        >>> import os
+        >>> os.environ["TPU_UTILITY_HOST_MEMORY_GB"] = "64"
+        >>> host_memory() == 64 * 2**30
+        True
+        >>> del os.environ["TPU_UTILITY_HOST_MEMORY_GB"]
+    """
+    given = memory_override(HOST_MEMORY_ENV)
+    if given is not None:
+        return given
+    try:
+        with open("/proc/meminfo") as info:
+            found = [line.split()[1] for line in info if line.startswith("MemAvailable:")]
+    except OSError:
+        return None
+    return int(found[0]) * 1024 if found else None
+
+
+def refuse_host_shortage(model: nn.Module, optimizer: Any, processes: int, checkpoints: bool) -> None:
+    """Refuses, before training, a sharded run whose host cannot hold the model whole to load it for sharding
+    (``processes`` copies, one per process that builds it) or, with ``checkpoints``, the parameters and optimizer
+    state a save gathers whole on the host (``host_bytes``).
+
+    In one process the model's own parameters already on the host count as loaded: they are freed when it
+    moves to its device (launched processes each load a copy beside the caller's, which stays). ``HEADROOM`` of the available RAM is used, as of a chip's. Nothing is checked where the host's
+    memory is unknown.
+
+    Raises:
+        ValueError: the bytes needed, of what, the bytes available, and the ways out.
+    """
+    available = host_memory()
+    if available is None:
+        return
+    params = list({id(p): p for p in model.parameters()}.values())
+    states, opt_name = optimizer_states(optimizer)
+    size = sum(p.numel() * p.element_size() for p in params)
+    state = sum(p.numel() * p.element_size() * states for p in params if p.requires_grad)
+    loaded = sum(p.numel() * p.element_size() for p in params if p.device.type == "cpu") if processes == 1 else 0
+    needed = host_bytes(size, state, processes, checkpoints)
+    if needed <= HEADROOM * available + loaded:
+        return
+    copies = f"{processes} processes each load" if processes > 1 else "the host loads"
+    what = f"{copies} the whole model ({_gb(size)}) before it is sharded"
+    if checkpoints:
+        what += f"; each checkpoint gathers its parameters and {opt_name} state whole on the host ({_gb(size + state)})"
+    raise ValueError(
+        f"not enough host RAM to load {type(model).__name__} for sharding: {what}, so the host needs {_gb(needed)}, "
+        f"but {_gb(available)} is available ({HEADROOM:.0%} usable"
+        + (f", plus the {_gb(loaded)} the model holds there now" if loaded else "")
+        + f"; {HOST_MEMORY_ENV} sets it). Ways out: a host with more RAM, a bf16 model (dtype=torch.bfloat16), "
+        f"LoRA adapters (peft: optimizer state for them alone)"
+        + (", no checkpoint_dir (nothing gathered on the host)" if checkpoints else "")
+        + (", fewer processes" if processes > 1 else "")
+    )
+
+
 def _check_cores(cores: Any) -> int:
     if cores == "all":
         return backend.device_count()
@@ -389,5 +468,6 @@ def _largest_block(model: nn.Module) -> list[nn.Parameter]:
     return max((list(m.parameters()) for m in blocks), key=lambda ps: sum(p.numel() for p in ps), default=[])
 
 
-__all__ = ["memory_plan", "MemoryPlan", "auto_shards", "refuse_replicating", "Term", "TransformerShape", "activation_bytes", "optimizer_states",
+__all__ = ["memory_plan", "MemoryPlan", "auto_shards", "refuse_replicating", "refuse_host_shortage", "host_bytes",
+           "host_memory", "HOST_MEMORY_ENV", "Term", "TransformerShape", "activation_bytes", "optimizer_states",
            "shard_bytes", "HEADROOM"]  # fmt: skip
