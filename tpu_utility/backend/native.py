@@ -637,7 +637,8 @@ def _watch_torchrun_job() -> None:
     def explain(kind: type, error: BaseException, tb: Any) -> None:
         rank = int(os.environ.get("RANK", "0"))
         report = None
-        if isinstance(error, RuntimeError) and any(w in str(error).lower() for w in _PEER_LEFT):
+        ours = type(error).__module__.startswith("tpu_utility")  # a CollectiveTimeout: explained already
+        if isinstance(error, RuntimeError) and not ours and any(w in str(error).lower() for w in _PEER_LEFT):
             report = _peer_left(error, rank, int(os.environ.get("WORLD_SIZE", "1")), PEER_WORD_WAIT_S)
         _FINISHED[0] = True  # it did not finish: no step count at exit
         _say("failed", rank, _error_text(error))
