@@ -233,7 +233,7 @@ print("REF", json.dumps([r.train_loss for r in one_cycle_fit(Net(), blobs(), bat
 """, env=NATIVE)
     script = tmp_path / "job.py"
     script.write_text(MODEL + f"""
-from tpu_utility import backend, one_cycle_fit, shard_model, step_optimizer
+from tpu_utility import backend, one_cycle_fit, predict, shard_model, step_optimizer
 
 folder = {str(out)!r}
 os.environ["SHARDED_DIR"] = folder
@@ -244,6 +244,11 @@ figures = dict(losses=[r.train_loss for r in history.records], summary=history.s
                best=best_logits_equal(history, os.path.join(folder, "ckpt")),
                held=json.load(open(os.path.join(folder, "held", f"held{{backend.rank()}}.json"))))
 figures["inference"] = inference_figures()   # the job's 2 processes hold the shards
+try:   # each process its own data: no row could run through both shards
+    predict(Net(), blobs(61, seed=backend.rank()), batch_size=8, strategy="fsdp", progress=False)
+    figures["own_data"] = "ran"
+except ValueError as error:
+    figures["own_data"] = f"{{type(error).__name__}}: {{error}}"
 
 
 def hand_loop(model, optimizer):
@@ -297,6 +302,8 @@ with open(os.path.join(folder, f"rank{{backend.rank()}}.json"), "w") as f:
     for rank in ranks:  # predict and evaluate sharded over the job's processes
         check_inference(rank["inference"])
     assert sorted(f for f in os.listdir(out) if f.startswith("predicted")) == ["predicted0", "predicted1"]
+    for rank in ranks:  # refused alike on both, before any batch
+        assert rank["own_data"].startswith("ReplicaMismatch: predict with strategy='fsdp' runs one model sharded"), rank
     # shard_model in a hand loop: FSDP2 over the job, the global batch's losses those of one unsharded process (SGD)
     assert ranks[0]["hand_sharded"] and ranks[0]["shard_model"] == pytest.approx(ranks[0]["hand_ref"], rel=1e-5), ranks[0]
     assert ranks[0]["shard_model"][-1] < ranks[0]["shard_model"][0]

@@ -309,11 +309,9 @@ for _ in range(5 if backend.rank() == 0 else 3):
     optimizer.step()
 dist.destroy_process_group()
 """)
-    env = {**os.environ, "PYTHONPATH": ROOT, **{k: v for k, v in NATIVE.items() if v is not None}}
-    for key in [k for k, v in NATIVE.items() if v is None]:
-        env.pop(key, None)
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                        str(script)], env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+    from test_native import _torchrun
+
+    r = _torchrun(script, 2, succeed=False)
     assert r.returncode != 0
     said = [line for line in r.stderr.splitlines() if "the replicas took different step counts" in line]
     assert said, r.stderr[-3000:]
