@@ -44,7 +44,9 @@ def _runner(model: nn.Module, precision: str, spec: LoaderSpec, what: str, mode:
     """The Runner for ``predict`` or ``evaluate`` in ``mode``; the replicas of a job given different data each run
     alone (``predict``: each gets its own rows) or are refused (``evaluate``: no one figure is asked for; and
     ``strategy="fsdp"``: each batch runs through every process's shard of the model)."""
-    differ = agreement.data_differences(spec.dataset, backend.device()) if mode in ("replica", "fsdp") else []
+    # several processes only (on XLA, "fsdp" is one process, whose runtime must not start before SPMD is on)
+    several = mode in ("replica", "fsdp") and backend.world_size() > 1
+    differ = agreement.data_differences(spec.dataset, backend.device()) if several else []
     if differ and mode == "fsdp":
         raise agreement.ReplicaMismatch(
             f"{what} with strategy='fsdp' runs one model sharded over the {len(differ)} processes, each batch "
