@@ -5,8 +5,12 @@ equal to one unsharded process with the same global batch (SGD: a gradient summe
 averaged would double every step, pytorch/pytorch#162338), each rank holding about 1/N of the parameter
 bytes while it trains, the blocks checkpointed, ``best.pt`` loading strictly into the plain model with
 logits equal to ``predict(history.model)``, and (2 processes) a run stopped after epoch 1 and resumed ending
-bitwise equal to an uninterrupted one. A ``torchrun`` job of 2 processes checks the same losses, bytes and
-checkpoint from inside a job.
+bitwise equal to an uninterrupted one; ``predict`` and ``evaluate`` with ``cores=2, strategy="fsdp"`` (processes
+launched, the model sharded while they run) give every row in dataset order and the figures of the replicated
+model; a rank that raises mid-training ends the run at once with its error, not the collective timeout. A
+``torchrun`` job of 2 processes checks the same losses, bytes, checkpoint, ``predict`` and ``evaluate`` from
+inside a job, and a hand loop calling ``shard_model`` (losses those of one unsharded process; an optimizer
+built before the call refused by name).
 """
 
 import json
@@ -98,12 +102,44 @@ def best_logits_equal(history, folder):
     return bool(torch.equal(plain.eval()(x), predict(history.model, x, batch_size=16, progress=False)))
 
 
+def sharded_step(model, batch):
+    # predict_step that notes, per rank, whether every parameter is sharded while it predicts
+    from torch.distributed.tensor import DTensor
+    from tpu_utility import backend
+
+    if all(isinstance(p, DTensor) for p in model.parameters()):
+        open(os.path.join(os.environ["SHARDED_DIR"], f"predicted{backend.rank()}"), "w").close()
+    return model(batch[0])
+
+
+def inference_figures(**where):
+    # predict and evaluate with strategy='fsdp' against the replicated model in this one process: 61 rows, batches
+    # of 8 per process (the last padded), so a row out of order or a padding row kept would show
+    from tpu_utility import evaluate, predict
+
+    data = blobs(61, seed=3)
+    with torch.no_grad():
+        ref = Net().eval()(data.tensors[0])
+    rows = predict(Net(), data, batch_size=8, strategy="fsdp", predict_step=sharded_step, progress=False, **where)
+    figures = evaluate(Net(), data, batch_size=8, strategy="fsdp", **where)
+    return {"rows": list(rows.shape), "max_diff": (rows - ref).abs().max().item(),
+            "loss": figures["loss"], "ref_loss": nn.functional.cross_entropy(ref, data.tensors[1]).item(),
+            "accuracy": figures["accuracy"], "ref_accuracy": (ref.argmax(1) == data.tensors[1]).float().mean().item()}
+
+
 def plain_model(model):
     # handed back unwrapped: its own class, plain tensors, no FSDP hooks left
     from torch.distributed.tensor import DTensor
 
     return type(model) is Net and not any(isinstance(p, DTensor) for p in model.parameters())
 """
+
+
+def check_inference(seen):
+    # every row in dataset order, equal to the replicated model's; evaluate's figures equal
+    assert seen["rows"] == [61, 3] and seen["max_diff"] <= 1e-5, seen
+    assert seen["loss"] == pytest.approx(seen["ref_loss"], rel=1e-5), seen
+    assert seen["accuracy"] == pytest.approx(seen["ref_accuracy"], abs=1e-6), seen
 
 
 def test_fsdp_is_launched_natively_joined_in_a_job_and_refused_on_one_core():
@@ -118,12 +154,27 @@ def test_fsdp_is_launched_natively_joined_in_a_job_and_refused_on_one_core():
 
 
 @pytest.mark.multidevice
-def test_one_cycle_fit_launches_fsdp_processes_that_train_as_one_unsharded_process(tmp_path):
+def test_one_cycle_fit_predict_and_evaluate_launch_fsdp_processes_that_run_as_one_unsharded_process(tmp_path):
     r = run_script(tmp_path, "fsdp_launch.py", MODEL + f"""
-from tpu_utility import load_checkpoint, one_cycle_fit
+from tpu_utility import backend, load_checkpoint, one_cycle_fit
+
+
+class Boom:
+    # rank 1 fails at its third step, in the middle of FSDP2's collectives
+    def on_step_end(self, loop):
+        if loop.step == 3 and backend.rank() == 1:
+            raise ValueError("boom on rank 1")
+
 
 if __name__ == "__main__":
     out, seen = {str(tmp_path)!r}, {{}}
+    os.environ["SHARDED_DIR"] = out   # the launched processes inherit it
+    seen["inference"] = inference_figures(cores=2)   # 2 processes launched for predict, 2 for evaluate
+    try:   # the collective timeout is an hour: had a rank waited for it, this script would be killed first
+        one_cycle_fit(Net, blobs(), batch_size=8, cores=2, strategy="fsdp", callbacks=[Boom()], **FIT)
+        seen["failed"] = "ran"
+    except RuntimeError as error:
+        seen["failed"] = str(error)
     for n in (2, 4):
         folder = os.path.join(out, f"n{{n}}")
         os.makedirs(folder)
@@ -149,8 +200,14 @@ if __name__ == "__main__":
             load_checkpoint(os.path.join(folder, "ckpt", "last.pt"), model=plain, optimizer=sgd)
             seen[n]["last"] = all(sgd.state[p]["momentum_buffer"].shape == p.shape for p in plain.parameters())
     print("SEEN", json.dumps(seen))
-""", env=NATIVE)
+""", env={**NATIVE, "TPU_UTILITY_COLLECTIVE_TIMEOUT": "3600"})
     seen = json.loads(r.stdout.split("SEEN", 1)[1])
+    check_inference(seen["inference"])
+    assert sorted(f for f in os.listdir(tmp_path) if f.startswith("predicted")) == ["predicted0", "predicted1"]
+    # the launcher reports the first replica to end: rank 1 with its own error, or rank 0 naming it
+    failed = seen["failed"]
+    assert "boom on rank 1" in failed and ("Process 1 terminated" in failed or "rank 1 failed (ValueError" in failed), failed
+    assert "timed out" not in failed and "SIGABRT" not in failed, failed  # not the timeout, not gloo's abort
     for n in ("2", "4"):
         run = seen[n]
         assert run["summary"].startswith(f"one_cycle_fit: fsdp on {n} cpu core(s) | batch 8 per core, {8 * int(n)} global")
@@ -166,7 +223,7 @@ if __name__ == "__main__":
 
 
 @pytest.mark.multidevice
-def test_inside_a_torchrun_job_fsdp_shards_and_trains_as_one_process(tmp_path):
+def test_inside_a_torchrun_job_fsdp_and_shard_model_shard_and_run_as_one_process(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     reference = run_script(tmp_path, "reference.py", MODEL + """
@@ -176,15 +233,59 @@ print("REF", json.dumps([r.train_loss for r in one_cycle_fit(Net(), blobs(), bat
 """, env=NATIVE)
     script = tmp_path / "job.py"
     script.write_text(MODEL + f"""
-from tpu_utility import backend, one_cycle_fit
+from tpu_utility import backend, one_cycle_fit, predict, shard_model, step_optimizer
 
 folder = {str(out)!r}
+os.environ["SHARDED_DIR"] = folder
 os.makedirs(os.path.join(folder, "held"), exist_ok=True)
 history = one_cycle_fit(Net(), blobs(), batch_size=8, strategy="fsdp", callbacks=[Probe(os.path.join(folder, "held"))],
                         checkpoint_dir=os.path.join(folder, "ckpt"), **FIT)
 figures = dict(losses=[r.train_loss for r in history.records], summary=history.summary, plain=plain_model(history.model),
                best=best_logits_equal(history, os.path.join(folder, "ckpt")),
                held=json.load(open(os.path.join(folder, "held", f"held{{backend.rank()}}.json"))))
+figures["inference"] = inference_figures()   # the job's 2 processes hold the shards
+try:   # each process its own data: no row could run through both shards
+    predict(Net(), blobs(61, seed=backend.rank()), batch_size=8, strategy="fsdp", progress=False)
+    figures["own_data"] = "ran"
+except ValueError as error:
+    figures["own_data"] = f"{{type(error).__name__}}: {{error}}"
+
+
+def hand_loop(model, optimizer):
+    # the porting guide's loop with shard_model: each process its 8 rows of a global batch of 16
+    rank, data, losses = backend.rank(), blobs(), []
+    for k in range(0, 64, 16):
+        x, y = data[k + 8 * rank: k + 8 * rank + 8]
+        optimizer.zero_grad()
+        loss = nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        step_optimizer(optimizer)
+        losses.append(backend.all_reduce([loss.detach()])[0].item() / 2)   # the global batch's mean loss
+    return losses
+
+
+model = shard_model(Net())
+figures["shard_model"] = hand_loop(model, torch.optim.SGD(model.parameters(), lr=0.1))
+from torch.distributed.tensor import DTensor
+figures["hand_sharded"] = all(isinstance(p, DTensor) for p in model.parameters())
+reference = Net()
+figures["hand_ref"] = []
+optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+for k in range(0, 64, 16):   # one unsharded process, the whole global batch
+    x, y = blobs()[k: k + 16]
+    optimizer.zero_grad()
+    loss = nn.functional.cross_entropy(reference(x), y)
+    loss.backward()
+    optimizer.step()
+    figures["hand_ref"].append(loss.item())
+early = Net()
+stale = torch.optim.SGD(early.parameters(), lr=0.1)   # built before the call: it holds the unsharded parameters
+shard_model(early)
+try:
+    hand_loop(early, stale)
+    figures["stale"] = "trained"
+except RuntimeError as error:
+    figures["stale"] = str(error)
 with open(os.path.join(folder, f"rank{{backend.rank()}}.json"), "w") as f:
     json.dump(figures, f)
 """)
@@ -198,3 +299,13 @@ with open(os.path.join(folder, f"rank{{backend.rank()}}.json"), "w") as f:
     for rank in ranks:
         assert rank["held"]["sharded"] and rank["held"]["checkpointed"] == 2 * 3 and rank["best"] and rank["plain"], rank
     assert os.path.exists(os.path.join(out, "ckpt", "best.pt"))
+    for rank in ranks:  # predict and evaluate sharded over the job's processes
+        check_inference(rank["inference"])
+    assert sorted(f for f in os.listdir(out) if f.startswith("predicted")) == ["predicted0", "predicted1"]
+    for rank in ranks:  # refused alike on both, before any batch
+        assert rank["own_data"].startswith("ReplicaMismatch: predict with strategy='fsdp' runs one model sharded"), rank
+    # shard_model in a hand loop: FSDP2 over the job, the global batch's losses those of one unsharded process (SGD)
+    assert ranks[0]["hand_sharded"] and ranks[0]["shard_model"] == pytest.approx(ranks[0]["hand_ref"], rel=1e-5), ranks[0]
+    assert ranks[0]["shard_model"][-1] < ranks[0]["shard_model"][0]
+    for rank in ranks:  # an optimizer built before shard_model: refused at its first step_optimizer, by name
+        assert "the optimizer holds 10 of its 10 parameters as they were before shard_model(model)" in rank["stale"]

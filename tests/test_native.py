@@ -352,14 +352,15 @@ except ValueError as error:
     assert "error: strategy='spmd' needs XLA devices" in r.stdout and "use strategy='auto' or 'multiprocess'" in r.stdout
 
 
-def _torchrun(script, nprocs):
-    """Runs ``script`` as a ``torchrun --standalone`` job of ``nprocs`` processes, torch_xla out of the way."""
+def _torchrun(script, nprocs, succeed=True):
+    """Runs ``script`` as a ``torchrun --standalone`` job of ``nprocs`` processes, torch_xla out of the way; with
+    ``succeed`` the job must exit 0 (its stderr shown where it did not)."""
     env = {**os.environ, "PYTHONPATH": ROOT, **{k: v for k, v in NATIVE.items() if v is not None}}
     for key in [k for k, v in NATIVE.items() if v is None]:
         env.pop(key, None)
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nprocs),
                         str(script)], env=env, capture_output=True, text=True, timeout=600)  # fmt: skip
-    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.returncode == 0 or not succeed, r.stderr[-3000:]
     return r
 
 

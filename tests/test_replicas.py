@@ -286,3 +286,35 @@ def test_two_torchrun_nodes_train_as_one_job_and_refuse_a_resume_from_their_own_
         assert "rank 1: epoch 1, afresh" in seen["resumed"] and "gs://bucket/run" in seen["resumed"]
     assert ranks[0]["record"] == ranks[1]["record"]
     assert "last.pt" in ranks[0]["files"] and ranks[1]["files"] == []  # one writer: rank 0, on its node's disk
+
+
+def test_inside_a_torchrun_job_a_ddp_hand_loop_whose_replicas_take_different_step_counts_says_so(tmp_path):
+    # issue 40: under torchrun nothing of ours wraps the loop; rank 1 destroys its group and leaves after 3 steps,
+    # and rank 0's 4th backward met gloo's "Connection closed by peer" with no word why
+    script = tmp_path / "steps.py"
+    script.write_text("""
+import torch
+import torch.distributed as dist
+from torch import nn
+from tpu_utility import backend, get_device
+
+dist.init_process_group("gloo")   # a torchrun script's own first lines
+device = get_device()
+torch.manual_seed(0)
+model = nn.parallel.DistributedDataParallel(nn.Linear(4, 2))
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+for _ in range(5 if backend.rank() == 0 else 3):
+    optimizer.zero_grad()
+    model(torch.randn(8, 4)).sum().backward()
+    optimizer.step()
+dist.destroy_process_group()
+""")
+    from test_native import _torchrun
+
+    r = _torchrun(script, 2, succeed=False)
+    assert r.returncode != 0
+    said = [line for line in r.stderr.splitlines() if "the replicas took different step counts" in line]
+    assert said, r.stderr[-3000:]
+    # the same words as under launch (the test above), as the last line of rank 0's traceback
+    assert "rank 0: the replicas took different step counts: rank 1 finished after 3 optimizer step(s) and left" in said[-1]
+    assert "while rank 0 had taken 3 and went on" in said[-1] and "Connection closed by peer" in said[-1], said

@@ -281,7 +281,10 @@ def shard_model(model: nn.Module, options: FSDP | None = None, *, optimizer: Any
     On XLA this switches the process to SPMD (one process, every core; call it before anything else touches
     the XLA device), moves the model to the device if it is not there, and shards each parameter on its largest
     dimension (torch_xla's FSDPv2 sharding); gradients and the optimizer's state follow their parameters. The
-    model keeps its own modules and key names.
+    model keeps its own modules and key names. Natively (CUDA with nccl, the CPU with gloo) call it in each
+    process of a job (``torchrun``, ``launch``): torch's FSDP2 ``fully_shard`` over all the job's processes, each
+    block then the root; each process trains on its own batches and the gradients are reduce-scattered to their
+    mean, so ``step_optimizer`` (or ``optimizer.step()``) steps one model.
 
     Args:
         model: The model, on the CPU or already on the device; sharded in place.
@@ -308,13 +311,15 @@ def shard_model(model: nn.Module, options: FSDP | None = None, *, optimizer: Any
         raise TypeError(f"options must be FSDP(...), but given {options!r}")
     if backend.current().lazy:  # XLA: one process over every core (natively, one process per device already)
         backend.use_spmd()
+    else:  # natively: the job's processes hold the shards (a torchrun job joined here, as one_cycle_fit joins it)
+        backend.join_job()
     before = list(model.parameters())
     device = get_device()
     if any(p.device != device for p in before):
         move_model(model, device)
-    kept = {id(p) for p in model.parameters()}
-    _REPLACED.update({id(p): p for p in before if id(p) not in kept})
     apply_sharding(model, options)
+    kept = {id(p) for p in model.parameters()}  # natively FSDP2 replaces each parameter by its sharded one
+    _REPLACED.update({id(p): p for p in before if id(p) not in kept})
     if optimizer is not None:
         refuse_replaced([p for group in optimizer.param_groups for p in group["params"]])
     return model

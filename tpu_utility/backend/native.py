@@ -166,6 +166,9 @@ class NativeBackend(Backend):
         self.name = self.device_type = device_type
         self.dist_backend = dist_backend
         self.core_rule = "any" if device_type == "cpu" else "up_to_available"
+        env = torchrun_env()
+        if env is not None and env[1] > 1:  # a replica that leaves or fails is named to those left waiting
+            _watch_torchrun_job()
 
     def __repr__(self) -> str:
         return f"NativeBackend({self.device_type!r}, {self.dist_backend!r})"
@@ -310,7 +313,7 @@ class NativeBackend(Backend):
         if not distributed_ready():
             return None
         if any(words in str(error).lower() for words in _PEER_LEFT):
-            return _left_early(error, self.rank(), self.world_size())
+            return _peer_left(error, self.rank(), self.world_size(), PEER_WORD_WAIT_S)
         if "timed out" not in str(error).lower():
             return None
         world, me = self.world_size(), self.rank()
@@ -375,7 +378,10 @@ class NativeBackend(Backend):
 
         Returns:
             The undo: every parameter gathered whole again (a collective), FSDP2's hooks and classes taken
-            off; gradients are dropped.
+            off; gradients are dropped. Called while an exception leaves the run (this rank's own, or a
+            collective's whose peer failed), it gathers nothing and leaves the model sharded: the others are
+            in other collectives or gone, and a gather would meet theirs (gloo aborts the process) or wait out
+            the collective timeout; the error goes on at once.
 
         Raises:
             RuntimeError: this process is not one of a job of several (nothing to shard over).
@@ -398,8 +404,14 @@ class NativeBackend(Backend):
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
         model._register_load_state_dict_pre_hook(_shard_loaded, with_module=True)
+        handled = sys.exc_info()[1]  # an exception already being handled where this is called is not a failure
 
-        return lambda: _unshard(model, found)
+        def undo() -> None:
+            failing = sys.exc_info()[1]
+            if failing is None or failing is handled:
+                _unshard(model, found)
+
+        return undo
 
     def shard_optimizer_state(self, optimizer: torch.optim.Optimizer) -> None:
         """Slices whole state tensors (a checkpoint's, just loaded) like their sharded parameters, with no collective."""
@@ -541,24 +553,64 @@ def _ranks(ranks: list[int]) -> str:
 
 # gloo's words when the replica at the other end of a collective has left the job
 _PEER_LEFT = ("connection closed by peer", "connection reset by peer")
-# optimizer steps this launched replica took (torch's global step hook counts them), told to the others as it leaves
+# optimizer steps this replica took (torch's global step hook counts them), told to the others as it leaves
 _STEPS = [0]
+# the job's store, kept at the first step: a torchrun script that destroys its group itself still says, at exit,
+# how many steps it took (torchrun's store is its agent's, alive after the group)
+_STORE: list[Any] = [None]
+# How long a replica whose collective's peer left waits for that peer's word (finished or failed) in the store.
+PEER_WORD_WAIT_S = 15.0
 
 
 def _count_step(optimizer: Any, args: Any, kwargs: Any) -> None:
     _STEPS[0] += 1
+    if _STORE[0] is None and distributed_ready():
+        _STORE[0] = dist.distributed_c10d._get_default_store()
 
 
-def _left_early(error: BaseException, me: int, world: int) -> str | None:
-    """Why a collective's peer left: the replicas that finished their function (with their step counts), told
-    through the job's store as they left; None where none said so (a crash: its own error says why)."""
+def _job_store() -> Any:
+    """The job's store: the live group's, else the one kept at the first step; None without either."""
+    return dist.distributed_c10d._get_default_store() if distributed_ready() else _STORE[0]
+
+
+def _say(kind: str, rank: int, text: str) -> None:
+    """Tells the job's store that ``rank`` finished (``text``: its step count) or failed (``text``: its error),
+    for a replica left waiting in a collective (``_peer_left``); nothing where no store is known."""
+    store = _job_store()
+    if store is None:
+        return
+    with contextlib.suppress(Exception):  # the store went with the job: the others' gloo errors stand
+        store.set(f"tpu_utility/{kind}/{rank}", text)
+
+
+def _error_text(error: BaseException) -> str:
+    said = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {said[0] if said else ''}"[:300]
+
+
+def _peer_left(error: BaseException, me: int, world: int, wait_s: float) -> str | None:
+    """Why a collective's peer left: the replicas that finished their work (with their step counts) or failed (with
+    their error), as they told the job's store when they left; polled up to ``wait_s`` (a peer's word may follow its
+    leaving by a moment under torchrun). None where none said so (killed by a signal: the launcher names it)."""
     try:
-        store = dist.distributed_c10d._get_default_store()
+        store = _job_store()
         store.set_timeout(datetime.timedelta(seconds=5))
-        left = {r: int(store.get(f"tpu_utility/finished/{r}")) for r in range(world)
-                if r != me and store.check([f"tpu_utility/finished/{r}"])}  # fmt: skip
+        others = [r for r in range(world) if r != me]
+        deadline = time.monotonic() + wait_s
+        while True:
+            failed = {r: store.get(f"tpu_utility/failed/{r}").decode() for r in others
+                      if store.check([f"tpu_utility/failed/{r}"])}  # fmt: skip
+            left = {r: int(store.get(f"tpu_utility/finished/{r}")) for r in others
+                    if store.check([f"tpu_utility/finished/{r}"])}  # fmt: skip
+            if failed or left or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
     except Exception:  # noqa: BLE001 - the store went with the job: gloo's own error stands
         return None
+    if failed:
+        said = "; ".join(f"rank {r} failed ({text})" for r, text in sorted(failed.items()))
+        return (f"{said} and left the job, so rank {me}'s collective found no one at the other end (gloo: {error}); "
+                f"{_ranks(sorted(failed))}'s own error says why")  # fmt: skip
     if not left:
         return None
     said = "; ".join(f"rank {r} finished after {steps} optimizer step(s)" for r, steps in sorted(left.items()))
@@ -567,6 +619,47 @@ def _left_early(error: BaseException, me: int, world: int) -> str | None:
             f"found no one at the other end (gloo: {error}). Every replica must take the same number of steps: "
             f"give each the same number of batches (make_sampler(dataset) splits a dataset evenly over the "
             f"replicas; drop_last=True keeps every batch count equal)")
+
+
+def _watch_torchrun_job() -> None:
+    """In a ``torchrun`` process: its optimizer steps counted; an uncaught exception told to the job's store (and,
+    where it is a collective whose peer left, explained as ``_peer_left`` says); at exit, the step count told.
+    Once per process; a launched replica (``_replica_main``) does the same itself. Nothing starts a group here."""
+    if _WATCHING[0]:
+        return
+    _WATCHING[0] = True
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    register_optimizer_step_post_hook(_count_step)
+    atexit.register(_say_finished)
+    previous = sys.excepthook
+
+    def explain(kind: type, error: BaseException, tb: Any) -> None:
+        rank = int(os.environ.get("RANK", "0"))
+        report = None
+        ours = type(error).__module__.startswith("tpu_utility")  # a CollectiveTimeout: explained already
+        if isinstance(error, RuntimeError) and not ours and any(w in str(error).lower() for w in _PEER_LEFT):
+            report = _peer_left(error, rank, int(os.environ.get("WORLD_SIZE", "1")), PEER_WORD_WAIT_S)
+        _FINISHED[0] = True  # it did not finish: no step count at exit
+        _say("failed", rank, _error_text(error))
+        if report is None:
+            previous(kind, error, tb)
+            return
+        explained = RuntimeError(f"rank {rank}: {report}")
+        explained.__cause__ = error
+        previous(RuntimeError, explained, tb)
+
+    sys.excepthook = explain
+
+
+_WATCHING = [False]
+_FINISHED = [False]  # the step count already told (or a failure)
+
+
+def _say_finished() -> None:
+    if not _FINISHED[0]:
+        _FINISHED[0] = True
+        _say("finished", int(os.environ.get("RANK", "0")), str(_STEPS[0]))
 
 
 def _silent_ranks(me: int, world: int, wait_s: float) -> list[int]:
@@ -600,6 +693,8 @@ def _leave_job() -> None:
     """
     if not distributed_ready():
         return
+    if not hasattr(sys, "last_value"):
+        _say_finished()  # before the barrier: a replica left waiting in a collective learns why
     if dist.get_backend() == "gloo" and not hasattr(sys, "last_value"):  # sys.last_value: an uncaught exception
         with contextlib.suppress(RuntimeError):
             dist.monitored_barrier(timeout=datetime.timedelta(seconds=LEAVE_WAIT_S), wait_all_ranks=True)
@@ -609,6 +704,7 @@ def _leave_job() -> None:
 def _replica_main(index: int, job: tuple[str, str, int, str], fn: Callable[..., Any], args: tuple) -> None:
     """One launched replica: joins the process group (with a timeout), runs ``fn``, leaves."""
     device_type, dist_backend, nprocs, store = job
+    _WATCHING[0] = True  # counted and said here, not by _watch_torchrun_job
     os.environ.update(RANK=str(index), LOCAL_RANK=str(index), WORLD_SIZE=str(nprocs))
     if device_type != "cpu":
         torch.accelerator.set_device_index(index)
@@ -621,8 +717,11 @@ def _replica_main(index: int, job: tuple[str, str, int, str], fn: Callable[..., 
     counting = register_optimizer_step_post_hook(_count_step)
     try:
         fn(index, *args)  # api.launch hands in fn inside naming_stalls: a hand loop's collectives too
-        # said before the group goes: a replica still training learns why its peer left (_left_early)
-        dist.distributed_c10d._get_default_store().set(f"tpu_utility/finished/{index}", str(_STEPS[0]))
+    except BaseException as error:
+        _say("failed", index, _error_text(error))  # a replica waiting in a collective names this one
+        raise
+    else:  # said before the group goes: a replica still training learns why its peer left (_peer_left)
+        _say("finished", index, str(_STEPS[0]))
     finally:
         counting.remove()
         dist.destroy_process_group()

@@ -7,12 +7,16 @@ device, dtype and train/eval mode afterwards.
 from __future__ import annotations
 
 import dataclasses
+import os
+import tempfile
 from typing import Any, Callable, Sequence
 
 import torch
 from torch import nn
 
 from .. import backend
+from ..checkpoint import save_atomic
+from ..environment import choose_start_method, is_interactive
 from . import agreement
 from ..data.loaders import LabelCheck, LoaderSpec, unpack_loader
 from ..huggingface import is_causal_lm
@@ -24,18 +28,31 @@ from .topology import Strategy, process_mode
 from .strategies import FSDP, resolve_strategy
 
 
-def _runner(model: nn.Module, cores: int | str, precision: str, spec: LoaderSpec, what: str, strategy: Any) -> Runner:
-    """The Runner for ``predict`` or ``evaluate``; the replicas of a job given different data each run alone
-    (``predict``: each gets its own rows) or are refused (``evaluate``: no one figure is asked for).
-    ``strategy``: as ``one_cycle_fit`` takes it ("fsdp" or ``FSDP(...)``: the model sharded over all cores)."""
+def _mode(model: nn.Module, cores: int | str, strategy: Any) -> tuple[int, str, FSDP | None]:
+    """(cores, run mode as ``process_mode`` names it, the FSDP options) for ``predict`` or ``evaluate``."""
     if isinstance(model, type):
         raise TypeError(f"model is the class {model.__qualname__}, not a model; give an instance, "
                         f"{model.__qualname__}(...), with its trained weights")  # fmt: skip
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, but given {model!r}")
     word, sharding = resolve_strategy(strategy)
-    _, mode = process_mode(cores, word)
-    differ = agreement.data_differences(spec.dataset, backend.device()) if mode == "replica" else []
+    n_cores, mode = process_mode(cores, word)
+    return n_cores, mode, sharding
+
+
+def _runner(model: nn.Module, precision: str, spec: LoaderSpec, what: str, mode: str, sharding: FSDP | None) -> Runner:
+    """The Runner for ``predict`` or ``evaluate`` in ``mode``; the replicas of a job given different data each run
+    alone (``predict``: each gets its own rows) or are refused (``evaluate``: no one figure is asked for; and
+    ``strategy="fsdp"``: each batch runs through every process's shard of the model)."""
+    # several processes only (on XLA, "fsdp" is one process, whose runtime must not start before SPMD is on)
+    several = mode in ("replica", "fsdp") and backend.world_size() > 1
+    differ = agreement.data_differences(spec.dataset, backend.device()) if several else []
+    if differ and mode == "fsdp":
+        raise agreement.ReplicaMismatch(
+            f"{what} with strategy='fsdp' runs one model sharded over the {len(differ)} processes, each batch "
+            f"through all of them, but the processes were given different data ({agreement.by_rank(differ)}). "
+            f"Give every process the same dataset, or {what} without strategy='fsdp' for each process's own data"
+        )
     if differ:
         if what == "evaluate":
             raise agreement.ReplicaMismatch(
@@ -46,6 +63,25 @@ def _runner(model: nn.Module, cores: int | str, precision: str, spec: LoaderSpec
             )
         mode = "single"  # each replica predicts its own data, every row of it, alone
     return Runner(model, precision, mode, sharding)
+
+
+def _in_sharded_processes(what: str, model: nn.Module, data: Any, options: dict[str, Any], cores: int) -> Any:
+    """``predict``/``evaluate`` run by ``cores`` launched processes that shard the model (FSDP2 natively, as
+    ``one_cycle_fit`` launches them); the master's result comes back through a file. ``model`` is left as given."""
+    with tempfile.TemporaryDirectory(prefix="tpu_utility_") as tmp:
+        result = os.path.join(tmp, "result.pt")
+        backend.launch(_sharded_worker, (what, model, data, options, result), cores, choose_start_method(is_interactive()))
+        if not os.path.exists(result):
+            raise RuntimeError(f"the launched {what} processes ended without a result; see their output above")
+        return torch.load(result, map_location="cpu", weights_only=True)["result"]
+
+
+def _sharded_worker(index: int, what: str, model: nn.Module, data: Any, options: dict[str, Any], result: str) -> None:
+    """One launched process of ``_in_sharded_processes``: the same call, as one process of the job."""
+    answer = (predict if what == "predict" else evaluate)(model, data, **options)
+    if backend.is_master():
+        save_atomic({"result": answer}, result)
+    backend.barrier(f"tpu_utility.{what}.done")
 
 
 def predict(
@@ -95,6 +131,8 @@ def predict(
             GradScaler; CUDA and the CPU, refused on TPUs as in ``one_cycle_fit``).
         strategy: As ``one_cycle_fit`` takes it: "fsdp" or ``FSDP(...)`` (with ``cores="all"``) predicts with
             the parameters sharded over the cores, for a model that one chip cannot hold; the rows are the same.
+            Natively (CUDA, the CPU) ``cores=N`` launches N processes that hold the shards (FSDP2), as
+            ``one_cycle_fit`` does, and inside a ``torchrun`` job the job's processes shard together.
         predict_step: ``(model, batch) -> output`` replacing ``model(x)``.
         tta: Batch transforms whose outputs are averaged on the device (include
             ``lambda b: b`` to keep the plain prediction among them). Each gets
@@ -124,7 +162,12 @@ def predict(
     if tta is not None and (isinstance(tta, (str, bytes)) or not all(callable(t) for t in tta)):
         raise TypeError(f"tta must be a list of batch transforms (callables), but given {tta!r}")
     spec = _every_sample_once(unpack_loader(data, batch_size, "data"))
-    runner = _runner(model, cores, precision, spec, "predict", strategy)
+    n_cores, mode, sharding = _mode(model, cores, strategy)
+    if mode == "multiprocess-fsdp":  # natively: processes launched to hold the shards, as one_cycle_fit's
+        options = dict(cores=cores, batch_size=batch_size, precision=precision, strategy=strategy,
+                       predict_step=predict_step, tta=tta, progress=progress)  # fmt: skip
+        return _in_sharded_processes("predict", model, data, options, n_cores)
+    runner = _runner(model, precision, spec, "predict", mode, sharding)
     try:
         return runner.predict(runner.eval_loader(spec), predict_step or default_predict_step, tta, progress)
     finally:
@@ -187,7 +230,12 @@ def evaluate(
     check_loss_fn(loss_fn)
     spec = unpack_loader(data, batch_size, "data")
     table = resolve_metrics(metrics, loss_fn is None)
-    runner = _runner(model, cores, precision, spec, "evaluate", strategy)
+    n_cores, mode, sharding = _mode(model, cores, strategy)
+    if mode == "multiprocess-fsdp":  # natively: processes launched to hold the shards, as one_cycle_fit's
+        options = dict(metrics=metrics, loss_fn=loss_fn, cores=cores, batch_size=batch_size, precision=precision,
+                       strategy=strategy, eval_step=eval_step)  # fmt: skip
+        return _in_sharded_processes("evaluate", model, data, options, n_cores)
+    runner = _runner(model, precision, spec, "evaluate", mode, sharding)
     try:
         metric_set = MetricSet(table, loss_fn or CrossEntropy(), runner.device)
         loader, step = runner.eval_loader(spec), eval_step or default_eval_step
