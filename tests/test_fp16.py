@@ -2,7 +2,7 @@
 
 fp16 runs where the backend has a float16 path: CUDA, and the native CPU backend (slow, for
 checking). The suite's own process runs XLA:CPU (PJRT_DEVICE=CPU), where fp16 is refused, so
-the training runs are made in one fresh interpreter on the native CPU backend and read back
+the training runs are made in one child interpreter on the native CPU backend and read back
 as JSON (as tests/test_doctor_native.py does); the refusals are tested in this process.
 """
 
@@ -17,7 +17,11 @@ from tpu_utility.backend.tpu import TorchTpuBackend
 from tpu_utility.training.precision import check_precision
 
 NATIVE = {"PJRT_DEVICE": None, "CPU_NUM_DEVICES": None}
-NATIVE_CPU = {**NATIVE, "CUDA_VISIBLE_DEVICES": ""}  # the CPU even where a GPU is
+# The native CPU backend asked for by name, PJRT_DEVICE left as conftest set it: the runs start from the warm
+# interpreter (torch_xla imported, no XLA runtime started: ~10 CPU-s less than a fresh one), as a user's process
+# that imported torch_xla and chose backend="native" does. CUDA_VISIBLE_DEVICES="" only where a GPU is (it makes
+# a fresh interpreter): the CPU even there.
+NATIVE_CPU = {"TPU_UTILITY_BACKEND": "native", **({"CUDA_VISIBLE_DEVICES": ""} if torch.cuda.is_available() else {})}
 
 # Shared by the CPU and the CUDA runs: a tiny MLP on 512 digits, and callbacks that watch the scaler.
 PRELUDE = """

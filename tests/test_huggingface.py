@@ -13,10 +13,16 @@ from torch.utils.data import DataLoader
 
 from conftest import run_python
 from hf_task import Tokens, bert, cpu_logits, unpadded
+from one_thread import one_torch_thread  # noqa: F401
 from tpu_utility import (BucketBatchSampler, BucketCollate, Callback, backend, doctor, evaluate, find_lr, get_device,
                          one_cycle_fit, predict, static_masks)
 
-EPOCHS, BATCH, LR = 3, 32, 1e-3
+EPOCHS, BATCH, LR = 3, 32, 3e-3
+# 512 training samples (16 steps an epoch) at max_lr 3e-3 train as 1024 did at 1e-3 in half the steps: the plain
+# CPU loop and one_cycle_fit both reach 1.0 accuracy on the 300 validation samples and one_cycle_fit's last train
+# loss is 0.28 of a first 0.69. The bars stay as they were and still fail a loop that does not learn: with 256
+# samples the plain loop stays at 0.53, and one_cycle_fit at 1e-3 (0.47) or 2e-3 (last loss 0.60) fails them.
+TRAIN = 512
 
 
 def plain_cpu_accuracy(train, valid) -> float:
@@ -36,7 +42,7 @@ def plain_cpu_accuracy(train, valid) -> float:
 
 
 def test_one_cycle_fit_trains_a_bert_on_dict_batches_as_well_as_the_plain_cpu_loop():
-    train, valid = Tokens(1024, 0), Tokens(300, 1)
+    train, valid = Tokens(TRAIN, 0), Tokens(300, 1)
     model = bert()
     history = one_cycle_fit(model, train, valid_data=valid, epochs=EPOCHS, max_lr=LR, batch_size=BATCH, progress=False)
     accuracy = history.records[-1].metrics["accuracy"]
@@ -61,7 +67,7 @@ def test_one_cycle_fit_trains_a_bert_on_dict_batches_as_well_as_the_plain_cpu_lo
 
 def test_dynamic_padding_through_fixed_buckets_keeps_one_graph_per_bucket():
     """Unpadded tokenized samples (lengths 6 to 16), padded per batch to the bucket that fits: 8 or 16."""
-    train, valid = Tokens(1024, 0), Tokens(300, 1)
+    train, valid = Tokens(TRAIN, 0), Tokens(300, 1)
     train_samples = unpadded(train)
     collate = BucketCollate([8, 16], keys=None)  # was: DataCollatorWithPadding(tokenizer): a shape per batch
     sampler = BucketBatchSampler([len(s["input_ids"]) for s in train_samples], collate.buckets, batch_size=BATCH)
@@ -187,11 +193,12 @@ def test_find_lr_and_doctor_take_dict_batches():
 
 SPMD = """
 import torch
+torch.set_num_threads(1)  # the plain CPU logits (tests/one_thread.py says why)
 from hf_task import Tokens, bert, cpu_logits
 from tpu_utility import one_cycle_fit, predict
 
-train, valid = Tokens(1024, 0), Tokens(300, 1)
-history = one_cycle_fit(bert(), train, valid_data=valid, epochs=3, max_lr=1e-3, batch_size=8, cores="all",
+train, valid = Tokens(512, 0), Tokens(300, 1)
+history = one_cycle_fit(bert(), train, valid_data=valid, epochs=3, max_lr=3e-3, batch_size=8, cores="all",
                         progress=False)
 print(history.summary)
 print("accuracy", history.records[-1].metrics["accuracy"])

@@ -20,6 +20,7 @@ from torch.utils.data import DataLoader
 from conftest import run_python
 from llm_models import (VOCAB, Tagger, adamw, causal_lm, counting, lora, own_loss_mean, plain_cpu_losses, prompt_tuning,
                         tags)
+from one_thread import one_torch_thread  # noqa: F401
 from tpu_utility import GradientCheckpointing, doctor, evaluate, get_device, move_model, one_cycle_fit, predict
 
 LR, BATCH = 3e-3, 8
@@ -177,6 +178,7 @@ CHILD = """
 import copy, json, sys
 sys.path.insert(0, "tests")
 import torch
+torch.set_num_threads(1)  # the plain CPU loops (tests/one_thread.py says why)
 from llm_models import (Tagger, adamw, causal_lm, counting, lora, own_loss_mean, plain_cpu_losses,
                         prompt_tuning, tagger_loss, tags)
 from tpu_utility import evaluate, one_cycle_fit
@@ -225,5 +227,8 @@ def test_on_four_spmd_devices_causal_lms_and_peft_models_train_as_the_plain_cpu_
 
 
 def test_natively_causal_lms_and_peft_models_train_as_the_plain_cpu_loop():
-    native = {"PJRT_DEVICE": None, "CPU_NUM_DEVICES": None, "TPU_UTILITY_BACKEND": "native"}
+    # PJRT_DEVICE stays as conftest set it, so the child starts from the warm interpreter: a fresh one without
+    # it has torch_xla imported by transformers (the models' import) before training, which sets PJRT_DEVICE=CPU,
+    # so the training ran with it set there too; TPU_UTILITY_BACKEND=native chooses the backend either way
+    native = {"TPU_UTILITY_BACKEND": "native"}
     _check(_child(native, 1, 8, 8), "single on 1 cpu core(s)")
