@@ -13,17 +13,14 @@ import sys
 import pytest
 
 from conftest import ROOT, run_python, run_script
-from test_native import COMMON, NATIVE, _ranks
+from test_native import COMMON, NATIVE, _ranks, replicas
 
 pytestmark = pytest.mark.multidevice
 
 
-@pytest.mark.parametrize("nprocs", [2, 4])
-def test_replicas_given_different_things_are_refused_alike_before_any_step(tmp_path, nprocs):
-    out = tmp_path / "out"
-    out.mkdir()
-    run_script(tmp_path, "differ.py", COMMON + f"""
-from tpu_utility import evaluate, launch, one_cycle_fit, predict
+# Run by the replica jobs of tests/test_native.py (``replicas``: 2 and 4 processes), after other scenarios.
+DIFFER = """
+from tpu_utility import evaluate, one_cycle_fit, predict
 
 
 def attempt(fn):
@@ -31,10 +28,10 @@ def attempt(fn):
         fn()
         return "ran"
     except Exception as error:
-        return f"{{type(error).__name__}}: {{error}}"
+        return f"{type(error).__name__}: {error}"
 
 
-def work(rank, out):
+def differ_work(rank, out):
     steps = []
     class Count:
         def on_step_end(self, loop):
@@ -44,14 +41,14 @@ def work(rank, out):
         return one_cycle_fit(model or mlp(), train or blobs(96), epochs=1, max_lr=1e-2, batch_size=8,
                              progress=False, callbacks=[Count()], **kwargs)
 
-    seen = {{
+    seen = {
         "sizes": attempt(lambda: fit(train=blobs(96 if rank == 0 else 64))),
         "shards": attempt(lambda: fit(train=blobs(96, seed=rank))),
         "valid": attempt(lambda: fit(valid_data=blobs(40 if rank == 0 else 56, seed=5))),
         "model": attempt(lambda: fit(model=nn.Sequential(nn.Linear(8, 16 + rank), nn.ReLU(), nn.Linear(16 + rank, 3)))),
         "argument": attempt(lambda: fit(max_grad_norm=1.0 + rank)),
         "evaluate": attempt(lambda: evaluate(mlp(), blobs(50, seed=rank), batch_size=8)),
-    }}
+    }
     seen["steps before the same run"] = len(steps)
     seen["same"] = attempt(lambda: fit(valid_data=blobs(40, seed=5)))
     seen["steps"] = len(steps)
@@ -59,12 +56,12 @@ def work(rank, out):
     preds = predict(mlp(), mine, batch_size=8, progress=False)
     seen["own rows"] = [list(preds.shape), torch.allclose(preds, mlp().eval()(mine.tensors[0]), atol=1e-5)]
     write(out, rank, **seen)
+"""
 
 
-if __name__ == "__main__":
-    launch(work, args=({str(out)!r},), nprocs={nprocs})
-""", env=NATIVE)
-    ranks = _ranks(out, nprocs)
+@pytest.mark.parametrize("nprocs", [2, 4])
+def test_replicas_given_different_things_are_refused_alike_before_any_step(tmp_path_factory, nprocs):
+    ranks = _ranks(os.path.join(replicas(tmp_path_factory, nprocs)["out"], "differ"), nprocs)
     assert ranks[0].pop("own rows") == [[101, 3], True]  # rank 0's own 101 rows: model(its data), row for row
     assert all(seen.pop("own rows") == [[57, 3], True] for seen in ranks[1:])
     assert all(seen == ranks[0] for seen in ranks)  # the same error, word for word, on every replica
