@@ -3,23 +3,23 @@
 torch_xla's multi-process collectives crash on several XLA:CPU devices, so the replica
 logic that both backends share (sharded loaders, all-reduced figures, gathered
 predictions and generated rows, master-only saves with a barrier, best/early-stop/time-limit decisions) is
-run here with 2 and 4 real processes. Each test is one launch in a fresh interpreter with
-torch_xla out of the way (no PJRT_DEVICE), so the native CPU backend is chosen; every
-replica writes what it saw to a file and the test compares them.
+run here with 2 and 4 real processes, torch_xla out of the way (no PJRT_DEVICE), so the native CPU
+backend is chosen; every replica writes what it saw to a file and the test compares them. Each process
+started imports torch afresh, which is most of what these tests cost: the replica scenarios share one
+job of 2 processes and one of 4 (``replicas``), and the launchers start from the suite's warm interpreter
+(tests/native_jobs.py).
 """
 
 import importlib.util
 import json
 import os
-import subprocess
-import sys
 import time
 
 import pytest
 import torch
 
 from conftest import run_python, run_script
-from native_jobs import NATIVE, WARM, shared
+from native_jobs import NATIVE, WARM, shared  # noqa: F401 (NATIVE: test_fsdp_native.py imports it from here)
 from native_jobs import ranks as _ranks
 from native_jobs import torchrun as _torchrun
 

@@ -7,13 +7,12 @@ agents on localhost as two "nodes", each with its own checkpoint folder for a di
 import json
 import os
 import socket
-import subprocess
-import sys
 
 import pytest
 
-from conftest import ROOT, run_python, run_script
-from test_native import COMMON, NATIVE, _ranks, replicas
+from conftest import run_python, run_script
+from native_jobs import WARM, torchrun
+from test_native import COMMON, _ranks, replicas
 
 pytestmark = pytest.mark.multidevice
 
@@ -88,7 +87,7 @@ def test_replicas_given_different_things_are_refused_alike_before_any_step(tmp_p
 
 
 def test_a_replica_that_stops_answering_is_named_by_the_one_that_waited(tmp_path):
-    r = run_python(f"""
+    r = run_python(WARM + f"""
 import os, runpy, signal
 open({str(tmp_path / "stall.py")!r}, "w").write('''
 import os, signal
@@ -113,7 +112,7 @@ if __name__ == "__main__":
     launch(work, nprocs=2)
 ''')
 runpy.run_path({str(tmp_path / "stall.py")!r}, run_name="__main__")
-""", env={**NATIVE, "TPU_UTILITY_COLLECTIVE_TIMEOUT": "5"}, timeout=300)
+""", env={"TPU_UTILITY_COLLECTIVE_TIMEOUT": "5"}, timeout=300)
     assert r.returncode != 0
     said = r.stderr.splitlines()
     named = [line for line in said if line.startswith("tpu_utility.backend.api.CollectiveTimeout")]
@@ -153,7 +152,7 @@ def _stall_in_a_collective(index, where):
 
 def test_a_ddp_hand_loop_whose_replicas_take_different_step_counts_says_so(tmp_path):
     # issue 40: rank 1 returns after 3 steps; rank 0's 4th backward met gloo's "Connection closed by peer", no word why
-    r = run_script(tmp_path, "steps.py", """
+    r = run_script(tmp_path, "steps.py", WARM + """
 import torch
 from torch import nn
 from tpu_utility import launch
@@ -174,7 +173,7 @@ if __name__ == "__main__":
         launch(work, nprocs=2)
     except RuntimeError as error:
         print("RAISED", str(error).splitlines()[-1])
-""", env=NATIVE, timeout=300)
+""", timeout=300)
     said = r.stdout.split("RAISED", 1)[1]
     assert "the replicas took different step counts: rank 1 finished after 3 optimizer step(s) and left" in said, said
     assert "while rank 0 had taken 3 and went on" in said and "Connection closed by peer" in said, said
@@ -200,12 +199,7 @@ class Stall(Callback):
 data = TensorDataset(torch.randn(256, 8, generator=torch.Generator().manual_seed(0)), torch.arange(256) % 3)
 one_cycle_fit(nn.Linear(8, 3), data, epochs=2, max_lr=1e-2, batch_size=8, progress=False, callbacks=[Stall()])
 ''')
-    env = {**os.environ, "PYTHONPATH": ROOT, "TPU_UTILITY_COLLECTIVE_TIMEOUT": "5",
-           **{k: v for k, v in NATIVE.items() if v is not None}}  # fmt: skip
-    for key in [k for k, v in NATIVE.items() if v is None]:
-        env.pop(key, None)
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                        str(script)], env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+    r = torchrun(script, 2, expect_ok=False, env={"TPU_UTILITY_COLLECTIVE_TIMEOUT": "5"}, timeout=300)
     assert r.returncode != 0
     named = [line for line in r.stderr.splitlines() if "CollectiveTimeout: one_cycle_fit" in line]
     assert named and "rank 1 of 2 did not arrive" in named[-1] and "rank 0 waited" in named[-1], r.stderr[-3000:]
@@ -244,29 +238,31 @@ write(disk, rank, world=backend.world_size(), record=history.records[-1].metrics
 def test_two_torchrun_nodes_train_as_one_job_and_refuse_a_resume_from_their_own_disks(tmp_path):
     script = tmp_path / "node.py"
     script.write_text(NODE)
-    env = {**os.environ, "PYTHONPATH": ROOT, **{k: v for k, v in NATIVE.items() if v is not None}}
-    for key in [k for k, v in NATIVE.items() if v is None]:
-        env.pop(key, None)
-    port = _free_port()
     disks = [tmp_path / f"node{n}" for n in range(2)]
-    agents = []
     for disk in disks:
         disk.mkdir()
-        agents.append(subprocess.Popen(
-            [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
-             "--rdzv-backend", "c10d", "--rdzv-endpoint", f"localhost:{port}", "--rdzv-id", "two-nodes",
-             "--max-restarts", "0", str(script), str(disk)],
-            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        ))  # fmt: skip
-    said = []
-    for agent in agents:
-        try:
-            said.append(agent.communicate(timeout=300))
-        except subprocess.TimeoutExpired:
-            for a in agents:
-                a.kill()
-            pytest.fail("a torchrun node was still running after 300 s")
-    assert all(a.returncode == 0 for a in agents), [err[-3000:] for _, err in said]
+    # both nodes' torchrun agents from one warm interpreter: it forks the second; each waits for its own
+    r = run_python(WARM + f"""
+import os, runpy, sys, traceback
+child = os.fork()
+node = 1 if child == 0 else 0
+sys.argv = ["torchrun", "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
+            "--rdzv-endpoint", "localhost:{_free_port()}", "--rdzv-id", "two-nodes", "--max-restarts", "0",
+            {str(script)!r}, {[str(d) for d in disks]!r}[node]]
+try:
+    runpy.run_module("torch.distributed.run", run_name="__main__")
+    status = 0
+except SystemExit as end:
+    status = end.code if isinstance(end.code, int) else 1
+except BaseException:
+    traceback.print_exc()
+    status = 1
+if child == 0:
+    sys.stdout.flush(), sys.stderr.flush()
+    os._exit(status)
+print("agents exited:", status, os.waitstatus_to_exitcode(os.waitpid(child, 0)[1]))
+""", timeout=300)  # fmt: skip
+    assert "agents exited: 0 0" in r.stdout, r.stdout[-1000:] + r.stderr[-3000:]
     found = {}
     for disk in disks:
         for name in os.listdir(disk):
