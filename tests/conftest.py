@@ -14,6 +14,10 @@ import time
 os.environ["PJRT_DEVICE"] = "CPU"
 os.environ.pop("CPU_NUM_DEVICES", None)
 os.environ.setdefault("MPLBACKEND", "Agg")
+# one OpenMP thread for torch's eager CPU ops (the plain-CPU reference runs): three pytest workers share two cores,
+# where a second thread spins more than it computes (a BERT's plain CPU loop: 9.5 CPU-s against 21.1). Set before
+# torch is imported here and before the warm interpreter starts, so its children keep forking warm.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ["XDG_CACHE_HOME"] = os.path.join(os.path.dirname(__file__), "..", ".pytest_cache", "xdg")
 # XLA:CPU's LLVM backend at optimization level 0, its expensive passes off: the suite's graphs compile in about
 # 40% of the CPU time (a tiny BERT's first train steps: 8.4 CPU-s against 20.1); the graphs, and the compiles,

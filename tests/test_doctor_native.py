@@ -7,9 +7,9 @@ doctor gives on XLA, a clean step must say what it could not measure, and the op
 own host-side step counter must not count as a sync.
 
 doctor chooses its backend per process, and the suite's own process runs XLA
-(PJRT_DEVICE=CPU), so the reports are made in one fresh interpreter without
-PJRT_DEVICE (the native CPU backend) and read back as JSON; the backend's watch itself
-is tested in this process.
+(PJRT_DEVICE=CPU), so the reports are made in one child interpreter that takes PJRT_DEVICE
+out before it imports tpu_utility (the native CPU backend; tests/native_jobs.py's WARM) and read
+back as JSON; the backend's watch itself is tested in this process.
 """
 
 import json
@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from conftest import BLOCK_TORCH_XLA, run_python, run_script
+from native_jobs import WARM
 from test_torchtpu import FAKE_TORCHTPU, _torchtpu_installed
 from tpu_utility import get_device
 from tpu_utility.backend import XLA_INSTALLED, NativeBackend
@@ -138,7 +139,7 @@ except DoctorError as error:
 @pytest.fixture(scope="module")
 def reports(tmp_path_factory):
     """Every scenario's report on the native CPU backend, by name (one interpreter for all)."""
-    r = run_script(tmp_path_factory.mktemp("doctor"), "steps.py", SCENARIOS, env=NATIVE)
+    r = run_script(tmp_path_factory.mktemp("doctor"), "steps.py", WARM + SCENARIOS)  # warm, PJRT_DEVICE taken out
     lines = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
     assert lines[0] == {"backend": "NativeBackend('cpu', 'gloo')"}, r.stdout
     return {line["name"]: line for line in lines[1:]}

@@ -7,23 +7,19 @@ agents on localhost as two "nodes", each with its own checkpoint folder for a di
 import json
 import os
 import socket
-import subprocess
-import sys
 
 import pytest
 
-from conftest import ROOT, run_python, run_script
-from test_native import COMMON, NATIVE, _ranks
+from conftest import run_python, run_script
+from native_jobs import WARM, torchrun
+from test_native import COMMON, _ranks, replicas
 
 pytestmark = pytest.mark.multidevice
 
 
-@pytest.mark.parametrize("nprocs", [2, 4])
-def test_replicas_given_different_things_are_refused_alike_before_any_step(tmp_path, nprocs):
-    out = tmp_path / "out"
-    out.mkdir()
-    run_script(tmp_path, "differ.py", COMMON + f"""
-from tpu_utility import evaluate, launch, one_cycle_fit, predict
+# Run by the replica jobs of tests/test_native.py (``replicas``: 2 and 4 processes), after other scenarios.
+DIFFER = """
+from tpu_utility import evaluate, one_cycle_fit, predict
 
 
 def attempt(fn):
@@ -31,10 +27,10 @@ def attempt(fn):
         fn()
         return "ran"
     except Exception as error:
-        return f"{{type(error).__name__}}: {{error}}"
+        return f"{type(error).__name__}: {error}"
 
 
-def work(rank, out):
+def differ_work(rank, out):
     steps = []
     class Count:
         def on_step_end(self, loop):
@@ -44,14 +40,14 @@ def work(rank, out):
         return one_cycle_fit(model or mlp(), train or blobs(96), epochs=1, max_lr=1e-2, batch_size=8,
                              progress=False, callbacks=[Count()], **kwargs)
 
-    seen = {{
+    seen = {
         "sizes": attempt(lambda: fit(train=blobs(96 if rank == 0 else 64))),
         "shards": attempt(lambda: fit(train=blobs(96, seed=rank))),
         "valid": attempt(lambda: fit(valid_data=blobs(40 if rank == 0 else 56, seed=5))),
         "model": attempt(lambda: fit(model=nn.Sequential(nn.Linear(8, 16 + rank), nn.ReLU(), nn.Linear(16 + rank, 3)))),
         "argument": attempt(lambda: fit(max_grad_norm=1.0 + rank)),
         "evaluate": attempt(lambda: evaluate(mlp(), blobs(50, seed=rank), batch_size=8)),
-    }}
+    }
     seen["steps before the same run"] = len(steps)
     seen["same"] = attempt(lambda: fit(valid_data=blobs(40, seed=5)))
     seen["steps"] = len(steps)
@@ -59,12 +55,12 @@ def work(rank, out):
     preds = predict(mlp(), mine, batch_size=8, progress=False)
     seen["own rows"] = [list(preds.shape), torch.allclose(preds, mlp().eval()(mine.tensors[0]), atol=1e-5)]
     write(out, rank, **seen)
+"""
 
 
-if __name__ == "__main__":
-    launch(work, args=({str(out)!r},), nprocs={nprocs})
-""", env=NATIVE)
-    ranks = _ranks(out, nprocs)
+@pytest.mark.parametrize("nprocs", [2, 4])
+def test_replicas_given_different_things_are_refused_alike_before_any_step(tmp_path_factory, nprocs):
+    ranks = _ranks(os.path.join(replicas(tmp_path_factory, nprocs)["out"], "differ"), nprocs)
     assert ranks[0].pop("own rows") == [[101, 3], True]  # rank 0's own 101 rows: model(its data), row for row
     assert all(seen.pop("own rows") == [[57, 3], True] for seen in ranks[1:])
     assert all(seen == ranks[0] for seen in ranks)  # the same error, word for word, on every replica
@@ -91,7 +87,7 @@ if __name__ == "__main__":
 
 
 def test_a_replica_that_stops_answering_is_named_by_the_one_that_waited(tmp_path):
-    r = run_python(f"""
+    r = run_python(WARM + f"""
 import os, runpy, signal
 open({str(tmp_path / "stall.py")!r}, "w").write('''
 import os, signal
@@ -116,7 +112,7 @@ if __name__ == "__main__":
     launch(work, nprocs=2)
 ''')
 runpy.run_path({str(tmp_path / "stall.py")!r}, run_name="__main__")
-""", env={**NATIVE, "TPU_UTILITY_COLLECTIVE_TIMEOUT": "5"}, timeout=300)
+""", env={"TPU_UTILITY_COLLECTIVE_TIMEOUT": "5"}, timeout=300)
     assert r.returncode != 0
     said = r.stderr.splitlines()
     named = [line for line in said if line.startswith("tpu_utility.backend.api.CollectiveTimeout")]
@@ -156,7 +152,7 @@ def _stall_in_a_collective(index, where):
 
 def test_a_ddp_hand_loop_whose_replicas_take_different_step_counts_says_so(tmp_path):
     # issue 40: rank 1 returns after 3 steps; rank 0's 4th backward met gloo's "Connection closed by peer", no word why
-    r = run_script(tmp_path, "steps.py", """
+    r = run_script(tmp_path, "steps.py", WARM + """
 import torch
 from torch import nn
 from tpu_utility import launch
@@ -177,7 +173,7 @@ if __name__ == "__main__":
         launch(work, nprocs=2)
     except RuntimeError as error:
         print("RAISED", str(error).splitlines()[-1])
-""", env=NATIVE, timeout=300)
+""", timeout=300)
     said = r.stdout.split("RAISED", 1)[1]
     assert "the replicas took different step counts: rank 1 finished after 3 optimizer step(s) and left" in said, said
     assert "while rank 0 had taken 3 and went on" in said and "Connection closed by peer" in said, said
@@ -203,12 +199,7 @@ class Stall(Callback):
 data = TensorDataset(torch.randn(256, 8, generator=torch.Generator().manual_seed(0)), torch.arange(256) % 3)
 one_cycle_fit(nn.Linear(8, 3), data, epochs=2, max_lr=1e-2, batch_size=8, progress=False, callbacks=[Stall()])
 ''')
-    env = {**os.environ, "PYTHONPATH": ROOT, "TPU_UTILITY_COLLECTIVE_TIMEOUT": "5",
-           **{k: v for k, v in NATIVE.items() if v is not None}}  # fmt: skip
-    for key in [k for k, v in NATIVE.items() if v is None]:
-        env.pop(key, None)
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                        str(script)], env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+    r = torchrun(script, 2, expect_ok=False, env={"TPU_UTILITY_COLLECTIVE_TIMEOUT": "5"}, timeout=300)
     assert r.returncode != 0
     named = [line for line in r.stderr.splitlines() if "CollectiveTimeout: one_cycle_fit" in line]
     assert named and "rank 1 of 2 did not arrive" in named[-1] and "rank 0 waited" in named[-1], r.stderr[-3000:]
@@ -247,29 +238,31 @@ write(disk, rank, world=backend.world_size(), record=history.records[-1].metrics
 def test_two_torchrun_nodes_train_as_one_job_and_refuse_a_resume_from_their_own_disks(tmp_path):
     script = tmp_path / "node.py"
     script.write_text(NODE)
-    env = {**os.environ, "PYTHONPATH": ROOT, **{k: v for k, v in NATIVE.items() if v is not None}}
-    for key in [k for k, v in NATIVE.items() if v is None]:
-        env.pop(key, None)
-    port = _free_port()
     disks = [tmp_path / f"node{n}" for n in range(2)]
-    agents = []
     for disk in disks:
         disk.mkdir()
-        agents.append(subprocess.Popen(
-            [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
-             "--rdzv-backend", "c10d", "--rdzv-endpoint", f"localhost:{port}", "--rdzv-id", "two-nodes",
-             "--max-restarts", "0", str(script), str(disk)],
-            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        ))  # fmt: skip
-    said = []
-    for agent in agents:
-        try:
-            said.append(agent.communicate(timeout=300))
-        except subprocess.TimeoutExpired:
-            for a in agents:
-                a.kill()
-            pytest.fail("a torchrun node was still running after 300 s")
-    assert all(a.returncode == 0 for a in agents), [err[-3000:] for _, err in said]
+    # both nodes' torchrun agents from one warm interpreter: it forks the second; each waits for its own
+    r = run_python(WARM + f"""
+import os, runpy, sys, traceback
+child = os.fork()
+node = 1 if child == 0 else 0
+sys.argv = ["torchrun", "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
+            "--rdzv-endpoint", "localhost:{_free_port()}", "--rdzv-id", "two-nodes", "--max-restarts", "0",
+            {str(script)!r}, {[str(d) for d in disks]!r}[node]]
+try:
+    runpy.run_module("torch.distributed.run", run_name="__main__")
+    status = 0
+except SystemExit as end:
+    status = end.code if isinstance(end.code, int) else 1
+except BaseException:
+    traceback.print_exc()
+    status = 1
+if child == 0:
+    sys.stdout.flush(), sys.stderr.flush()
+    os._exit(status)
+print("agents exited:", status, os.waitstatus_to_exitcode(os.waitpid(child, 0)[1]))
+""", timeout=300)  # fmt: skip
+    assert "agents exited: 0 0" in r.stdout, r.stdout[-1000:] + r.stderr[-3000:]
     found = {}
     for disk in disks:
         for name in os.listdir(disk):
@@ -311,7 +304,7 @@ dist.destroy_process_group()
 """)
     from test_native import _torchrun
 
-    r = _torchrun(script, 2, succeed=False)
+    r = _torchrun(script, 2, expect_ok=False)
     assert r.returncode != 0
     said = [line for line in r.stderr.splitlines() if "the replicas took different step counts" in line]
     assert said, r.stderr[-3000:]
