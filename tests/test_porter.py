@@ -243,12 +243,22 @@ def _result(text: str) -> dict:
     return json.loads(lines[0][len("RESULT "):])
 
 
-RUN_PORTED = """
-import runpy, sys
-sys.argv = [{path!r}]
-runpy.run_path({path!r}, run_name="__main__")
-from tpu_utility import backend
-print("COUNTERS", backend.compile_count(), backend.host_sync_count())
+# The original on the CPU, then its port on XLA, in one interpreter (one start, not two). The runtime starts first
+# (a CPU backward before it would leave autograd no queue for XLA: backend's CPU_BACKWARD_FIRST), and XLA's
+# execution, compile and host-sync counts around the original show that it ran nothing on XLA. One thread for
+# torch's CPU ops: these small models gain nothing from a pool, whose threads spin on a loaded host (hf_course's
+# original: 36 CPU-s with two, 10 with one).
+RUN_ORIGINAL_THEN_PORTED = """
+import runpy, sys, torch
+from tpu_utility import backend, get_device
+torch.set_num_threads(1)
+get_device()
+print("COUNTERS START", backend.execute_count(), backend.compile_count(), backend.host_sync_count(), flush=True)
+for tag, path in (("CPU", {original!r}), ("XLA", {path!r})):
+    sys.argv = [path]
+    print("RUN", tag, flush=True)
+    runpy.run_path(path, run_name="__main__")
+    print("COUNTERS", tag, backend.execute_count(), backend.compile_count(), backend.host_sync_count(), flush=True)
 """
 
 
@@ -316,15 +326,15 @@ def test_a_cuda_loop_ports_and_trains_on_the_xla_device_as_on_the_cpu(tmp_path, 
         assert "optimizer_params" in {c.rule for c in report.changes}  # the course builds AdamW before model.to
     assert report.host_syncs(), "the per-step loss.item() is named"
     compute = {"XLA_FLAGS": USER_XLA_FLAGS} if name == "timm_amp_loop.py" else {}  # a ResNet's epoch: compute, not compiles
-    ported = run_python(RUN_PORTED.format(path=path), env={"PJRT_DEVICE": "CPU", "EPOCHS": str(epochs), **compute},
-                        cwd=str(tmp_path))  # fmt: skip
-    assert ported.returncode == 0, ported.stdout[-2000:] + ported.stderr[-3000:]
-    compiles = int(ported.stdout.split("COUNTERS ")[1].split()[0])
-    assert 0 < compiles <= 10, ported.stdout[-500:]  # it ran on XLA, without a compile per step
-    original = run_python(f"import runpy; runpy.run_path({os.path.join(KERNELS, name)!r}, run_name='__main__')",
-                          env={"PJRT_DEVICE": None, "EPOCHS": str(epochs)}, cwd=str(tmp_path))  # fmt: skip
-    assert original.returncode == 0, original.stderr[-3000:]
-    xla, cpu = _result(ported.stdout), _result(original.stdout)
+    r = run_python(RUN_ORIGINAL_THEN_PORTED.format(original=os.path.join(KERNELS, name), path=path),
+                   env={"PJRT_DEVICE": "CPU", "EPOCHS": str(epochs), **compute}, cwd=str(tmp_path))  # fmt: skip
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    original, ported = r.stdout.split("RUN XLA\n")
+    counters = {line.split()[1]: [int(n) for n in line.split()[2:]] for line in r.stdout.splitlines() if line.startswith("COUNTERS ")}
+    assert counters["CPU"] == counters["START"], counters  # the original ran on the plain CPU: nothing on XLA
+    compiles = counters["XLA"][1] - counters["CPU"][1]
+    assert 0 < compiles <= 10, ported[-500:]  # it ran on XLA, without a compile per step
+    xla, cpu = _result(ported), _result(original)
     # the same model, data and first batch (BERT's dropout draws from the device's own generator)
     assert xla["first_loss"] == pytest.approx(cpu["first_loss"], rel=1e-3 if name == "timm_amp_loop.py" else 2e-2)
     # a short run's accuracy moves by a few of the ~300 validation samples between float paths (timm's loop on
@@ -585,40 +595,49 @@ RUNS = {
     "nanogpt_train.py": (["--max_iters=0"], ["--max_iters=0", "--device=cpu", "--compile=False"], 1e-4),
     "peft_lora_clm.py": (["1", "1"], ["1", "1"], 1e-4),
 }  # fmt: skip
+# The originals on the CPU first, then the ports on XLA, in one interpreter (torch_xla's import paid once, and no
+# second interpreter for the originals): the runtime started first, and around each program the count of XLA
+# executions, which shows that no original ran anything on XLA. One thread for torch's CPU ops, as in
+# RUN_ORIGINAL_THEN_PORTED.
 RUN_MANY = """
-import contextlib, io, json, os, runpy, sys, traceback
-for name, path, argv in {runs!r}:
+import contextlib, io, json, os, runpy, sys, traceback, torch
+from tpu_utility import backend, get_device
+torch.set_num_threads(1)
+get_device()
+for kind, name, path, argv, out_dir in {runs!r}:
     sys.argv = [path, *argv]
-    out = io.StringIO()
+    os.environ["OUT_DIR"] = out_dir
+    out, executed = io.StringIO(), backend.execute_count()
     try:
         with contextlib.redirect_stdout(out):
             runpy.run_path(path, run_name="__main__")
         said = [line for line in out.getvalue().splitlines() if line.startswith("RESULT ")]
-        print("PROGRAM", name, said[-1][len("RESULT "):] if said else "{{}}", flush=True)
+        result = json.loads(said[-1][len("RESULT "):]) if said else {{}}
     except BaseException:
-        print("PROGRAM", name, json.dumps({{"error": traceback.format_exc()[-1500:]}}), flush=True)
+        result = {{"error": traceback.format_exc()[-1500:]}}
+    print("PROGRAM", kind, name, json.dumps({{**result, "xla_executions": backend.execute_count() - executed}}), flush=True)
 """
 
 
 def _run_many(runs: list, env: dict, cwd: str) -> dict:
     r = run_python(RUN_MANY.format(runs=runs), env=env, cwd=cwd)
     assert r.returncode == 0, r.stderr[-3000:]
-    return {line.split()[1]: json.loads(line.split(" ", 2)[2]) for line in r.stdout.splitlines() if line.startswith("PROGRAM ")}
+    said = [line.split(" ", 3)[1:] for line in r.stdout.splitlines() if line.startswith("PROGRAM ")]
+    return {kind: {name: json.loads(result) for k, name, result in said if k == kind} for kind in ("cpu", "xla")}
 
 
 @pytest.mark.lanes()  # the ported text is the stack's concern only through its run, which test_loop and test_amp cover
 def test_the_runnable_corpus_runs_after_the_port_with_no_hand_edit_and_the_cpu_originals_first_losses(tmp_path):
-    ported = []
+    runs = [("cpu", name, os.path.join(KERNELS, name), RUNS[name][1], str(tmp_path / "cpu")) for name in RUNS]
     for name, (argv, _, _) in RUNS.items():
         report, path = _ported(tmp_path, name)
-        ported.append((name, path, argv))
-    env = {"PJRT_DEVICE": "CPU", "OUT_DIR": str(tmp_path)}
-    xla = _run_many(ported, env, str(tmp_path))  # one interpreter (torch_xla's import is paid once)
-    cpu = _run_many([(name, os.path.join(KERNELS, name), RUNS[name][1]) for name in RUNS],
-                    {"PJRT_DEVICE": None, "OUT_DIR": str(tmp_path / "cpu")}, str(tmp_path))  # fmt: skip
+        runs.append(("xla", name, path, argv, str(tmp_path)))
+    said = _run_many(runs, {"PJRT_DEVICE": "CPU"}, str(tmp_path))
+    cpu, xla = said["cpu"], said["xla"]
     for name, (_, _, tolerance) in RUNS.items():
         assert "error" not in xla[name], f"{name} after the port:\n{xla[name]}"
         assert "error" not in cpu[name], f"{name} as written, on the CPU:\n{cpu[name]}"
+        assert cpu[name]["xla_executions"] == 0, f"{name} as written ran on XLA: {cpu}"  # the plain CPU
         assert xla[name]["first_loss"] == pytest.approx(cpu[name]["first_loss"], rel=tolerance), (name, xla, cpu)
     assert xla["word_language_model.py"]["tied"] and xla["nanogpt_train.py"]["tied"], xla  # move_model kept the ties
     assert xla["peft_lora_clm.py"]["saved"], xla  # save_pretrained of a model on XLA, with the CPU copy

@@ -203,7 +203,8 @@ def test_autocast_gradscaler_port_on_xla():
 
 
 def test_autocast_gradscaler_port_on_plain_cpu():
-    r = run_python(BLOCK_TORCH_XLA + NO_XLA_PRELUDE + AMP_LOOP
+    # one thread for torch's CPU ops: an MLP gains nothing from a pool, whose threads spin on a loaded host
+    r = run_python(BLOCK_TORCH_XLA + NO_XLA_PRELUDE + "import torch; torch.set_num_threads(1)\n" + AMP_LOOP
                    + "print('device', device.type, 'losses', losses[0], losses[-1])",
                    env={"PJRT_DEVICE": None})  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]
