@@ -26,8 +26,11 @@ os.environ["XDG_CACHE_HOME"] = os.path.join(os.path.dirname(__file__), "..", ".p
 # paths: the tests that compare with the CPU have tolerances). The compiled code runs slower, which for the
 # suite's tiny models is nothing; a test whose time is compute (a ResNet's epoch: 73 CPU-s at XLA's defaults,
 # 301 at level 0) runs its script with USER_XLA_FLAGS. make demo and make bench keep XLA's defaults.
-USER_XLA_FLAGS = os.environ.get("XLA_FLAGS", "")
-os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), "--xla_backend_optimization_level=0",
+# The user's flags are kept in the environment: pytest-xdist's workers inherit it from the controller, which
+# imported this file first, and a worker reading XLA_FLAGS would take the controller's level 0 for the user's
+# (the ResNet's test then ran at level 0 under `make test`: 331 CPU-s against 116).
+USER_XLA_FLAGS = os.environ.setdefault("TPU_UTILITY_TEST_USER_XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))
+os.environ["XLA_FLAGS"] = " ".join([USER_XLA_FLAGS, "--xla_backend_optimization_level=0",
                                     "--xla_llvm_disable_expensive_passes=true"]).strip()  # fmt: skip
 
 import pytest  # noqa: E402
