@@ -159,9 +159,12 @@ def _zygote() -> Zygote:
 
 
 def pytest_sessionfinish(session, exitstatus):
-    """The warm interpreter ends with its worker: its stdin closed, it leaves its loop and is waited for."""
+    """The warm interpreter ends with its worker: told to leave its loop, and waited for. (Closing its stdin is
+    not enough: a DataLoader worker forked from this process, kept alive by a test's traceback, holds the pipe.)"""
     for zygote in _ZYGOTE:
-        zygote.process.stdin.close()
+        with contextlib.suppress(BrokenPipeError):
+            zygote.process.stdin.write(json.dumps({"quit": True}).encode() + b"\n")
+            zygote.process.stdin.close()
         zygote.process.wait(timeout=60)
 
 

@@ -2,8 +2,8 @@
 ``fork`` per script, so a child starts in milliseconds instead of paying ~10 CPU-seconds of imports.
 
 Started by ``conftest.run_python`` (one per pytest worker) and spoken to over its stdin/stdout, a JSON line
-per request: ``{"code", "env", "cwd", "stdout", "stderr"}``. For each it forks a child and answers
-``pid N`` at once and ``rc R S`` when the child ends (R as ``subprocess`` gives it: ``-signal`` for a signal; S the
+per request: ``{"code", "env", "cwd", "stdout", "stderr"}`` (or ``{"quit": true}`` at the end). For each it forks
+a child and answers ``pid N`` at once and ``rc R S`` when the child ends (R as ``subprocess`` gives it: ``-signal`` for a signal; S the
 child's CPU seconds).
 
 The child becomes what ``python -c code`` would have been: a session of its own (the caller kills its whole
@@ -77,6 +77,8 @@ def main() -> None:
     os.write(channel_out, b"ready\n")
     for line in channel_in:
         request = json.loads(line)
+        if request.get("quit"):  # not the end of stdin: a process forked from the worker may hold its write end
+            break
         pid = os.fork()
         if pid == 0:
             _become(request, imported_env, base_path)
