@@ -18,8 +18,8 @@ import os
 
 import pytest
 
-from conftest import run_script
-from test_native import NATIVE, _ranks, _torchrun
+from conftest import run_python
+from test_native import WARM, _ranks, _torchrun
 from tpu_utility.training.topology import choose_strategy
 
 MODEL = """
@@ -70,6 +70,9 @@ class Probe:
     def __init__(self, folder, stop_at=None):
         self.folder, self.stop_at = folder, stop_at
 
+    def on_fit_start(self, loop):
+        self.calls = CALLS[0]   # a forked process starts with its parent's count
+
     def on_step_end(self, loop):
         if loop.step != 1:
             return
@@ -79,7 +82,7 @@ class Probe:
         params = list(loop.model.parameters())
         held = sum((p.to_local() if isinstance(p, DTensor) else p).numel() * p.element_size() for p in params)
         total = sum(p.numel() * p.element_size() for p in params)
-        checkpointed = CALLS[0]   # after one step: 3 forwards, 3 recomputed
+        checkpointed = CALLS[0] - self.calls   # after one step: 3 forwards, 3 recomputed
         with open(os.path.join(self.folder, f"held{backend.rank()}.json"), "w") as f:
             json.dump({"held": held, "total": total, "checkpointed": checkpointed,
                        "sharded": all(isinstance(p, DTensor) for p in params)}, f)
@@ -155,8 +158,12 @@ def test_fsdp_is_launched_natively_joined_in_a_job_and_refused_on_one_core():
 
 @pytest.mark.multidevice
 def test_one_cycle_fit_predict_and_evaluate_launch_fsdp_processes_that_run_as_one_unsharded_process(tmp_path):
-    r = run_script(tmp_path, "fsdp_launch.py", MODEL + f"""
+    # run as a notebook cell (the warm interpreter's __main__ has no file): one_cycle_fit, predict and evaluate
+    # fork their processes, which then need not import torch afresh (about 3 CPU-s each, 14 of them); the
+    # spawned launch of a script is test_native.py's test_one_cycle_fit_launches_its_own_replicas_and_learns
+    r = run_python(WARM + MODEL + f"""
 from tpu_utility import backend, load_checkpoint, one_cycle_fit
+from tpu_utility.environment import is_interactive
 
 
 class Boom:
@@ -166,42 +173,43 @@ class Boom:
             raise ValueError("boom on rank 1")
 
 
-if __name__ == "__main__":
-    out, seen = {str(tmp_path)!r}, {{}}
-    os.environ["SHARDED_DIR"] = out   # the launched processes inherit it
-    seen["inference"] = inference_figures(cores=2)   # 2 processes launched for predict, 2 for evaluate
-    try:   # the collective timeout is an hour: had a rank waited for it, this script would be killed first
-        one_cycle_fit(Net, blobs(), batch_size=8, cores=2, strategy="fsdp", callbacks=[Boom()], **FIT)
-        seen["failed"] = "ran"
-    except RuntimeError as error:
-        seen["failed"] = str(error)
-    for n in (2, 4):
-        folder = os.path.join(out, f"n{{n}}")
-        os.makedirs(folder)
-        ref = one_cycle_fit(Net(), blobs(), batch_size=8 * n, **FIT)   # one process, the same global batch
-        fsdp = one_cycle_fit(Net, blobs(), batch_size=8, cores=n, strategy="fsdp", callbacks=[Probe(folder)],
-                             checkpoint_dir=os.path.join(folder, "ckpt"), **FIT)
-        seen[n] = {{"ref": [r.train_loss for r in ref.records], "fsdp": [r.train_loss for r in fsdp.records],
-                   "summary": fsdp.summary, "held": [json.load(open(os.path.join(folder, f"held{{k}}.json")))
-                                                     for k in range(n)],
-                   "best": best_logits_equal(fsdp, os.path.join(folder, "ckpt")), "plain": plain_model(fsdp.model)}}
-        if n == 2:   # stopped after epoch 1, then resumed: bitwise the uninterrupted run
-            ckpt = os.path.join(folder, "stopped")
-            stopped = one_cycle_fit(Net, blobs(), batch_size=8, cores=n, strategy="fsdp",
-                                    callbacks=[Probe(folder, stop_at=1)], checkpoint_dir=ckpt, **FIT)
-            resumed = one_cycle_fit(Net, blobs(), batch_size=8, cores=n, strategy="fsdp", checkpoint_dir=ckpt,
-                                    resume=True, **FIT)
-            straight = fsdp.model.state_dict()
-            seen[n]["resume"] = {{"epochs": [len(stopped.records), len(resumed.records)],
-                                 "bitwise": all(torch.equal(v, straight[k]) for k, v in resumed.model.state_dict().items())}}
-            # last.pt: the optimizer's state whole, in torch's own format, loads into a plain model's SGD too
-            plain = Net()
-            sgd = torch.optim.SGD(plain.parameters(), lr=0.1, momentum=0.9)
-            load_checkpoint(os.path.join(folder, "ckpt", "last.pt"), model=plain, optimizer=sgd)
-            seen[n]["last"] = all(sgd.state[p]["momentum_buffer"].shape == p.shape for p in plain.parameters())
-    print("SEEN", json.dumps(seen))
-""", env={**NATIVE, "TPU_UTILITY_COLLECTIVE_TIMEOUT": "3600"})
+out, seen = {str(tmp_path)!r}, {{"notebook": is_interactive()}}
+os.environ["SHARDED_DIR"] = out   # the launched processes inherit it
+seen["inference"] = inference_figures(cores=2)   # 2 processes launched for predict, 2 for evaluate
+try:   # the collective timeout is an hour: had a rank waited for it, this script would be killed first
+    one_cycle_fit(Net, blobs(), batch_size=8, cores=2, strategy="fsdp", callbacks=[Boom()], **FIT)
+    seen["failed"] = "ran"
+except RuntimeError as error:
+    seen["failed"] = str(error)
+for n in (2, 4):
+    folder = os.path.join(out, f"n{{n}}")
+    os.makedirs(folder)
+    ref = one_cycle_fit(Net(), blobs(), batch_size=8 * n, **FIT)   # one process, the same global batch
+    fsdp = one_cycle_fit(Net, blobs(), batch_size=8, cores=n, strategy="fsdp", callbacks=[Probe(folder)],
+                         checkpoint_dir=os.path.join(folder, "ckpt"), **FIT)
+    seen[n] = {{"ref": [r.train_loss for r in ref.records], "fsdp": [r.train_loss for r in fsdp.records],
+               "summary": fsdp.summary, "held": [json.load(open(os.path.join(folder, f"held{{k}}.json")))
+                                                 for k in range(n)],
+               "best": best_logits_equal(fsdp, os.path.join(folder, "ckpt")), "plain": plain_model(fsdp.model)}}
+    if n == 2:   # stopped after epoch 1, then resumed: bitwise the uninterrupted run
+        ckpt = os.path.join(folder, "stopped")
+        stopped = one_cycle_fit(Net, blobs(), batch_size=8, cores=n, strategy="fsdp",
+                                callbacks=[Probe(folder, stop_at=1)], checkpoint_dir=ckpt, **FIT)
+        resumed = one_cycle_fit(Net, blobs(), batch_size=8, cores=n, strategy="fsdp", checkpoint_dir=ckpt,
+                                resume=True, **FIT)
+        straight = fsdp.model.state_dict()
+        seen[n]["resume"] = {{"epochs": [len(stopped.records), len(resumed.records)],
+                             "bitwise": all(torch.equal(v, straight[k]) for k, v in resumed.model.state_dict().items())}}
+        # last.pt: the optimizer's state whole, in torch's own format, loads into a plain model's SGD too
+        plain = Net()
+        sgd = torch.optim.SGD(plain.parameters(), lr=0.1, momentum=0.9)
+        load_checkpoint(os.path.join(folder, "ckpt", "last.pt"), model=plain, optimizer=sgd)
+        seen[n]["last"] = all(sgd.state[p]["momentum_buffer"].shape == p.shape for p in plain.parameters())
+print("SEEN", json.dumps(seen))
+""", env={"TPU_UTILITY_COLLECTIVE_TIMEOUT": "3600"})
+    assert r.returncode == 0, r.stderr[-3000:]
     seen = json.loads(r.stdout.split("SEEN", 1)[1])
+    assert seen["notebook"]  # the processes were forked, as from a notebook
     check_inference(seen["inference"])
     assert sorted(f for f in os.listdir(tmp_path) if f.startswith("predicted")) == ["predicted0", "predicted1"]
     # the launcher reports the first replica to end: rank 1 with its own error, or rank 0 naming it
@@ -226,11 +234,12 @@ if __name__ == "__main__":
 def test_inside_a_torchrun_job_fsdp_and_shard_model_shard_and_run_as_one_process(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
-    reference = run_script(tmp_path, "reference.py", MODEL + """
+    reference = run_python(WARM + MODEL + """
 from tpu_utility import one_cycle_fit
 
 print("REF", json.dumps([r.train_loss for r in one_cycle_fit(Net(), blobs(), batch_size=16, **FIT).records]))
-""", env=NATIVE)
+""")
+    assert reference.returncode == 0, reference.stderr[-3000:]
     script = tmp_path / "job.py"
     script.write_text(MODEL + f"""
 from tpu_utility import backend, one_cycle_fit, predict, shard_model, step_optimizer

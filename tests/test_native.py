@@ -6,8 +6,8 @@ predictions and generated rows, master-only saves with a barrier, best/early-sto
 run here with 2 and 4 real processes, torch_xla out of the way (no PJRT_DEVICE), so the native CPU
 backend is chosen; every replica writes what it saw to a file and the test compares them. Each process
 started imports torch afresh, which is most of what these tests cost: the replica scenarios share one
-job of 2 processes and one of 4 (``replicas``), and the launchers start from the suite's warm interpreter
-(tests/native_jobs.py).
+job of 2 processes and one of 4 (``replicas``, forked from their warm parent), and the launchers start
+from the suite's warm interpreter (tests/native_jobs.py).
 """
 
 import importlib.util
@@ -179,7 +179,7 @@ if __name__ == "__main__":
         os.makedirs(os.path.join(out, name))
         if name + "_main" in globals():
             globals()[name + "_main"](out)
-    launch(work, args=(out, names), nprocs=nprocs)
+    launch(work, args=(out, names), nprocs=nprocs, start_method="fork")   # spawn: tests below and test_fsdp_native
 """
 
 
@@ -671,8 +671,9 @@ if __name__ == "__main__":
     assert "one_cycle_fit: replica on 2 cuda core(s)" in r.stdout and "learned: True" in r.stdout, r.stdout
 
 
-# make stress runs this STRESS_ROUNDS times under load: 20 runs with the default 2 each
-EXIT_RUNS = int(os.environ.get("TPU_UTILITY_EXIT_RUNS", "2"))
+# make stress runs this STRESS_ROUNDS times under load (10), each time with the other torchrun jobs, which
+# check the same exit (native_jobs.torchrun); TPU_UTILITY_EXIT_RUNS=N repeats it N times within one run
+EXIT_RUNS = int(os.environ.get("TPU_UTILITY_EXIT_RUNS", "1"))
 
 
 def test_a_torchrun_job_that_trained_to_the_end_exits_0_on_every_rank_every_time(tmp_path):

@@ -116,7 +116,7 @@ def work(rank):
 
 
 if __name__ == "__main__":
-    launch(work, nprocs=2)
+    launch(work, nprocs=2, start_method="fork")
 ''')
 runpy.run_path({str(tmp_path / "stall.py")!r}, run_name="__main__")
 """, env={"TPU_UTILITY_COLLECTIVE_TIMEOUT": "5"}, timeout=300)
@@ -177,7 +177,7 @@ def work(rank):
 
 if __name__ == "__main__":
     try:
-        launch(work, nprocs=2)
+        launch(work, nprocs=2, start_method="fork")
     except RuntimeError as error:
         print("RAISED", str(error).splitlines()[-1])
 """, timeout=300)
