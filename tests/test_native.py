@@ -671,8 +671,8 @@ if __name__ == "__main__":
     assert "one_cycle_fit: replica on 2 cuda core(s)" in r.stdout and "learned: True" in r.stdout, r.stdout
 
 
-# make stress runs this STRESS_ROUNDS times under load (10), each time with the other torchrun jobs, which
-# check the same exit (native_jobs.torchrun); TPU_UTILITY_EXIT_RUNS=N repeats it N times within one run
+# make stress runs this STRESS_ROUNDS times under load (10) with TPU_UTILITY_EXIT_RUNS=2: 20 runs, beside the
+# other torchrun jobs, which check the same exit (native_jobs.torchrun); make test runs it once
 EXIT_RUNS = int(os.environ.get("TPU_UTILITY_EXIT_RUNS", "1"))
 
 
