@@ -12,10 +12,20 @@ from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from conftest import BLOCK_TORCH_XLA, flat_digits, run_python, small_mlp
 from tpu_utility import find_lr, one_cycle_fit
-from tpu_utility.demo import small_cnn
 from tpu_utility.training.schedule import one_cycle
 
 pytestmark = pytest.mark.filterwarnings("ignore:dropping the last")
+
+
+def tiny_cnn() -> nn.Module:
+    """small_cnn's shape with a quarter of its channels: these tests need a convnet that learns the digits, not the
+    demo's size. On XLA:CPU at the suite's optimization level 0 its steps cost a third of small_cnn's (0.5 s an
+    epoch of 44 steps against 1.6 s); it reaches 0.953 after 3 epochs at fit's max_lr 3e-3, 0.978 at 1e-2."""
+    return nn.Sequential(
+        nn.Conv2d(1, 8, 3, padding=1), nn.ReLU(),
+        nn.Conv2d(8, 16, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Flatten(), nn.Linear(16 * 4 * 4, 64), nn.ReLU(), nn.Dropout(0.2), nn.Linear(64, 10),
+    )  # fmt: skip
 
 
 def fit(model, train, **kwargs):
@@ -26,7 +36,7 @@ def fit(model, train, **kwargs):
 def test_learns_digits_without_recompiles_or_host_syncs(digits):
     train, valid = digits
     torch.manual_seed(0)
-    history = fit(small_cnn(), train, valid_data=valid, epochs=4)
+    history = fit(tiny_cnn(), train, valid_data=valid, epochs=4, max_lr=1e-2)  # 0.983 when written
     first, last = history.records[0], history.records[-1]
     assert last.train_loss < 0.3 * first.train_loss
     assert last.metrics["accuracy"] >= 0.95
@@ -34,7 +44,7 @@ def test_learns_digits_without_recompiles_or_host_syncs(digits):
     assert all(r.host_syncs == 0 for r in history.records)  # no .item() in the loop
     assert all(r.transfers == 1 for r in history.records)  # one read per epoch, not per step
     steps = history.records[-1].epoch * (len(train) // 32)
-    assert last.lr == pytest.approx(one_cycle(steps - 1, steps, 3e-3)[0])
+    assert last.lr == pytest.approx(one_cycle(steps - 1, steps, 1e-2)[0])
     assert history.model is not None and next(history.model.parameters()).device.type == "xla"
 
 
