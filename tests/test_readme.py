@@ -4,7 +4,7 @@ with the names a notebook would already hold: a prelude), the "after" side of ea
 XLA:CPU devices where a block uses all cores. A block that starts processes has an interpreter of its
 own. A block that stops working is a broken promise.
 
-The blocks train on 512 of the digits' 1,437 training samples (the prelude's train_ds): a case checks that
+The blocks train on 256 of the digits' 1,437 training samples (the prelude's train_ds): a case checks that
 a block runs as written, and a block's time here is its steps. How well a block trains is checked where a
 bar needs all the data: the "Train with one call" block on 4 devices, with its outputs and accuracy
 checked, is in test_user_input.py, and the notebook's run in test_notebook.py.
@@ -29,7 +29,7 @@ from tpu_utility import *
 from tpu_utility.demo import digits_datasets, small_cnn, marker_sequences, pad_to_longest, MarkerClassifier
 os.chdir({tmp!r})
 train_ds, valid_ds = digits_datasets()
-train_ds = TensorDataset(*train_ds[:512])  # 512 of the 1,437 training digits: 8 batches of 64 an epoch (see the top)
+train_ds = TensorDataset(*train_ds[:256])  # 256 of the 1,437 training digits: 4 batches of 64 an epoch (see the top)
 test_ds = TensorDataset(valid_ds.tensors[0]); test_ids = torch.arange(len(test_ds))
 Net = small_cnn; model = small_cnn(); loss_fn = nn.CrossEntropyLoss(); epochs = 2; lr = 0.05
 """
