@@ -217,11 +217,11 @@ def test_the_wheel_installs_offline_into_the_kaggle_stack_and_trains(dist, tmp_p
     r = subprocess.run([*offline, str(venv / "bin" / "python"), "-m", "pip", "install", "--no-deps", "--no-index", str(wheel)],
                        capture_output=True, text=True, env=env, timeout=300)  # fmt: skip
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
-    from test_readme import PRELUDE, block
+    from test_readme import PRELUDE, one_call_block
 
     work = tmp_path / "work"
     work.mkdir()
-    code = (PRELUDE.format(tmp=str(work)) + block("find_lr(model, train_ds)")
+    code = (PRELUDE.format(tmp=str(work)) + one_call_block()
             + "\nimport tpu_utility; print('FROM', tpu_utility.__file__)\n"
             "print('STOP', history.stop_reason)\n")  # fmt: skip
     r = subprocess.run([*offline, str(venv / "bin" / "python"), "-c", code],
