@@ -8,8 +8,8 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import flat_digits, run_python
-from test_fit import _StopAfter, _dropout_mlp, tiny_cnn
+from conftest import TINY_CNN, flat_digits, run_python, tiny_cnn
+from test_fit import _StopAfter, _dropout_mlp
 from tpu_utility import EMA, Callback, CSVLogger, StopFit, TensorBoardLogger, one_cycle_fit
 from tpu_utility import backend
 from tpu_utility.checkpoint import load_checkpoint
@@ -331,10 +331,7 @@ class StopAt(Callback):
             loop.stop("accuracy passed 0.9")
 
 torch.manual_seed(0)
-model = torch.nn.Sequential(  # test_fit's tiny_cnn at max_lr 1e-2: 0.96 at epoch 3 on one device at this batch
-    torch.nn.Conv2d(1, 8, 3, padding=1), torch.nn.ReLU(), torch.nn.Conv2d(8, 16, 3, padding=1), torch.nn.ReLU(),
-    torch.nn.MaxPool2d(2), torch.nn.Flatten(), torch.nn.Linear(16 * 4 * 4, 64), torch.nn.ReLU(), torch.nn.Dropout(0.2),
-    torch.nn.Linear(64, 10))
+model = tiny_cnn()  # at max_lr 1e-2: 0.96 at epoch 3 on one device at this batch
 history = one_cycle_fit(model, train, valid_data=valid, epochs=6, max_lr=1e-2, batch_size=16, cores="all",
                         progress=False, callbacks=[EMA(0.9), StopAt(), TensorBoardLogger({tb!r})])
 print(history.summary)
@@ -348,7 +345,7 @@ print("reason", history.stop_reason)
 
 @pytest.mark.multidevice
 def test_callbacks_on_four_spmd_devices(tmp_path):
-    r = run_python(SPMD_CALLBACKS.format(tb=str(tmp_path / "tb")), env={"CPU_NUM_DEVICES": "4"}, timeout=600)
+    r = run_python(TINY_CNN + SPMD_CALLBACKS.format(tb=str(tmp_path / "tb")), env={"CPU_NUM_DEVICES": "4"}, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     out = dict(line.split(" ", 1) for line in r.stdout.splitlines() if line.split(" ")[0] in
                ("epochs", "accuracy", "syncs", "compiles", "reason"))  # fmt: skip

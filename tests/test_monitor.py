@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import flat_digits, run_python, small_mlp
+from conftest import TINY_CNN, flat_digits, run_python, small_mlp
 from tpu_utility import evaluate, load_checkpoint, one_cycle_fit
 from tpu_utility.training import trainer
 from tpu_utility.training.monitor import StopRule, Watch, out_of_time, parse_duration
@@ -61,17 +61,14 @@ def test_best_epoch_is_kept_training_stops_early_and_the_best_weights_return(tmp
 def test_restore_best_on_a_plain_cpu_restores_the_best_epochs_weights():
     # On the CPU a host copy of the weights was the weights themselves: the "best" snapshot
     # trained on with the model, and restore_best gave back the last epoch's weights.
-    r = run_python("""
+    r = run_python(TINY_CNN + """
 import warnings; warnings.simplefilter("ignore")
 import torch
 from tpu_utility import evaluate, one_cycle_fit
 from tpu_utility.demo import digits_datasets
-nn = torch.nn
 train, valid = digits_datasets()
-torch.manual_seed(0)  # test_fit's tiny_cnn: small_cnn with a quarter of its channels, a third of its step time
-model = nn.Sequential(nn.Conv2d(1, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 16, 3, padding=1), nn.ReLU(),
-                      nn.MaxPool2d(2), nn.Flatten(), nn.Linear(16 * 4 * 4, 64), nn.ReLU(), nn.Dropout(0.2),
-                      nn.Linear(64, 10))
+torch.manual_seed(0)
+model = tiny_cnn()
 h = one_cycle_fit(model, train, valid_data=valid, epochs=3, max_lr=3e-3, restore_best=True,
                   monitor="accuracy", mode="min", progress=False)   # the worst epoch is the "best": epoch 1
 print("device", next(h.model.parameters()).device.type, "best", h.best_epoch)

@@ -3,7 +3,7 @@ device (multi-process collectives on CPU hang inside torch_xla 2.9 itself)."""
 
 import pytest
 
-from conftest import run_python, run_script
+from conftest import TINY_CNN, run_python, run_script
 from tpu_utility.environment import choose_start_method
 from tpu_utility.training.topology import choose_strategy, resolve_cores
 
@@ -16,12 +16,10 @@ from tpu_utility import one_cycle_fit, backend
 from tpu_utility.demo import digits_datasets
 
 train, valid = digits_datasets()
-# the demo's small_cnn with a quarter of its channels, at max_lr 1e-2: the same losses and accuracy as small_cnn at
-# 3e-3 (0.28 and 0.93 after 4 epochs on one device at this global batch), its steps a sixth of the CPU time
+# tiny_cnn (conftest) at max_lr 1e-2: the same losses and accuracy as the demo's small_cnn at 3e-3 (0.28 and
+# 0.93 after 4 epochs on one device at this global batch), its steps a sixth of the CPU time
 torch.manual_seed(0)
-model = nn.Sequential(nn.Conv2d(1, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 16, 3, padding=1), nn.ReLU(),
-                      nn.MaxPool2d(2), nn.Flatten(), nn.Linear(16 * 4 * 4, 64), nn.ReLU(), nn.Dropout(0.2),
-                      nn.Linear(64, 10))
+model = tiny_cnn()
 # 1001 validation samples: not a multiple of 4 devices x 32 per core.
 x = torch.cat([valid.tensors[0]] * 3)[:1001]
 y = torch.cat([valid.tensors[1]] * 3)[:1001]
@@ -51,7 +49,7 @@ def _values(stdout, key):
 
 @pytest.mark.multidevice
 def test_spmd_on_four_devices_trains_and_counts_1001_validation_samples_once():
-    r = run_python(SPMD_SCRIPT, env={"CPU_NUM_DEVICES": "4"}, timeout=600)
+    r = run_python(TINY_CNN + SPMD_SCRIPT, env={"CPU_NUM_DEVICES": "4"}, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "one_cycle_fit: spmd on 4 CPU core(s) | batch 32 per core, 128 global" in r.stdout
     epochs = _values(r.stdout, "epoch")
