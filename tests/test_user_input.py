@@ -9,7 +9,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, SubsetRandomSampler, TensorDataset
 
 from conftest import flat_digits, run_python, small_mlp
-from test_readme import ONE_CALL_SWEEP
+from test_readme import one_call_block
 from tpu_utility import find_lr, get_device, one_cycle_fit
 from tpu_utility.data.loaders import ShardedSampler
 
@@ -238,11 +238,7 @@ model = small_cnn()
 
 @pytest.mark.multidevice
 def test_the_readme_block_runs_as_written_on_four_devices(tmp_path):
-    readme = open(__file__.replace("tests/test_user_input.py", "README.md")).read()
-    section = readme.split("## Train with one call", 1)[1]
-    block = section.split("```python\n", 1)[1].split("```", 1)[0]
-    assert ONE_CALL_SWEEP[0] in block
-    block = block.replace(*ONE_CALL_SWEEP)  # find_lr's sweep: 30 steps, not 100 (see test_readme.ONE_CALL_SWEEP)
+    block = one_call_block()  # the README's "Train with one call" block, its find_lr sweep 30 steps, not 100
     code = README_PRELUDE.format(tmp=str(tmp_path)) + block + """
 rows = open("submission.csv").read().splitlines()
 print("rows", len(rows) - len(test_ds), rows[0], "stop:", history.stop_reason)
