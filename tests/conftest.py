@@ -25,7 +25,8 @@ os.environ["XDG_CACHE_HOME"] = os.path.join(os.path.dirname(__file__), "..", ".p
 # losses bitwise; a ResNet's first loss to 1e-6, its last after an epoch 2% apart, as between any two float
 # paths: the tests that compare with the CPU have tolerances). The compiled code runs slower, which for the
 # suite's tiny models is nothing; a test whose time is compute (a ResNet's epoch: 73 CPU-s at XLA's defaults,
-# 301 at level 0) runs its script with USER_XLA_FLAGS (test_porter adds level 1, cheaper still). make demo and make bench keep XLA's defaults.
+# 301 at level 0) runs its script with USER_XLA_FLAGS (test_porter adds level 1, cheaper still). make demo and
+# make bench keep XLA's defaults.
 # The user's flags are kept in the environment: pytest-xdist's workers inherit it from the controller, which
 # imported this file first, and a worker reading XLA_FLAGS would take the controller's level 0 for the user's
 # (the ResNet's test then ran at level 0 under `make test`: 331 CPU-s against 116).
