@@ -4,8 +4,8 @@ One launch script checks, with 2 and 4 processes started by ``one_cycle_fit(core
 equal to one unsharded process with the same global batch (SGD: a gradient summed over the ranks instead of
 averaged would double every step, pytorch/pytorch#162338), each rank holding about 1/N of the parameter
 bytes while it trains, the blocks checkpointed, ``best.pt`` loading strictly into the plain model with
-logits equal to ``predict(history.model)``, and (2 processes) a run stopped after epoch 1 and resumed ending
-bitwise equal to an uninterrupted one; ``predict`` and ``evaluate`` with ``cores=2, strategy="fsdp"`` (processes
+logits equal to ``predict(history.model)``, and (2 processes) a run whose rank 0 is killed by SIGKILL after epoch 1
+(the parent names it) and resumed in new processes ending bitwise equal to an uninterrupted one; ``predict`` and ``evaluate`` with ``cores=2, strategy="fsdp"`` (processes
 launched, the model sharded while they run) give every row in dataset order and the figures of the replicated
 model; a rank that raises mid-training ends the run at once with its error, not the collective timeout. A
 ``torchrun`` job of 2 processes checks the same losses, bytes, checkpoint, ``predict`` and ``evaluate`` from
@@ -65,10 +65,9 @@ def blobs(n=64, seed=0):
 
 
 class Probe:
-    # at the first step each rank writes what it holds; stop_at ends the run after that epoch (no state: a
-    # resume without it is the same run)
-    def __init__(self, folder, stop_at=None):
-        self.folder, self.stop_at = folder, stop_at
+    # at the first step each rank writes what it holds
+    def __init__(self, folder):
+        self.folder = folder
 
     def on_fit_start(self, loop):
         self.calls = CALLS[0]   # a forked process starts with its parent's count
@@ -87,9 +86,18 @@ class Probe:
             json.dump({"held": held, "total": total, "checkpointed": checkpointed,
                        "sharded": all(isinstance(p, DTensor) for p in params)}, f)
 
+
+class Killed:
+    # rank 0 (the writer) dies by SIGKILL right after epoch 1's last.pt and best.pt, as a preempted or OOM-killed
+    # process does: nothing after them runs (no fit end, no restore); rank 1 is left waiting in epoch 2
+    order = 200
+
     def on_epoch_end(self, loop, record):
-        if record.epoch == self.stop_at:
-            loop.stop("stopped by the test")
+        import signal
+        from tpu_utility import backend
+
+        if record.epoch == 1 and backend.rank() == 0:
+            os.kill(os.getpid(), signal.SIGKILL)
 
 
 FIT = dict(epochs=2, max_lr=0.05, optimizer="sgd", progress=False, seed=0)
@@ -191,14 +199,18 @@ for n in (2, 4):
                "summary": fsdp.summary, "held": [json.load(open(os.path.join(folder, f"held{{k}}.json")))
                                                  for k in range(n)],
                "best": best_logits_equal(fsdp, os.path.join(folder, "ckpt")), "plain": plain_model(fsdp.model)}}
-    if n == 2:   # stopped after epoch 1, then resumed: bitwise the uninterrupted run
-        ckpt = os.path.join(folder, "stopped")
-        stopped = one_cycle_fit(Net, blobs(), batch_size=8, cores=n, strategy="fsdp",
-                                callbacks=[Probe(folder, stop_at=1)], checkpoint_dir=ckpt, **FIT)
+    if n == 2:   # killed after epoch 1, then resumed in new processes: bitwise the uninterrupted run
+        ckpt = os.path.join(folder, "killed")
+        try:
+            one_cycle_fit(Net, blobs(), batch_size=8, cores=n, strategy="fsdp", callbacks=[Killed()],
+                          checkpoint_dir=ckpt, **FIT)
+            killed = "ran"
+        except RuntimeError as error:
+            killed = str(error)
         resumed = one_cycle_fit(Net, blobs(), batch_size=8, cores=n, strategy="fsdp", checkpoint_dir=ckpt,
                                 resume=True, **FIT)
         straight = fsdp.model.state_dict()
-        seen[n]["resume"] = {{"epochs": [len(stopped.records), len(resumed.records)],
+        seen[n]["resume"] = {{"killed": killed, "epochs": len(resumed.records),
                              "bitwise": all(torch.equal(v, straight[k]) for k, v in resumed.model.state_dict().items())}}
         # last.pt: the optimizer's state whole, in torch's own format, loads into a plain model's SGD too
         plain = Net()
@@ -226,7 +238,9 @@ print("SEEN", json.dumps(seen))
         assert all(h["sharded"] and h["checkpointed"] == 2 * 3 for h in run["held"]), run["held"]
         assert sum(held) == run["held"][0]["total"] and max(held) <= 1.1 * sum(held) / int(n), held  # 1/N each
         assert run["best"] and run["plain"], run
-    assert seen["2"]["resume"] == {"epochs": [1, 2], "bitwise": True}, seen["2"]["resume"]
+    resume = seen["2"]["resume"]  # the parent names the dead replica and its signal; the resumed history has both epochs
+    assert "replica 0 of 2 died" in resume["killed"] and "SIGKILL" in resume["killed"], resume
+    assert resume["epochs"] == 2 and resume["bitwise"], resume
     assert seen["2"]["last"]
 
 
