@@ -8,6 +8,7 @@ cannot fit is refused before anything compiles, with the batch size that fits.
 """
 
 import copy
+import functools
 import json
 
 import pytest
@@ -59,7 +60,28 @@ def on_cpu(model, prompts, new, eos=None):
                                max_new_tokens=new, eos_token_id=eos, pad_token_id=0)[0, len(p):].tolist()
                 for p in prompts]
 """
-exec(BUILD)  # noqa: S102 - the same definitions as the subprocesses'
+
+
+@functools.cache
+def _built() -> dict:
+    """BUILD's definitions, the same as the subprocesses', made when a test first needs them: collecting this file
+    then imports no model family (six: about 10 CPU-s in every pytest worker, run these tests or not)."""
+    namespace: dict = {}
+    exec(BUILD, namespace)  # noqa: S102
+    return namespace
+
+
+def tiny(family, **changed):
+    return _built()["tiny"](family, **changed)
+
+
+def prompts(n, seed):
+    return _built()["prompts"](n, seed)
+
+
+def on_cpu(model, prompts, new, eos=None):
+    return _built()["on_cpu"](model, prompts, new, eos)
+
 
 NEW = 10  # new tokens per prompt
 FAMILIES = ("llama", "gpt2", "gemma", "qwen2", "gemma2", "gemma3")
@@ -80,10 +102,10 @@ def cases():
     """Per family: the model, 6 prompts (3..40 tokens), an EOS token, and the CPU's greedy rows without and with it."""
     made = {}
     for family in FAMILIES:
-        model, few = tiny(family), prompts(6, seed=1)  # noqa: F821
-        plain = on_cpu(model, few, NEW)  # noqa: F821
+        model, few = tiny(family), prompts(6, seed=1)
+        plain = on_cpu(model, few, NEW)
         eos = _eos_between(plain)
-        made[family] = model, few, eos, plain, on_cpu(model, few, NEW, eos)  # noqa: F821
+        made[family] = model, few, eos, plain, on_cpu(model, few, NEW, eos)
     return made
 
 
@@ -101,9 +123,9 @@ def test_greedy_tokens_are_the_cpus_model_generate_with_and_without_eos(cases, f
 def test_a_sliding_window_shorter_than_the_cache_runs_static_without_eos_and_compiles_nothing_again(cases, family):
     model, few, eos, plain, stopped = cases[family]
     # the window (6 < 40 + 10) and Gemma 2's attention soft-cap change the CPU's greedy rows: equal rows mean they ran
-    assert on_cpu(tiny(family, sliding_window=128), few, NEW) != plain  # noqa: F821
+    assert on_cpu(tiny(family, sliding_window=128), few, NEW) != plain
     if family == "gemma2":
-        assert on_cpu(tiny(family, attn_logit_softcapping=None), few, NEW) != plain  # noqa: F821
+        assert on_cpu(tiny(family, attn_logit_softcapping=None), few, NEW) != plain
     model = copy.deepcopy(model).to(backend.device())  # restoring it moves nothing: the counts are generate's own
     backend.clear_counters()
     again = generate(model, few, max_new_tokens=NEW, eos_token_id=eos, batch_size=4, buckets=[40], progress=False)
@@ -116,8 +138,8 @@ def test_a_sliding_window_shorter_than_the_cache_runs_static_without_eos_and_com
 
 def test_64_prompts_compile_buckets_plus_few_graphs_then_nothing_and_read_every_k_steps(cases):
     model = copy.deepcopy(cases["llama"][0])
-    many, new_ones = prompts(64, seed=2), prompts(64, seed=3)  # noqa: F821
-    want = on_cpu(model, many, 8)  # noqa: F821
+    many, new_ones = prompts(64, seed=2), prompts(64, seed=3)
+    want = on_cpu(model, many, 8)
     buckets = choose_buckets([len(p) for p in many], num_buckets=4, multiple_of=8)
     model.to(backend.device())  # already on the device: restoring it moves nothing, so transfers are generate's own
 
@@ -144,7 +166,7 @@ def test_a_peft_model_generates_with_its_adapters(cases):
     lora = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
     model = peft.get_peft_model(base, lora).eval()
     few = cases["llama"][1][:3]
-    want = on_cpu(model, few, NEW)  # noqa: F821
+    want = on_cpu(model, few, NEW)
     assert want != cases["llama"][3][:3]  # the adapters change the tokens, so equal tokens mean they ran
     assert generate(model, few, max_new_tokens=NEW, batch_size=4, buckets=[40], progress=False) == want
 
@@ -210,7 +232,7 @@ def test_models_it_cannot_run_and_bad_arguments_are_named(cases):
 
 
 def test_prompts_as_a_tokenizer_gives_them_and_the_models_own_eos():
-    model = tiny("llama")  # noqa: F821
+    model = tiny("llama")
     padded = {"input_ids": torch.tensor([[0, 0, 5, 6, 7]]), "attention_mask": torch.tensor([[0, 0, 1, 1, 1]])}
     from tpu_utility.training.generate import prompt_ids
 
