@@ -238,8 +238,10 @@ print("SEEN", json.dumps(seen))
         assert all(h["sharded"] and h["checkpointed"] == 2 * 3 for h in run["held"]), run["held"]
         assert sum(held) == run["held"][0]["total"] and max(held) <= 1.1 * sum(held) / int(n), held  # 1/N each
         assert run["best"] and run["plain"], run
-    resume = seen["2"]["resume"]  # the parent names the dead replica and its signal; the resumed history has both epochs
-    assert "replica 0 of 2 died" in resume["killed"] and "SIGKILL" in resume["killed"], resume
+    # the parent names the dead replica and its signal: rank 1 fails only after rank 0 is gone (gloo's "Connection
+    # closed by peer"), and where both have ended the launcher's poll reports them in rank order
+    resume, killed = seen["2"]["resume"], seen["2"]["resume"]["killed"]
+    assert "replica 0 of 2 died" in killed and "SIGKILL" in killed, resume
     assert resume["epochs"] == 2 and resume["bitwise"], resume
     assert seen["2"]["last"]
 
