@@ -71,16 +71,18 @@ def run_python(code: str, env: dict | None = None, timeout: int = SUBPROCESS_TIM
                cwd: str | None = None) -> subprocess.CompletedProcess:  # fmt: skip
     """Runs code in a new interpreter (a fresh XLA runtime); the caller checks the returncode.
 
-    The interpreter is forked from this worker's warm one (``zygote.py``: torch, torch_xla and transformers
-    already imported, no runtime started) where ``warm_enough`` allows, else started fresh. A child still
+    The interpreter is forked from one of this worker's warm ones (``zygote.py``: torch, torch_xla and
+    transformers already imported, or torch alone; no runtime started) where ``warm_start`` allows, else
+    started fresh. A child still
     running after ``timeout`` seconds is killed and the test fails with its output so far.
     """
     full_env = {**os.environ, "PYTHONPATH": ROOT, **(env or {})}
     for key, value in list(full_env.items()):
         if value is None:
             del full_env[key]
-    if warm_enough(code, full_env):
-        return _zygote().run(code, full_env, timeout, cwd or ROOT)
+    kind = warm_start(code, full_env)
+    if kind:
+        return _zygote(kind).run(code, full_env, timeout, cwd or ROOT)
     try:
         return subprocess.run(
             [sys.executable, "-c", textwrap.dedent(code)],
@@ -106,23 +108,35 @@ COLD_PREFIXES = ("XLA", "PJRT", "PT_XLA", "TF_", "LIBTPU", "TORCH", "PYTHON", "H
 COLD_CODE = ("in sys.modules", "_Blocked", "importlib.reload")  # a script that looks at what was imported
 
 
-def warm_enough(code: str, env: dict) -> bool:
-    """Whether a script runs the same when forked from the warm interpreter as when started fresh: it does
-    not look at what is imported, and its environment differs from this process's only where no import reads."""
-    if os.environ.get("TPU_UTILITY_TEST_FRESH") or any(marker in code for marker in COLD_CODE):
-        return False
+# What `import torch` alone reads, and code that looks at torch's own import: a script cold for the warm
+# interpreter (it blocks torch_xla, looks at sys.modules, or sets PJRT_DEVICE or XLA_FLAGS) still forks from the
+# torch-only one unless it changes these; it then imports torch_xla itself, if at all, under its own environment.
+TORCH_COLD_PREFIXES = ("TORCH", "PYTHON", "CUDA", "OMP_", "MKL_", "KMP_", "LD_", "NCCL", "GLOO")
+TORCH_COLD_CODE = ("importlib.reload", "'torch' in sys.modules", '"torch" in sys.modules')
+
+
+def warm_start(code: str, env: dict) -> str | None:
+    """Which warm interpreter a script runs the same from as from a fresh start: "warm" where it does not look at
+    what is imported and its environment differs from this process's only where no import reads, "torch" (torch
+    alone imported) where only torch's import must not see a change, else None (a fresh interpreter)."""
+    if os.environ.get("TPU_UTILITY_TEST_FRESH") or env.get("PYTHONPATH") != ROOT:
+        return None
     changed = {k for k in set(env) | set(os.environ) if env.get(k) != os.environ.get(k)} - {"PYTHONPATH"}
     cold = [k for k in changed if k.startswith(COLD_PREFIXES) or k.startswith("TPU_") and not k.startswith("TPU_UTILITY_")]
-    return not cold and env.get("PYTHONPATH") == ROOT
+    if not cold and not any(marker in code for marker in COLD_CODE):
+        return "warm"
+    if not any(k.startswith(TORCH_COLD_PREFIXES) for k in changed) and not any(m in code for m in TORCH_COLD_CODE):
+        return "torch"
+    return None
 
 
 class Zygote:
     """This worker's warm interpreter (tests/zygote.py), started at its first use and kept for the session."""
 
-    def __init__(self) -> None:
+    def __init__(self, kind: str) -> None:
         self.process = subprocess.Popen(
-            [sys.executable, os.path.join(ROOT, "tests", "zygote.py")], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-            env={**os.environ, "PYTHONPATH": ROOT}, cwd=ROOT,
+            [sys.executable, os.path.join(ROOT, "tests", "zygote.py"), *(["--torch-only"] if kind == "torch" else [])],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, env={**os.environ, "PYTHONPATH": ROOT}, cwd=ROOT,
         )  # fmt: skip
         assert self._line(None) == "ready", "the warm interpreter (tests/zygote.py) did not start"
 
@@ -153,20 +167,20 @@ class Zygote:
         return subprocess.CompletedProcess(["python", "-c", code], int(returncode), *read)
 
 
-_ZYGOTE: list[Zygote] = []
+_ZYGOTE: dict[str, Zygote] = {}  # "warm" and "torch": this worker's warm interpreters, each started at its first use
 CHILD_CPU_SECONDS = [0.0]  # what this worker's warm-started children spent, for a profile of the suite
 
 
-def _zygote() -> Zygote:
-    if not _ZYGOTE or _ZYGOTE[0].process.poll() is not None:
-        _ZYGOTE[:] = [Zygote()]
-    return _ZYGOTE[0]
+def _zygote(kind: str) -> Zygote:
+    if kind not in _ZYGOTE or _ZYGOTE[kind].process.poll() is not None:
+        _ZYGOTE[kind] = Zygote(kind)
+    return _ZYGOTE[kind]
 
 
 def pytest_sessionfinish(session, exitstatus):
     """The warm interpreter ends with its worker: told to leave its loop, and waited for. (Closing its stdin is
     not enough: a DataLoader worker forked from this process, kept alive by a test's traceback, holds the pipe.)"""
-    for zygote in _ZYGOTE:
+    for zygote in _ZYGOTE.values():
         with contextlib.suppress(BrokenPipeError):
             zygote.process.stdin.write(json.dumps({"quit": True}).encode() + b"\n")
             zygote.process.stdin.close()

@@ -1,7 +1,8 @@
 """A warm interpreter for the suite's child scripts: torch, torch_xla and transformers imported once, then one
 ``fork`` per script, so a child starts in milliseconds instead of paying ~10 CPU-seconds of imports.
 
-Started by ``conftest.run_python`` (one per pytest worker) and spoken to over its stdin/stdout, a JSON line
+Started by ``conftest.run_python`` (one per pytest worker, and one with ``--torch-only`` that imports torch
+alone, for scripts that must not find torch_xla or transformers imported) and spoken to over its stdin/stdout, a JSON line
 per request: ``{"code", "env", "cwd", "stdout", "stderr"}`` (or ``{"quit": true}`` at the end). For each it forks
 a child and answers ``pid N`` at once and ``rc R S`` when the child ends (R as ``subprocess`` gives it: ``-signal`` for a signal; S the
 child's CPU seconds).
@@ -13,8 +14,8 @@ its working directory, ``sys.path`` and ``sys.argv`` of ``-c``, a new empty ``__
 /dev/null and stdout/stderr into the given files. Nothing here starts a runtime: the imports start no XLA
 client, so each child starts its own, as a fresh interpreter does. The child's end unwinds out of this loop
 (``SystemExit`` or the script's own exception), so the interpreter finishes as ``python -c`` does: atexit
-handlers, thread joins and the exit status included. ``conftest.warm_enough`` says which scripts may come
-here; those that test imports or the environment of a fresh start keep a fresh interpreter.
+handlers, thread joins and the exit status included. ``conftest.warm_start`` says which scripts may come
+here, and to which of the two; those that test torch's own import or its environment keep a fresh interpreter.
 """
 
 import gc
@@ -24,11 +25,14 @@ import sys
 import types
 
 
-def _preload() -> dict[str, tuple[str | None, str]]:
-    """Imports what most child scripts import; returns what the imports set in the environment: {name: (before, after)}."""
+def _preload(torch_only: bool) -> dict[str, tuple[str | None, str]]:
+    """Imports what most child scripts import (torch alone with ``--torch-only``); returns what the imports set
+    in the environment: {name: (before, after)}."""
     before = dict(os.environ)
     import torch  # noqa: F401
 
+    if torch_only:
+        return {k: (before.get(k), v) for k, v in os.environ.items() if before.get(k) != v}
     try:
         import torch_xla  # noqa: F401
         import torch_xla.core.xla_model  # noqa: F401
@@ -69,7 +73,7 @@ def _become(request: dict, imported_env: dict[str, tuple[str | None, str]], base
 def main() -> None:
     zygote_path = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     base_path = [p for p in sys.path[1:] if p not in zygote_path]  # sys.path[0]: this file's folder
-    imported_env = _preload()
+    imported_env = _preload(torch_only="--torch-only" in sys.argv[1:])
     # the imports' objects moved out of the collector's reach: a child's exit then walks only its own (a child
     # that runs `pass` exits in 0.6 CPU-s, not 2.1, its last collection no longer touching every inherited page)
     gc.freeze()
