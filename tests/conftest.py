@@ -27,7 +27,7 @@ os.environ["XDG_CACHE_HOME"] = os.path.join(os.path.dirname(__file__), "..", ".p
 # suite's tiny models is nothing; a test whose time is compute (a ResNet's epoch: 73 CPU-s at XLA's defaults,
 # 301 at level 0) runs its script with USER_XLA_FLAGS (test_porter adds level 1, cheaper still). make demo and
 # make bench keep XLA's defaults. Every script of the suite also emits XLA:CPU's fused loops with its older LLVM IR
-# emitters, not the MLIR fusion emitters of torch_xla 2.8 and 2.9 (FUSION_EMITTERS_OFF): the same graphs and counts,
+# emitters, not the MLIR fusion emitters of torch_xla 2.8 and 2.9 (``xla_flags``): the same graphs and counts,
 # a third less CPU time in the compiles (38 tests of fit, BERT, FSDP, generate: 133 CPU-s against 89; the timm
 # loop's ResNet epoch at level 1: 74 against 63).
 # The user's flags are kept in the environment: pytest-xdist's workers inherit it from the controller, which
@@ -35,8 +35,16 @@ os.environ["XDG_CACHE_HOME"] = os.path.join(os.path.dirname(__file__), "..", ".p
 # (the ResNet's test then ran at level 0 under `make test`: 331 CPU-s against 116).
 USER_XLA_FLAGS = os.environ.setdefault("TPU_UTILITY_TEST_USER_XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))
 FUSION_EMITTERS_OFF = "--xla_cpu_use_fusion_emitters=false"
-os.environ["XLA_FLAGS"] = " ".join([USER_XLA_FLAGS, FUSION_EMITTERS_OFF, "--xla_backend_optimization_level=0",
-                                    "--xla_llvm_disable_expensive_passes=true"]).strip()  # fmt: skip
+
+
+def xla_flags(level: int | None = None) -> str:
+    """XLA_FLAGS for a script of the suite: the user's flags, the fusion emitters off, and this LLVM optimization
+    level (None: XLA's default, for a script whose time is compute rather than compiles)."""
+    chosen = [] if level is None else [f"--xla_backend_optimization_level={level}"]
+    return " ".join([USER_XLA_FLAGS, FUSION_EMITTERS_OFF, *chosen]).strip()
+
+
+os.environ["XLA_FLAGS"] = xla_flags(0) + " --xla_llvm_disable_expensive_passes=true"
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -73,8 +81,8 @@ def run_python(code: str, env: dict | None = None, timeout: int = SUBPROCESS_TIM
 
     The interpreter is forked from one of this worker's warm ones (``zygote.py``: torch, torch_xla and
     transformers already imported, or torch alone; no runtime started) where ``warm_start`` allows, else
-    started fresh. A child still
-    running after ``timeout`` seconds is killed and the test fails with its output so far.
+    started fresh. A child still running after ``timeout`` seconds is killed and the test fails with its
+    output so far.
     """
     full_env = {**os.environ, "PYTHONPATH": ROOT, **(env or {})}
     for key, value in list(full_env.items()):

@@ -6,7 +6,7 @@ import re
 import nbformat
 import pytest
 
-from conftest import FUSION_EMITTERS_OFF, ROOT, USER_XLA_FLAGS
+from conftest import ROOT, xla_flags
 
 NOTEBOOK = os.path.join(ROOT, "notebooks", "kaggle_quickstart.ipynb")
 
@@ -49,7 +49,7 @@ def test_notebook_runs_end_to_end(tmp_path, monkeypatch):
     monkeypatch.setenv("CPU_NUM_DEVICES", "4")  # the kernel's cores="all" cell trains on 4 XLA:CPU devices
     # the kernel compiles at XLA's default level, as a user's: its time is the convnet's steps (find_lr's 80, up
     # to 5 epochs on 4 devices), which level 0 runs slowly (59 CPU-s against 47)
-    monkeypatch.setenv("XLA_FLAGS", f"{USER_XLA_FLAGS} {FUSION_EMITTERS_OFF}".strip())
+    monkeypatch.setenv("XLA_FLAGS", xla_flags())
 
     nb = nbformat.read(NOTEBOOK, as_version=4)
     client = NotebookClient(nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}})

@@ -15,7 +15,7 @@ import nbformat
 import pytest
 import torch
 
-from conftest import FUSION_EMITTERS_OFF, ROOT, USER_XLA_FLAGS, blocking, run_python
+from conftest import ROOT, blocking, run_python, xla_flags
 from tpu_utility.diagnostics.port import main, port_file, port_source
 from tpu_utility.diagnostics.rules import for_tool
 
@@ -328,8 +328,7 @@ def test_a_cuda_loop_ports_and_trains_on_the_xla_device_as_on_the_cpu(tmp_path, 
     # a ResNet's epoch is compute as much as compiles: level 0 runs its steps 5x slower (305 CPU-s), XLA's default
     # level 3 spends the most on its 7 compiles (90), level 1 is the cheapest of the three (65-71; the same first
     # loss to 1e-6, accuracy 0.25 against the CPU's 0.26)
-    level_1 = f"{USER_XLA_FLAGS} {FUSION_EMITTERS_OFF} --xla_backend_optimization_level=1".strip()
-    compute = {"XLA_FLAGS": level_1} if name == "timm_amp_loop.py" else {}
+    compute = {"XLA_FLAGS": xla_flags(1)} if name == "timm_amp_loop.py" else {}
     r = run_python(RUN_ORIGINAL_THEN_PORTED.format(original=os.path.join(KERNELS, name), path=path),
                    env={"PJRT_DEVICE": "CPU", "EPOCHS": str(epochs), **compute}, cwd=str(tmp_path))  # fmt: skip
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
