@@ -110,9 +110,10 @@ def _timed_out(timeout: int, stdout: str, stderr: str) -> None:
 
 
 # What a script may change and still start from the warm interpreter: anything but the variables that the
-# imports read (torch's, torch_xla's, XLA's and libtpu's, Python's own, transformers'), and the platform.
+# imports read (torch's, torch_xla's, XLA's and libtpu's, Python's own, transformers', scikit-learn's and its BLAS'),
+# and the platform.
 COLD_PREFIXES = ("XLA", "PJRT", "PT_XLA", "TF_", "LIBTPU", "TORCH", "PYTHON", "HF_", "TRANSFORMERS", "CUDA",
-                 "NEURON", "OMP_", "MKL_", "LD_", "GRPC")  # fmt: skip
+                 "NEURON", "OMP_", "MKL_", "LD_", "GRPC", "SKLEARN", "SCIPY", "OPENBLAS", "KMP_")  # fmt: skip
 COLD_CODE = ("in sys.modules", "_Blocked", "importlib.reload")  # a script that looks at what was imported
 
 
