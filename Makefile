@@ -149,8 +149,10 @@ test-torchtpu: venv-torchtpu
 	@echo "== TorchTPU lane: $$(TPU_SKIP_MDS_QUERY=1 $(TORCHTPU)/bin/python -c 'import sys, torch; from importlib.metadata import version; print("Python", sys.version.split()[0], "torch", torch.__version__, "torch-tpu", version("torch-tpu"))')"
 	TPU_SKIP_MDS_QUERY=1 $(TORCHTPU)/bin/python $(PYTEST) -p no:cacheprovider $(TORCHTPU_TESTS)
 
+# the peers' packages installed as the venv's are, bytecode compiled: pip compiles none under PYTHONDONTWRITEBYTECODE,
+# and transformers then imports accelerate from source in every test process afterwards
 bench: venv
-	$(PINNED)/bin/python -m pip install -q -r bench/requirements.txt
+	$(PINNED)/bin/python -m uv pip install -q --compile-bytecode --python $(PINNED)/bin/python $(UV_FIND_LINKS) -r bench/requirements.txt
 	$(PINNED)/bin/python bench/run.py
 	$(PINNED)/bin/python bench/host_bench.py
 	$(PINNED)/bin/python bench/native_bench.py
