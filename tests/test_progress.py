@@ -123,6 +123,9 @@ def test_durations_and_the_run_eta():
     assert run_eta([12.0], epochs_left=0) == 0.0
 
 
+# The first epoch's line gives its compile time only from 0.5 s up (builtins.py). A 2-layer MLP's graphs compiled
+# in under that on a fast hour of this host, and the tests below failed; 24 hidden layers compile in 1.5-2 s at the
+# suite's level 0 on the same host. The tests read the text, not the training: the loss barely moves.
 FIT = """
 import torch
 from torch import nn
@@ -131,7 +134,7 @@ from tpu_utility import one_cycle_fit
 g = torch.Generator().manual_seed(0)
 x = torch.randn(1000, 16, generator=g); y = (x[:, 0] > 0).long()
 torch.manual_seed(0)
-model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 2))
+model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), *[m for _ in range(24) for m in (nn.Linear(32, 32), nn.ReLU())], nn.Linear(32, 2))
 one_cycle_fit(model, TensorDataset(x, y), valid_data=TensorDataset(x[:200], y[:200]), epochs=3, max_lr=1e-2, batch_size=64)
 """
 EPOCH_LINE = re.compile(r"epoch (\d)/3  train_loss .*  lr \S+  ([\d.]+)s  ([\d,]+) samples/s(  \(compiling (\d+)s\))?(  ETA (\S+))?")
