@@ -25,7 +25,7 @@ os.environ["XDG_CACHE_HOME"] = os.path.join(os.path.dirname(__file__), "..", ".p
 # losses bitwise; a ResNet's first loss to 1e-6, its last after an epoch 2% apart, as between any two float
 # paths: the tests that compare with the CPU have tolerances). The compiled code runs slower, which for the
 # suite's tiny models is nothing; a test whose time is compute (a ResNet's epoch: 73 CPU-s at XLA's defaults,
-# 301 at level 0) runs its script with USER_XLA_FLAGS (test_porter adds level 1, cheaper still). make demo and
+# 301 at level 0) runs its script with ``xla_flags(1)`` or XLA's default level (``xla_flags()``). make demo and
 # make bench keep XLA's defaults. Every script of the suite also emits XLA:CPU's fused loops with its older LLVM IR
 # emitters, not the MLIR fusion emitters of torch_xla 2.8 and 2.9 (``xla_flags``): the same graphs and counts,
 # a third less CPU time in the compiles (38 tests of fit, BERT, FSDP, generate: 133 CPU-s against 89; the timm
