@@ -43,7 +43,9 @@ def tiny(family, **changed):
     if family == "gemma":
         return GemmaForCausalLM(GemmaConfig(**common, head_dim=8)).eval()
     if family == "gemma2":
-        return Gemma2ForCausalLM(Gemma2Config(**common, **{**SLIDING, "attn_logit_softcapping": 0.5, **changed})).eval()
+        # eager attention, as transformers 5.24 picks for Gemma 2: 5.0-5.23 pick sdpa, which drops the soft-cap
+        return Gemma2ForCausalLM(Gemma2Config(**common, **{**SLIDING, "attn_logit_softcapping": 0.5, **changed},
+                                              attn_implementation="eager")).eval()
     if family == "gemma3":  # layer types: sliding, full
         return Gemma3ForCausalLM(Gemma3TextConfig(**common, **{**SLIDING, **changed}, sliding_window_pattern=2)).eval()
     kind = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}[family]

@@ -180,16 +180,14 @@ def causal_lm(model: Any) -> nn.Module:
     if getattr(inner.config, "is_encoder_decoder", False) or not inner.can_generate():
         raise ValueError(f"{name} is not a decoder-only language model with a generation head; generate runs "
                          f"causal LMs (AutoModelForCausalLM)")  # fmt: skip
+    cache_argument(inner)
+    cache_layer_kinds(inner)  # the most specific refusal first: a layer kind says why by name
     if not getattr(inner, "_can_compile_fullgraph", False):
         raise ValueError(
             f"{name} cannot run with a static KV cache in one graph: transformers marks it _can_compile_fullgraph="
             f"False (its forward has data-dependent steps), which on XLA would recompile or read the host at every "
             f"token. Use model.generate() for it, or a model family transformers compiles (Llama, Gemma, Qwen2, GPT-2)"
         )
-    if "cache" not in inspect.signature(inner.forward).parameters:
-        raise ValueError(f"{name}.forward takes no 'cache' argument; generate needs transformers 5 (pip install "
-                         f"'transformers>=5')")  # fmt: skip
-    cache_layer_kinds(inner)
     return inner
 
 
@@ -202,13 +200,40 @@ _UNCACHEABLE = {
 }
 
 
+def cache_argument(model: nn.Module) -> str:
+    """The name under which ``model.forward`` takes its KV cache: ``cache`` from transformers 5.24 on,
+    ``past_key_values`` before; refused by name when it takes neither."""
+    parameters = inspect.signature(model.forward).parameters
+    for name in ("cache", "past_key_values"):
+        if name in parameters:
+            return name
+    raise ValueError(f"{type(model).__name__}.forward takes no KV cache (neither 'cache' nor 'past_key_values' "
+                     f"among its arguments), so generate cannot decode with it; use model.generate()")  # fmt: skip
+
+
+def _layer_types(config: Any) -> list[str]:
+    """Each layer's attention kind as transformers' ``StaticCache`` reads them from ``config``: its own
+    ``get_layer_types_and_kwargs`` where the installed version has it, else the same rule
+    written out as 5.0's ``StaticCache.__init__`` applies it."""
+    try:
+        from transformers.cache_utils import get_layer_types_and_kwargs
+    except ImportError:
+        kinds = getattr(config, "layer_types", None)
+        if kinds is None:
+            kind = ("sliding_attention" if getattr(config, "sliding_window", None) is not None
+                    else "chunked_attention" if getattr(config, "attention_chunk_size", None) is not None
+                    else "full_attention")  # fmt: skip
+            kinds = [kind] * config.num_hidden_layers
+        shared = getattr(config, "num_kv_shared_layers", None)
+        return list(kinds[:-shared] if shared else kinds)
+    return get_layer_types_and_kwargs(config)[0]
+
+
 def cache_layer_kinds(model: nn.Module) -> list[str]:
     """Each layer's attention kind, checked to be full or sliding-window attention, which a cache of
     fixed buffers holds; any other kind is refused by name, before anything compiles."""
-    from transformers.cache_utils import get_layer_types_and_kwargs
-
     try:
-        kinds, _ = get_layer_types_and_kwargs(model.config.get_text_config(decoder=True))
+        kinds = _layer_types(model.config.get_text_config(decoder=True))
     except Exception as error:  # noqa: BLE001 - transformers says why in its own words
         raise ValueError(f"{type(model).__name__} cannot run with a static KV cache: {error}") from error
     for k, kind in enumerate(kinds):
@@ -325,10 +350,16 @@ class Decoder:
         self.stops = torch.tensor(stops, dtype=torch.long, device=runner.device) if stops else None
         self.stop_list = stops
         self.keep_last = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(self.model.forward).parameters else {}
+        self.cache_argument = cache_argument(self.model)
+        # before transformers 5.24 the caller says which cache slots a step writes (cache_position); from
+        # 5.24 on, the cache counts them itself
+        self.give_slots = "cache_position" in inspect.signature(self.model.forward).parameters
 
-    def forward(self, ids: torch.Tensor, batch: dict[str, torch.Tensor], positions: torch.Tensor, cache: Any) -> torch.Tensor:
-        out = self.model(input_ids=ids, attention_mask=batch["attention_mask"], position_ids=positions, cache=cache,
-                         use_cache=True, **self.keep_last)  # fmt: skip
+    def forward(self, ids: torch.Tensor, batch: dict[str, torch.Tensor], positions: torch.Tensor, cache: Any,
+                slots: torch.Tensor) -> torch.Tensor:  # fmt: skip
+        where = {self.cache_argument: cache, **({"cache_position": slots} if self.give_slots else {})}
+        out = self.model(input_ids=ids, attention_mask=batch["attention_mask"], position_ids=positions,
+                         use_cache=True, **where, **self.keep_last)  # fmt: skip
         return out.logits[:, -1].float()
 
     def choose(self, logits: torch.Tensor, index: torch.Tensor, position: torch.Tensor,
@@ -345,7 +376,9 @@ class Decoder:
         batch's indices, as the host made it)."""
         cache = _static_cache(self.model, self.plan.cache_length)
         index, position = batch["index"], batch["position_ids"][:, -1:] + 1
-        logits = self.forward(batch["input_ids"], batch, batch["position_ids"], cache)
+        slots = torch.arange(batch["input_ids"].shape[1], device=index.device)
+        logits = self.forward(batch["input_ids"], batch, batch["position_ids"], cache, slots)
+        slot = slots[-1:] + 1
         backend.shard_batch([t for layer in cache.layers for t in (layer.keys, layer.values)])
         token, done = self.choose(logits, index, position, index < 0)
         pending, read = [token], []
@@ -355,8 +388,8 @@ class Decoder:
                 if self._read(pending, done, read, on_read):
                     break
                 pending = []
-            logits = self.forward(token[:, None], batch, position, cache)
-            position = position + 1
+            logits = self.forward(token[:, None], batch, position, cache, slot)
+            position, slot = position + 1, slot + 1
             token, done = self.choose(logits, index, position, done)
             pending.append(token)
         backend.sync()
