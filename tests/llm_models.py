@@ -13,6 +13,7 @@ import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
 VOCAB, LENGTH = 48, 16
+BATCH_KEYS = ("input_ids", "attention_mask")  # what a model is called with to compare logits
 
 
 def counting(n: int, seed: int, length: int = LENGTH, ignored: int = 0) -> list[dict[str, torch.Tensor]]:

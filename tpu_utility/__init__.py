@@ -22,6 +22,7 @@ from .loop import device_loader, inference_mode, launch, masked_loader, use_all_
 from .optim import step_optimizer
 from .sharding import FSDP, shard_model
 from .huggingface import static_masks
+from .export import export_pretrained
 
 # data preparation: fixed shapes, caches, images shrunk once
 from .data import (BucketBatchSampler, BucketCollate, CachedDataset, PresizeReport, cache_dataset, choose_buckets,
@@ -60,6 +61,7 @@ __all__ = [
     "EpochMetric",
     "EpochRecord",
     "evaluate",
+    "export_pretrained",
     "find_lr",
     "FSDP",
     "generate",

@@ -19,6 +19,7 @@ from typing import Literal, get_args
 import torch
 
 from . import backend as backends
+from .huggingface import check_transformers
 
 Platform = Literal["kaggle", "colab", "tpu-vm", "local"]
 DeviceChoice = Literal["auto", "TPU", "CPU"]
@@ -261,6 +262,7 @@ def setup_tpu(
     platform = detect_platform(tpu_chips=tpu.chips)
     torch_xla_version = backends.installed_version("torch_xla") if backends.XLA_INSTALLED else None
     backends.check_versions(torch.__version__, torch_xla_version, backends.installed_version("torchvision"))
+    check_transformers()  # a warning, once: transformers below the tested range
     torchtpu = backends.torch_tpu_installed()
 
     name = backends.choice.check(backend, "setup_tpu(backend=...)")

@@ -18,13 +18,47 @@ Example:
 
 from __future__ import annotations
 
+import re
 import sys
+import warnings
 from functools import partial
 from typing import Any
 
 from torch import nn
 
+from .backend.versions import installed_version
+
 STATIC_SDPA = "tpu_utility_static_sdpa"
+# the transformers releases tpu_utility supports and tests: from the floor (the Kaggle lane) to the newest (the
+# pinned stack), Colab's TPU runtime (5.15) between them; pyproject's [llm] extra states the same range
+TRANSFORMERS_FLOOR = (5, 0)
+_told_version: list[str] = []
+
+
+def _release(version: str) -> tuple[int, ...]:
+    """``"5.15.0"`` -> ``(5, 15, 0)``; a pre-release's letters end its number (``"5.0.0rc1"`` -> ``(5, 0, 0)``)."""
+    return tuple(int(re.match(r"\d*", part).group() or 0) for part in version.split(".")[:3])
+
+
+def transformers_too_old(version: str | None) -> str | None:
+    """What to tell a user whose transformers (``version``, None: not installed) is below the floor; None if
+    it is supported or absent."""
+    if version is None or _release(version) >= TRANSFORMERS_FLOOR:
+        return None
+    floor = ".".join(map(str, TRANSFORMERS_FLOOR))
+    return (f"transformers {version} is installed, but tpu_utility supports transformers {floor} and later (tested: "
+            f"{floor}, Colab's 5.15 and the newest); below it padded attention masks cost host syncs in every step "
+            f"on XLA, LoRA with gradient checkpointing fails and generate is untested. Upgrade with: pip install -U "
+            f"'transformers>={floor}'")  # fmt: skip
+
+
+def check_transformers() -> None:
+    """Warns once, before any work, when the installed transformers is older than the supported range."""
+    version = installed_version("transformers")
+    told = transformers_too_old(version)
+    if told is not None and version not in _told_version:
+        _told_version.append(version)
+        warnings.warn(told, stacklevel=3)
 
 
 def is_transformers_model(model: Any) -> bool:
@@ -33,10 +67,15 @@ def is_transformers_model(model: Any) -> bool:
     return transformers is not None and isinstance(model, getattr(transformers, "PreTrainedModel", ()))
 
 
+def base_model(model: Any) -> Any:
+    """The model inside a peft wrapper (LoRA, prompt tuning: ``get_base_model()``), else ``model`` itself."""
+    return model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
+
+
 def is_causal_lm(model: Any) -> bool:
     """Whether a transformers model (or a peft model around one) is a causal LM, whose own loss pairs
     position t's logits with label t + 1 (found without importing transformers)."""
-    base = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
+    base = base_model(model)
     if not is_transformers_model(base):
         return False
     if getattr(base, "loss_type", None) == "ForCausalLM":
@@ -131,7 +170,8 @@ def static_masks(model: nn.Module) -> str | None:
     are left as they are.
 
     Args:
-        model: Any module; only a transformers ``PreTrainedModel`` using "sdpa" changes.
+        model: Any module; only a transformers ``PreTrainedModel`` using "sdpa" changes, or the
+            one inside a peft model (LoRA, prompt tuning), which peft calls as it is.
 
     Returns:
         The implementation replaced ("sdpa"), to give to ``restore_masks``; None when
@@ -141,6 +181,7 @@ def static_masks(model: nn.Module) -> str | None:
         >>> static_masks(model)   # was: nothing (a host sync in every forward on XLA)  # doctest: +SKIP
         'sdpa'
     """
+    model = base_model(model)
     if not is_transformers_model(model):
         return None
     found = getattr(model.config, "_attn_implementation", None)
@@ -153,4 +194,4 @@ def static_masks(model: nn.Module) -> str | None:
 def restore_masks(model: nn.Module, implementation: str | None) -> None:
     """Puts back the attention implementation ``static_masks`` replaced (nothing for None)."""
     if implementation is not None:
-        model.set_attn_implementation(implementation)
+        base_model(model).set_attn_implementation(implementation)

@@ -215,8 +215,8 @@ class GradientCheckpointing(Callback):
     without this callback.
 
     Args:
-        every_n_layers: Checkpoint every n-th layer only (transformers 5's
-            ``activation_checkpointing_enable``; 1: all of them).
+        every_n_layers: Checkpoint every n-th layer only (``activation_checkpointing_enable``,
+            transformers 5.23 and later); 1: all of them, on every supported transformers.
 
     Example:
         >>> # was: model.gradient_checkpointing_enable() before a CUDA loop
@@ -242,7 +242,8 @@ class GradientCheckpointing(Callback):
         if enable is None and not kwargs:
             enable = getattr(model, "gradient_checkpointing_enable", None)
         if not callable(enable):
-            needs = "activation_checkpointing_enable (transformers 5)" if kwargs else "gradient_checkpointing_enable()"
+            needs = ("activation_checkpointing_enable (transformers 5.23 and later; pip install -U 'transformers>=5.23')"
+                     if kwargs else "gradient_checkpointing_enable()")  # fmt: skip
             raise TypeError(
                 f"GradientCheckpointing needs a Hugging Face model with {needs}, but the model is "
                 f"{type(model).__name__}; for a model of your own, wrap its blocks' forward in "

@@ -39,7 +39,7 @@ from torch.utils.data import DataLoader
 from .. import backend
 from . import agreement
 from ..data.buckets import _check_buckets, choose_buckets, group_batches
-from ..huggingface import is_transformers_model
+from ..huggingface import base_model, is_transformers_model
 from ..progress import progress_bar
 from .runner import Runner
 from .topology import process_mode
@@ -172,7 +172,7 @@ def causal_lm(model: Any) -> nn.Module:
     to run with a static KV cache; refused by name otherwise."""
     if isinstance(model, type):
         raise TypeError(f"model is the class {model.__qualname__}, not a model; give an instance with its weights")
-    inner = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
+    inner = base_model(model)
     if not is_transformers_model(inner):
         raise TypeError(f"generate runs a transformers causal language model (AutoModelForCausalLM, or a peft model "
                         f"of one), but given {type(model).__name__}; call predict for other models")  # fmt: skip

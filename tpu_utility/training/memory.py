@@ -23,6 +23,7 @@ from torch import nn
 
 from .. import backend
 from ..backend.hardware import memory_override, tpu_device_memory
+from ..huggingface import base_model
 from ..sharding import block_classes
 
 # the share of a chip's memory a plan may fill: XLA's own buffers, fragmentation and the compiler's temporaries
@@ -287,7 +288,7 @@ def memory_plan(
     shape = TransformerShape.of(getattr(model, "config", None)) if getattr(model, "config", None) is not None else None
     if shape is not None and seq_len is not None:
         itemsize = 4 if precision == "fp32" else 2
-        inner = _inner(model)  # transformers 5 renamed the flag; the old name warns
+        inner = base_model(model)  # transformers 5 renamed the flag; the old name warns
         own = bool(getattr(inner, "is_activation_checkpointing", None) or getattr(inner, "gradient_checkpointing", False))
         repl_ckpt = shard_ckpt = own if checkpointing is None else checkpointing
         tokens = batch_size * seq_len
@@ -451,11 +452,6 @@ def _device_memory(given: int | str | None) -> int | None:
         return given
     chosen = backend.current()
     return chosen.device_memory(torch.device(chosen.device_type))
-
-
-def _inner(model: nn.Module) -> nn.Module:
-    """A peft model's base model; others as they are."""
-    return model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
 
 
 def _largest_block(model: nn.Module) -> list[nn.Parameter]:

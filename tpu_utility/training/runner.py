@@ -23,7 +23,8 @@ from torch.utils import _pytree as pytree
 from .. import backend
 from ..data.loaders import LoaderSpec, eval_loader, real_counts, train_loader
 from ..device import get_device, move_model, move_to_device
-from ..huggingface import give_back_checkpoint_functions, restore_masks, static_masks, use_checkpoint_function
+from ..huggingface import (base_model, check_transformers, give_back_checkpoint_functions, is_transformers_model,
+                           restore_masks, static_masks, use_checkpoint_function)
 from ..progress import progress_bar
 from .metrics import MetricSet
 from .precision import PrecisionMode
@@ -80,6 +81,8 @@ class Runner:
                  why: str = "") -> None:  # fmt: skip
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be an nn.Module, but given {model!r}")
+        if is_transformers_model(base_model(model)):
+            check_transformers()
         self.found = Placement.of(model)
         self.topology = current_topology(mode)
         self.device = get_device()

@@ -1,0 +1,133 @@
+"""export_pretrained: a fine-tuned model leaves the chips as a Hugging Face folder that loads on the CPU.
+
+Full models and LoRA (as an adapter, or merged into the base) from one core, 4 SPMD devices and
+strategy="fsdp" (in one child): reloaded with ``from_pretrained`` on the CPU, their logits equal
+``predict``'s on the same inputs, and a merged LoRA's equal its adapter model's. A run's best.pt
+converts to the same folder after the fact; bf16 weights stay bf16.
+"""
+
+import json
+import os
+
+import pytest
+import torch
+from torch import nn
+
+from conftest import run_python
+from llm_models import BATCH_KEYS, adamw, causal_lm, counting, lora, prompt_tuning
+from one_thread import one_torch_thread  # noqa: F401
+from tpu_utility import export_pretrained, one_cycle_fit, predict
+
+LR, BATCH = 3e-3, 8
+
+
+def fit(model, data, **kwargs):
+    return one_cycle_fit(model, data, epochs=1, max_lr=LR, batch_size=BATCH, schedule="constant",
+                         optimizer=adamw(LR), progress=False, **kwargs)  # fmt: skip
+
+
+def logits(model, data):
+    batch = {k: torch.stack([s[k] for s in data]) for k in BATCH_KEYS}
+    with torch.no_grad():
+        return model.eval()(**batch).logits
+
+
+def test_a_full_model_and_a_lora_adapter_or_merge_reload_on_the_cpu_with_predicts_logits(tmp_path):
+    import peft
+    from transformers import AutoModelForCausalLM
+
+    data = counting(32, seed=0)
+    full = fit(causal_lm("llama", tied=True), data).model
+    assert next(full.parameters()).device.type == "xla"
+    reloaded = AutoModelForCausalLM.from_pretrained(export_pretrained(full, tmp_path / "full"))
+    torch.testing.assert_close(logits(reloaded, data[:BATCH]), predict(full, data[:BATCH], progress=False),
+                               atol=1e-5, rtol=1e-5)  # fmt: skip
+    assert reloaded.get_input_embeddings().weight is reloaded.get_output_embeddings().weight  # the tie, kept
+    assert os.path.exists(tmp_path / "full" / "model.safetensors")
+
+    tuned = fit(lora(causal_lm("llama")), data).model
+    on_xla = predict(tuned, data[:BATCH], progress=False)
+    adapter = peft.PeftModel.from_pretrained(causal_lm("llama"), export_pretrained(tuned, tmp_path / "adapter"))
+    torch.testing.assert_close(logits(adapter, data[:BATCH]), on_xla, atol=1e-5, rtol=1e-5)
+    assert sorted(os.listdir(tmp_path / "adapter")) == ["README.md", "adapter_config.json", "adapter_model.safetensors"]
+    merged = AutoModelForCausalLM.from_pretrained(export_pretrained(tuned, tmp_path / "merged", merge_lora=True))
+    assert not any("lora_" in name for name in merged.state_dict())
+    torch.testing.assert_close(logits(merged, data[:BATCH]), logits(adapter, data[:BATCH]), atol=1e-5, rtol=1e-5)
+    # the model the run handed back is untouched: still the adapter model, on the device, its LoRA weights there
+    assert isinstance(tuned, peft.PeftModel) and any("lora_B" in n for n, _ in tuned.named_parameters())
+    assert next(tuned.parameters()).device.type == "xla"
+    torch.testing.assert_close(predict(tuned, data[:BATCH], progress=False), on_xla)
+
+
+def test_a_runs_best_pt_converts_after_the_fact_and_bf16_stays_bf16(tmp_path):
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    data = counting(32, seed=0)
+    history = fit(causal_lm("llama"), data, checkpoint_dir=str(tmp_path / "run"))
+    fresh = causal_lm("llama", seed=1)  # the architecture alone: other weights, on the CPU, left as they are
+    before = {k: v.clone() for k, v in fresh.state_dict().items()}
+    folder = export_pretrained(fresh, tmp_path / "from_best", checkpoint=tmp_path / "run" / "best.pt")
+    reloaded = AutoModelForCausalLM.from_pretrained(folder)
+    torch.testing.assert_close(logits(reloaded, data[:BATCH]), predict(history.model, data[:BATCH], progress=False),
+                               atol=1e-5, rtol=1e-5)  # fmt: skip
+    assert all(torch.equal(before[k], v) for k, v in fresh.state_dict().items())
+
+    half = causal_lm("llama").to(torch.bfloat16)
+    with safe_open(os.path.join(export_pretrained(half, tmp_path / "bf16"), "model.safetensors"), "pt") as f:
+        assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.bfloat16}
+
+
+def test_what_it_cannot_export_is_named(tmp_path):
+    with pytest.raises(TypeError, match="export_pretrained writes a transformers model.*given Linear"):
+        export_pretrained(nn.Linear(2, 2), tmp_path)
+    with pytest.raises(ValueError, match="merge_lora=True .* LlamaForCausalLM, which has no adapters"):
+        export_pretrained(causal_lm("llama"), tmp_path, merge_lora=True)
+    with pytest.raises(ValueError, match="merge_lora=True .* peft PeftModelForCausalLM, whose adapters peft cannot"):
+        export_pretrained(prompt_tuning(causal_lm("llama")), tmp_path, merge_lora=True)
+    with pytest.raises(TypeError, match="merge_lora must be True or False, but given 'yes'"):
+        export_pretrained(causal_lm("llama"), tmp_path, merge_lora="yes")
+    assert not os.listdir(tmp_path)
+
+
+CHILD = """
+import json, sys, tempfile
+sys.path.insert(0, "tests")
+import torch
+torch.set_num_threads(1)
+import peft
+from transformers import AutoModelForCausalLM
+from llm_models import BATCH_KEYS, adamw, causal_lm, counting, lora
+from tpu_utility import export_pretrained, one_cycle_fit, predict
+data, out, folder = counting(32, seed=0), {}, tempfile.mkdtemp()
+def logits(model):
+    batch = {k: torch.stack([s[k] for s in data[:8]]) for k in BATCH_KEYS}
+    with torch.no_grad():
+        return model.eval()(**batch).logits
+def gap(a, b):
+    return (a - b).abs().max().item()
+for strategy in ("spmd", "fsdp"):
+    for name, make in [("full", lambda: causal_lm("llama", tied=True)), ("lora", lambda: lora(causal_lm("llama")))]:
+        h = one_cycle_fit(make(), data, epochs=1, max_lr=3e-3, batch_size=2, cores="all", strategy=strategy,
+                          schedule="constant", optimizer=adamw(3e-3), progress=False)
+        want = predict(h.model, data[:8], batch_size=2, cores="all", progress=False)
+        where = f"{folder}/{strategy}-{name}"
+        if name == "full":
+            got = {"full": gap(logits(AutoModelForCausalLM.from_pretrained(export_pretrained(h.model, where))), want)}
+        else:
+            adapter = peft.PeftModel.from_pretrained(causal_lm("llama"), export_pretrained(h.model, where + "-adapter"))
+            merged = AutoModelForCausalLM.from_pretrained(export_pretrained(h.model, where, merge_lora=True))
+            got = {"adapter": gap(logits(adapter), want), "merged": gap(logits(merged), logits(adapter))}
+        out[f"{strategy}-{name}"] = {**got, "summary": h.summary}
+print("RESULT", json.dumps(out))
+"""
+
+
+@pytest.mark.multidevice
+def test_on_four_devices_and_under_fsdp_each_export_reloads_with_predicts_logits():
+    r = run_python(CHILD, env={"CPU_NUM_DEVICES": "4"}, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    runs = json.loads(r.stdout.split("RESULT ")[1])
+    assert "fsdp" in runs["fsdp-full"]["summary"] and "spmd on 4" in runs["spmd-full"]["summary"], runs
+    gaps = {f"{run}.{k}": v for run, got in runs.items() for k, v in got.items() if k != "summary"}
+    assert len(gaps) == 6 and all(v < 1e-5 for v in gaps.values()), gaps
