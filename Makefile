@@ -46,8 +46,8 @@ COLAB := .venv-colab
 TORCHTPU := .venv-torchtpu
 # what the TorchTPU lane runs: the code that lane has (no torch_xla there)
 TORCHTPU_TESTS := tests/test_native.py tests/test_replicas.py tests/test_torchtpu.py tests/test_fsdp_native.py
-KAGGLE_TESTS := -m torch_release tests
-COLAB_TESTS := -m python_release tests
+KAGGLE_TESTS := -m "torch_release or hf_release" tests
+COLAB_TESTS := -m "python_release or hf_release" tests
 PYTEST_ARGS ?= -q
 # pytest-xdist workers: a test spends much of its time in one-threaded XLA compiles, starting
 # interpreters and waiting on its child processes; three workers keep both cores of a 2-core host

@@ -202,7 +202,8 @@ def pytest_sessionfinish(session, exitstatus):
 # and Colab's 3.13. Left out of the first on purpose: gloo (test_native: torch 2.9 here, 2.13 in the
 # TorchTPU lane), the hand-loop ports and the platform check (their backend calls are test_loop's,
 # test_amp's and test_fit's), and trainer logic over the backend (monitor, buckets, epoch metrics: the
-# SPMD gathers are test_predict's). A file here is marked torch_release and/or python_release.
+# SPMD gathers are test_predict's). A file here is marked torch_release and/or python_release; both lanes also
+# run the hf_release files, on the transformers each lane pins.
 TORCH_RELEASE = {  # code whose behaviour moved between torch/torch_xla 2.8 and 2.9, or that a library branches on
     "test_setup.py": "the version check, 2.8's jax warning probe, platform detection",
     "test_errors.py": "the version-mismatch and PJRT_DEVICE errors",
@@ -238,6 +239,17 @@ PYTHON_RELEASE = {  # code whose behaviour can change with the Python version
     "test_porter.py": "LibCST's parser on this Python's grammar; a ported notebook in a kernel",
 }
 
+HF_RELEASE = {  # code whose behaviour moved between transformers releases, or peft's over them: the Kaggle lane
+    # runs the floor (5.0.0), the Colab lane Colab's 5.15.0, the pinned stack the newest
+    "test_huggingface.py": "the mask code static_masks replaces, set_attn_implementation, the version floor",
+    "test_llm.py": "causal-LM losses, peft's wrappers and their masks, checkpointing's entry points",
+    "test_generate.py": "the KV cache's argument (cache or past_key_values) and layout, layer kinds, model.generate",
+    "test_export.py": "save_pretrained/from_pretrained and peft's merge_and_unload",
+    "test_memory.py": "models built on the meta device from configs, their block classes",
+    "test_fsdp.py": "a Llama's blocks sharded and saved with save_pretrained",
+    "test_porter.py": "ported Hugging Face and peft loops (the course loop, LoRA, the legacy LM script)",
+}
+
 
 # Files whose tests train real models or start interpreters and processes (20-80 s each with two
 # workers), slowest first: scheduled before the rest, so that a run ends on short tests, not with one
@@ -256,6 +268,8 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.torch_release)
         if name in PYTHON_RELEASE and (only is None or "python_release" in only.args):
             item.add_marker(pytest.mark.python_release)
+        if name in HF_RELEASE and (only is None or "hf_release" in only.args):
+            item.add_marker(pytest.mark.hf_release)
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -29,6 +29,16 @@ def counting(n: int, seed: int, length: int = LENGTH, ignored: int = 0) -> list[
     return samples
 
 
+def padded(n: int, seed: int) -> list[dict[str, torch.Tensor]]:
+    """``counting`` with 0-3 padding tokens at the start of each sample (attention mask 0, label -100): the
+    batches whose mask transformers' SDPA mask code would test on the host (``padding_mask.all()``)."""
+    samples = counting(n, seed)
+    for i, sample in enumerate(samples):
+        sample["attention_mask"][: i % 4] = 0
+        sample["labels"][: i % 4] = -100
+    return samples
+
+
 def causal_lm(kind: str, tied: bool | None = None, seed: int = 0) -> torch.nn.Module:
     """A 2-layer causal LM of ``kind`` ("gpt2", "llama", "gemma", "qwen2"), weights drawn under ``seed``."""
     import transformers as t

@@ -224,3 +224,42 @@ def test_a_bert_on_four_spmd_devices_learns_and_predicts_in_order():
     compiles = eval(r.stdout.split("compiles ")[1].splitlines()[0])
     assert compiles[1] == compiles[-1], compiles
     assert "same logits in order True" in r.stdout
+
+
+def _old_transformers(folder) -> str:
+    """A folder whose dist-info says transformers 4.57.6, as a pre-2026 image's metadata does (first on sys.path,
+    importlib.metadata finds it before the installed one); the code imported stays the installed one."""
+    info = folder / "transformers-4.57.6.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: transformers\nVersion: 4.57.6\n")
+    return str(folder)
+
+
+OLD_TRANSFORMERS = """
+import sys, warnings
+sys.path.insert(0, {folder!r})
+sys.path.insert(1, "tests")
+warnings.simplefilter("always")
+from tpu_utility import huggingface, predict, setup_tpu
+from llm_models import causal_lm, counting
+def told(run):
+    with warnings.catch_warnings(record=True) as said:
+        run()
+    return [str(w.message) for w in said if "transformers 4.57.6 is installed" in str(w.message)]
+by_predict = told(lambda: [predict(causal_lm("llama"), counting(8, 0), batch_size=8, progress=False) for _ in "ab"])
+huggingface._told_version.clear()  # a new session, as it were
+by_setup = told(lambda: setup_tpu(verbose=False))
+print("TOLD", len(by_predict), len(by_setup), by_predict[0] if by_predict else "")
+"""
+
+
+def test_transformers_below_the_supported_range_is_named_once_with_the_pip_line(tmp_path):
+    from tpu_utility.huggingface import transformers_too_old
+
+    assert transformers_too_old("5.0.0") is None and transformers_too_old("5.24.0") is None
+    assert transformers_too_old(None) is None and transformers_too_old("5.0.0rc2") is None
+    r = run_python(OLD_TRANSFORMERS.format(folder=_old_transformers(tmp_path)))
+    assert r.returncode == 0, r.stderr[-3000:]
+    told = r.stdout.split("TOLD ")[1]
+    assert told.startswith("1 1 "), told  # once for two predicts of a transformers model; setup_tpu says it too
+    assert "supports transformers 5.0 and later" in told and "pip install -U 'transformers>=5.0'" in told, told

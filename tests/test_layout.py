@@ -225,12 +225,12 @@ def test_only_the_public_keyword_entries_take_more_than_six_parameters():
 
 def test_the_lanes_lists_name_test_files_that_exist():
     """A renamed or deleted file in conftest's lists would drop out of the Kaggle and Colab lanes unseen."""
-    from conftest import PYTHON_RELEASE, TORCH_RELEASE
+    from conftest import HF_RELEASE, PYTHON_RELEASE, TORCH_RELEASE
 
     tests = {name for name in os.listdir(os.path.join(ROOT, "tests")) if name.startswith("test_")}
-    listed = set(TORCH_RELEASE) | set(PYTHON_RELEASE)
+    listed = set(TORCH_RELEASE) | set(PYTHON_RELEASE) | set(HF_RELEASE)
     assert listed <= tests, f"listed but not in tests/: {sorted(listed - tests)}"
-    assert all(TORCH_RELEASE.values()) and all(PYTHON_RELEASE.values()), "each file says why its lane runs it"
+    assert all(TORCH_RELEASE.values()) and all(PYTHON_RELEASE.values()) and all(HF_RELEASE.values()), "each file says why"
 
 
 def test_no_function_in_diagnostics_is_longer_than_80_lines():

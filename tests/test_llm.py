@@ -18,8 +18,8 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from conftest import run_python
-from llm_models import (VOCAB, Tagger, adamw, causal_lm, counting, lora, own_loss_mean, plain_cpu_losses, prompt_tuning,
-                        tags)
+from llm_models import (VOCAB, Tagger, adamw, causal_lm, counting, lora, own_loss_mean, padded, plain_cpu_losses,
+                        prompt_tuning, tags)
 from one_thread import one_torch_thread  # noqa: F401
 from tpu_utility import GradientCheckpointing, doctor, evaluate, get_device, move_model, one_cycle_fit, predict
 
@@ -165,6 +165,25 @@ def test_gradient_checkpointing_trains_on_xla_with_the_losses_of_a_run_without()
                       callbacks=[GradientCheckpointing()])  # fmt: skip
 
 
+# LoRA on each family the corpus fine-tunes, in each attention its config may pick, with and without checkpointing
+PEFT_CASES = [("llama", "sdpa", False), ("llama", "sdpa", True), ("gemma", "eager", False), ("gemma", "eager", True),
+              ("qwen2", "sdpa", True), ("qwen2", "eager", False)]  # fmt: skip
+
+
+@pytest.mark.parametrize("kind, attention, checkpointing", PEFT_CASES)
+def test_a_lora_model_with_padded_masks_reads_nothing_on_the_host(kind, attention, checkpointing):
+    model = causal_lm(kind)
+    model.set_attn_implementation(attention)
+    model = lora(model)
+    callbacks = [GradientCheckpointing()] if checkpointing else []
+    history = fit(model, padded(32, seed=0), epochs=1, callbacks=callbacks)
+    assert history.records[0].host_syncs == 0  # transformers' padding_mask.all() would read twice a step
+    assert history.model.get_base_model().config._attn_implementation == attention  # its own, given back
+    plain = padded(32, seed=0)
+    assert same([history.records[0].train_loss], plain_cpu_losses(lora(causal_lm(kind)), plain, 1, BATCH, LR),
+                rel=1e-4 if attention == "sdpa" else 2e-3)  # the CPU loop's sdpa against the eager kernel: close
+
+
 def test_doctor_names_the_tie_that_model_to_split_and_move_model_keeps_it():
     batches = [{k: torch.stack([s[k] for s in counting(BATCH, seed=j)]) for k in ("input_ids", "labels")} for j in range(3)]
     split = causal_lm("gpt2").to(get_device())  # the README's two-line port, as it was
@@ -219,6 +238,33 @@ def _check(runs, where):
         if name != "tagger":  # its figures with -100 targets: test_a_token_classifier_trains_on_the_default_loss...
             assert same(run["valid"], run["own"], rel=1e-5), name
             assert same(run["evaluate"], run["own"], rel=1e-5), name
+
+
+PEFT_CHILD = """
+import json, sys
+sys.path.insert(0, "tests")
+from llm_models import adamw, causal_lm, lora, padded
+from tpu_utility import GradientCheckpointing, one_cycle_fit
+out = {}
+for kind in ("llama", "gemma", "qwen2"):
+    for strategy, callbacks in (("spmd", [GradientCheckpointing()]), ("fsdp", [])):  # fsdp checkpoints every block
+        h = one_cycle_fit(lora(causal_lm(kind)), padded(32, seed=0), epochs=1, max_lr=3e-3, batch_size=2, cores="all",
+                          strategy=strategy, callbacks=callbacks, schedule="constant", optimizer=adamw(3e-3),
+                          progress=False)
+        out[f"{kind}-{strategy}"] = [h.records[0].host_syncs, h.summary]
+print("RESULT", json.dumps(out))
+"""
+
+
+@pytest.mark.multidevice
+def test_on_four_devices_and_under_fsdp_lora_models_with_padded_masks_read_nothing_on_the_host():
+    r = run_python(PEFT_CHILD, env={"CPU_NUM_DEVICES": "4"}, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    import json
+
+    runs = json.loads(r.stdout.split("RESULT ")[1])
+    assert len(runs) == 6 and all(syncs == 0 for syncs, _ in runs.values()), runs
+    assert all(("fsdp" in summary) == name.endswith("fsdp") for name, (_, summary) in runs.items()), runs
 
 
 @pytest.mark.multidevice
