@@ -233,6 +233,22 @@ def test_models_it_cannot_run_and_bad_arguments_are_named(cases):
     assert backend.compile_count() == before and next(conv.parameters()).device.type == "cpu"
 
 
+def test_token_ids_outside_the_vocabulary_and_weights_never_loaded_are_named_before_compiling():
+    model = tiny("llama")  # vocabulary 96: on XLA an id past it read another row, and tokens came back unseen
+    before = backend.compile_count()
+    for ids, bad in (([5, 999, 7], 999), ([5, -5, 7], -5)):
+        with pytest.raises(ValueError, match=rf"^prompt 1 holds token id {bad} at position 1, outside the model's "
+                                             rf"vocabulary \[0, 96\); tokenize with the model's own tokenizer"):  # fmt: skip
+            generate(model, [[5, 6], ids], max_new_tokens=4, progress=False)
+    with torch.device("meta"):
+        empty = type(model)(model.config)
+    with pytest.raises(ValueError, match=r"LlamaForCausalLM's weights are still on the meta device \(\d+ tensors, "
+                                         r"model.embed_tokens.weight the first\).*Load the weights \(from_pretrained, "
+                                         r"load_state_dict"):  # fmt: skip
+        generate(empty, [[5, 6, 7]], max_new_tokens=4, progress=False)
+    assert backend.compile_count() == before
+
+
 def test_prompts_as_a_tokenizer_gives_them_and_the_models_own_eos():
     model = tiny("llama")
     padded = {"input_ids": torch.tensor([[0, 0, 5, 6, 7]]), "attention_mask": torch.tensor([[0, 0, 1, 1, 1]])}

@@ -10,6 +10,7 @@ before training; gradient checkpointing runs on XLA; ``save_pretrained`` works o
 """
 
 import copy
+import re
 import warnings
 
 import pytest
@@ -21,7 +22,7 @@ from conftest import run_python
 from llm_models import (VOCAB, Tagger, adamw, causal_lm, counting, lora, own_loss_mean, padded, plain_cpu_losses,
                         prompt_tuning, tags)
 from one_thread import one_torch_thread  # noqa: F401
-from tpu_utility import GradientCheckpointing, doctor, evaluate, get_device, move_model, one_cycle_fit, predict
+from tpu_utility import GradientCheckpointing, backend, doctor, evaluate, get_device, move_model, one_cycle_fit, predict
 
 LR, BATCH = 3e-3, 8
 
@@ -111,6 +112,52 @@ def test_a_token_classifier_trains_on_the_default_loss_and_its_figures_leave_ign
 def test_a_token_label_out_of_the_class_range_is_named_before_training():
     with pytest.raises(ValueError, match=r"class indices in \[0, 5\).*holds \[7\]"):
         one_cycle_fit(Tagger(), tags(32, 0, bad=7), epochs=1, max_lr=1e-2, batch_size=BATCH, progress=False)
+
+
+# labels that would give NaN figures or a loss error named in transformers' words (issue 53); the same
+# inputs natively: test_natively_bad_llm_inputs_are_named_as_on_xla
+def _short_labels(data, keep=15):
+    return [{**s, "labels": s["labels"][:keep]} for s in data]
+
+
+def _labels_per_token_pair(data):
+    return [{"input_ids": s["input_ids"], "labels": s["labels"][:, None].repeat(1, 2)} for s in data]
+
+
+def test_data_in_which_no_target_counts_is_refused_before_training_or_evaluating():
+    train, prompt_only = counting(32, seed=0), counting(16, seed=1, ignored=16)
+    model = causal_lm("llama")
+    before = backend.compile_count()
+    with pytest.raises(ValueError, match=r"^valid_data has no target that counts: every label is -100 \(ignore_index\), "
+                                         r"so its loss and metrics would be NaN"):  # fmt: skip
+        fit(model, train, epochs=1, valid_data=prompt_only)
+    with pytest.raises(ValueError, match=r"^data has no target that counts: every label is -100"):
+        evaluate(model, prompt_only, batch_size=BATCH)
+    with pytest.raises(ValueError, match=r"^batch 1 of an epoch of train_data has no target that counts: all its 128 "
+                                         r"labels are -100 \(ignore_index\), so its loss is 0/0"):  # fmt: skip
+        fit(model, prompt_only, epochs=1)
+    tokens, labels = tags(16, 0).tensors  # a TensorDataset's labels, checked whole
+    with pytest.raises(ValueError, match=r"^valid_data has no target that counts: all its 192 labels are -100"):
+        one_cycle_fit(Tagger(), tags(32, 0), valid_data=torch.utils.data.TensorDataset(tokens, torch.full_like(labels, -100)),
+                      epochs=1, max_lr=1e-2, batch_size=BATCH, progress=False)  # fmt: skip
+    assert backend.compile_count() - before <= 1, "refused before any step or evaluation compiled (set-up's graph at most)"
+    mixed = counting(8, seed=2, ignored=16) + counting(8, seed=3)  # a first batch without targets, a second with
+    assert evaluate(model, mixed, batch_size=BATCH)["loss"] > 0
+
+
+@pytest.mark.parametrize("labels", [_short_labels, _labels_per_token_pair])
+def test_causal_lm_labels_not_shaped_as_input_ids_are_named_at_the_first_batch(labels):
+    bad = labels(counting(32, seed=0))
+    shapes = r"labels have shape \(8, 15\) and input_ids \(8, 16\)" if labels is _short_labels else \
+        r"labels have shape \(8, 16, 2\) and input_ids \(8, 16\)"
+    with pytest.raises(ValueError, match=r"^batch 1 of train_data: a causal LM takes one label per token, .*" + shapes):
+        fit(causal_lm("llama"), bad, epochs=1)
+    if labels is not _short_labels:
+        return  # validation and evaluate read the batch as training does: one layout is enough there
+    with pytest.raises(ValueError, match=r"^batch 1 of valid_data: .*" + shapes):
+        fit(causal_lm("llama"), counting(32, seed=0), epochs=1, valid_data=bad[:16])
+    with pytest.raises(ValueError, match=r"^batch 1 of data: .*" + shapes):
+        evaluate(causal_lm("llama"), bad[:16], batch_size=BATCH)
 
 
 def test_a_datasets_split_without_set_format_trains_as_with_it():
@@ -278,3 +325,59 @@ def test_natively_causal_lms_and_peft_models_train_as_the_plain_cpu_loop():
     # so the training ran with it set there too; TPU_UTILITY_BACKEND=native chooses the backend either way
     native = {"TPU_UTILITY_BACKEND": "native"}
     _check(_child(native, 1, 8, 8), "single on 1 cpu core(s)")
+
+
+BAD_INPUTS = """
+import json, sys
+sys.path.insert(0, "tests")
+import torch
+from torch import nn
+from llm_models import causal_lm, counting
+from tpu_utility import backend, evaluate, generate, memory_plan, one_cycle_fit
+model, train, prompt_only = causal_lm("llama"), counting(32, seed=0), counting(16, seed=1, ignored=16)
+short = [{**s, "labels": s["labels"][:15]} for s in train]
+with torch.device("meta"):
+    empty = causal_lm("llama")
+fit = lambda data, **kw: one_cycle_fit(model, data, epochs=1, max_lr=1e-3, batch_size=8, progress=False, **kw)
+cases = {
+    "id": lambda: generate(model, [[5, 999, 7]], max_new_tokens=4, progress=False),
+    "negative id": lambda: generate(model, [[5, -5, 7]], max_new_tokens=4, progress=False),
+    "valid": lambda: fit(train, valid_data=prompt_only),
+    "evaluate": lambda: evaluate(model, prompt_only, batch_size=8),
+    "train": lambda: fit(prompt_only),
+    "shape": lambda: fit(short),
+    "meta": lambda: generate(empty, [[5, 6, 7]], max_new_tokens=4, progress=False),
+    "memory": lambda: memory_plan(model, device_memory=16),
+}
+out = {"backend": backend.current().name}
+for name, case in cases.items():
+    try:
+        case()
+        out[name] = "no error"
+    except Exception as error:
+        out[name] = f"{type(error).__name__}: {error}"
+print("RESULT", json.dumps(out))
+"""
+
+
+def test_natively_bad_llm_inputs_are_named_as_on_xla():
+    # each case's one-core test above: test_data_in_which_no_target_counts..., test_causal_lm_labels_not_shaped...,
+    # test_generate's test_token_ids_outside_the_vocabulary..., test_memory's test_a_device_memory_under_a_gb...
+    r = run_python(BAD_INPUTS, env={"TPU_UTILITY_BACKEND": "native"}, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    import json
+
+    got = json.loads(r.stdout.split("RESULT ")[1])
+    assert got.pop("backend") == "cpu"
+    wanted = {
+        "id": r"ValueError: prompt 0 holds token id 999 at position 1, outside the model's vocabulary \[0, 48\)",
+        "negative id": r"ValueError: prompt 0 holds token id -5 at position 1, outside the model's vocabulary \[0, 48\)",
+        "valid": r"ValueError: valid_data has no target that counts: every label is -100 \(ignore_index\)",
+        "evaluate": r"ValueError: data has no target that counts: every label is -100 \(ignore_index\)",
+        "train": r"ValueError: batch 1 of an epoch of train_data has no target that counts: all its 128 labels are -100",
+        "shape": r"ValueError: batch 1 of train_data: .* labels have shape \(8, 15\) and input_ids \(8, 16\)",
+        "meta": r"ValueError: LlamaForCausalLM's weights are still on the meta device .* Load the weights \(from_pretrained",
+        "memory": r"ValueError: device_memory=16 is 16 bytes, less than a GB: a unit slip\? .* give 16e9 or '16GB'",
+    }
+    for name, pattern in wanted.items():
+        assert re.match(pattern, got[name]), (name, got[name])

@@ -48,7 +48,7 @@ def test_trainable_only_tied_once_and_sharded_over_cores():
     model = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 4), nn.Linear(4, 10, bias=False))
     model[2].weight = model[0].weight  # tied: counted once
     model[1].requires_grad_(False)
-    plan = memory_plan(model, cores=4, optimizer="sgd", device_memory=10**6)
+    plan = memory_plan(model, cores=4, optimizer="sgd", device_memory="1MB")
     assert plan.term("parameters").replicated == (40 + 20) * 4
     assert plan.term("gradients").replicated == 40 * 4  # the frozen Linear keeps none
     assert plan.term("optimizer state (SGD, 1 per parameter)").replicated == 40 * 4
@@ -66,6 +66,17 @@ def test_device_memory_from_the_backend_override(monkeypatch):
         memory_plan(nn.Linear(2, 2), cores=2, device_memory="v9")
     with pytest.raises(ValueError, match="cores"):
         memory_plan(nn.Linear(2, 2), cores=0)
+
+
+def test_a_device_memory_under_a_gb_is_refused_as_a_unit_slip_and_sizes_are_read():
+    with pytest.raises(ValueError, match=r"^device_memory=16 is 16 bytes, less than a GB: a unit slip\? device_memory is "
+                                         r"one chip's bytes; give 16e9 or '16GB' for 16 GB"):  # fmt: skip
+        memory_plan(nn.Linear(2, 2), cores=1, device_memory=16)
+    sizes = {"16GB": 16 * GB, "16 GiB": 16 * 2**30, "0.5 tb": 500 * GB, 16e9: 16 * GB, "v5e": 16 * 2**30}
+    for given, expected in sizes.items():
+        assert memory_plan(nn.Linear(2, 2), cores=1, device_memory=given).device_memory == expected, given
+    with pytest.raises(ValueError, match=r"a size such as '16GB' or '16 GiB', .* but given '16 GJ'"):
+        memory_plan(nn.Linear(2, 2), cores=1, device_memory="16 GJ")
 
 
 def test_blocks_from_no_split_modules_else_the_most_repeated_class():

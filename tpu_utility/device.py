@@ -102,6 +102,21 @@ def _set_parameter(model: nn.Module, name: str, param: nn.Parameter) -> None:
     setattr(owner, attr, param)
 
 
+def refuse_meta_weights(model: nn.Module, device: torch.device) -> None:
+    """Refuses to move a model whose weights are still on the ``meta`` device (built under
+    ``torch.device("meta")``, never loaded): they hold no values, and torch's own advice, ``to_empty()``,
+    would give uninitialised ones."""
+    if torch.device(device).type == "meta":
+        return
+    empty = [name for name, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if empty:
+        raise ValueError(
+            f"{type(model).__name__}'s weights are still on the meta device ({len(empty)} tensors, {empty[0]} the "
+            f"first): they hold no values to move to {device}. Load the weights (from_pretrained, "
+            f"load_state_dict(state, assign=True)) first; to_empty() would leave them uninitialised"
+        )
+
+
 def move_model(model: nn.Module, device: torch.device) -> nn.Module:
     """``model.to(device)`` that keeps tied weights tied.
 
@@ -124,6 +139,7 @@ def move_model(model: nn.Module, device: torch.device) -> nn.Module:
     Example:
         >>> model = move_model(GPT2LMHeadModel(config), get_device())  # was: model.to("cuda")  # doctest: +SKIP
     """
+    refuse_meta_weights(model, device)
     groups = tied_parameter_groups(model)
     model.to(device)
     for names in groups:

@@ -696,7 +696,10 @@ class LabelCheck:
     and no compile of its own; labels of
     batches loaded before that are kept (their distinct values) and checked
     then, before the loss is computed. ``ignore_index`` (-100 for
-    ``nn.CrossEntropyLoss``) is allowed.
+    ``nn.CrossEntropyLoss``) is allowed, but a training batch in which every
+    target is ``ignore_index`` is refused (its loss is 0/0), as is evaluation
+    data in which no target counts (``refuse_uncounted``); ``causal``: a causal
+    LM's labels must have its ``input_ids``' shape, one label per token.
 
     Example:
         >>> labels = LabelCheck()
@@ -706,8 +709,8 @@ class LabelCheck:
         ...     labels.see(output, y)   # raises ValueError if a label is not in [0, classes)
     """
 
-    def __init__(self, ignore_index: int = -100) -> None:
-        self.ignore_index = ignore_index
+    def __init__(self, ignore_index: int = -100, causal: bool = False) -> None:
+        self.ignore_index, self.causal = ignore_index, causal
         self.classes: int | None = None  # unknown until see(); 0 for an output with no class dimension
         self._pending: set[int] = set()  # distinct labels loaded before the class count was known
         self._float_targets: set[tuple[int, torch.dtype]] = set()  # (dim, dtype) of float targets loaded before
@@ -715,8 +718,9 @@ class LabelCheck:
         self._held: list[torch.Tensor] = []  # whole datasets' labels, checked at once when the class count is known
         self._lock = threading.Lock()
 
-    def loader(self, loader: DataLoader, masked: bool = False) -> DataLoader | LabelCheckedLoader:
-        """``loader`` with each batch's target checked; ``masked`` for an eval_loader's ``(batch, index)``.
+    def loader(self, loader: DataLoader, masked: bool = False, what: str = "the data") -> DataLoader | LabelCheckedLoader:
+        """``loader`` with each batch's target checked; ``masked`` for an eval_loader's ``(batch, index)``;
+        ``what``: the data's name in an error ("train_data").
 
         A loader whose batches' targets are all in one tensor it is handed as it is (a TensorDataset's
         integer labels, default collation, every sample drawn): those labels are checked together, once,
@@ -724,7 +728,9 @@ class LabelCheck:
         """
         held = _held_labels(loader)
         if held is None:
-            return LabelCheckedLoader(loader, self, masked)
+            return LabelCheckedLoader(loader, self, masked, what)
+        if not _counts(held, self.ignore_index):
+            raise ValueError(_uncounted(what, held, self.ignore_index, masked))
         with self._lock:
             if self.classes is None:
                 self._held.append(held)
@@ -732,28 +738,31 @@ class LabelCheck:
         self._check(held, "the dataset")
         return loader
 
-    def target(self, batch: Any) -> None:
+    def target(self, batch: Any, where: str = "a batch") -> bool | None:
         """Checks (or keeps, before the class count is known) the target of a host batch ``(*inputs, target)``
-        or a dict batch's ``labels``."""
-        if isinstance(batch, (list, tuple)):  # the common case first: no Mapping check
-            target = batch[-1] if len(batch) >= 2 else None
-        else:
-            target = batch.get(LABELS) if isinstance(batch, Mapping) else None
+        or a dict batch's ``labels``; whether a target counts (is not ``ignore_index``), None where there is
+        no integer target to tell."""
+        target = _target_of(batch)
+        if self.causal and isinstance(target, torch.Tensor) and isinstance(batch, Mapping):
+            _check_causal_shape(batch, target, where)
         if not isinstance(target, torch.Tensor) or not target.numel():
-            return
+            return None
         if target.is_floating_point():  # class probabilities (the output's shape), or class ids gone float
             with self._lock:
                 if self.classes is None:
                     self._float_targets.add((target.dim(), target.dtype))
-                    return
+                    return None
             self._check_float(target.dim(), target.dtype)
-            return
+            return None
+        bounds = (0, 1) if target.dtype == torch.bool else tuple(int(v) for v in torch.aminmax(target))
+        counts = bounds != (self.ignore_index, self.ignore_index)
         if self.classes is None:  # set once, never unset: the lock only while it may still be None
             with self._lock:
                 if self.classes is None:
                     self._pending.update(torch.unique(target).tolist())
-                    return
-        self._check(target)
+                    return counts
+        self._check(target, bounds=bounds)
+        return counts
 
     def see(self, output: Any, target: Any = None, own_loss: bool = False) -> None:
         """Learns the class count from the model's first output and checks the labels loaded so far.
@@ -791,11 +800,11 @@ class LabelCheck:
             f"or pass loss_fn= for regression (nn.MSELoss(), with metrics= of your own)"
         )
 
-    def _check(self, target: torch.Tensor, where: str = "a batch") -> None:
+    def _check(self, target: torch.Tensor, where: str = "a batch", bounds: tuple[int, int] | None = None) -> None:
         if not self.classes:
             return
         if target.dtype != torch.bool:  # every batch: three ops, not the mask's seven
-            low, high = torch.aminmax(target)
+            low, high = bounds or torch.aminmax(target)
             if int(low) >= 0 and int(high) < self.classes:
                 return
         bad = ((target < 0) & (target != self.ignore_index)) | (target >= self.classes)
@@ -843,16 +852,80 @@ def _held_labels(loader: Any) -> torch.Tensor | None:
     return labels if not labels.is_floating_point() and labels.dtype != torch.bool and labels.numel() else None
 
 
-class LabelCheckedLoader:
-    """A loader whose batches' targets a LabelCheck sees as they are loaded; otherwise the loader itself."""
+def _target_of(batch: Any) -> Any:
+    """A host batch's target: the last of ``(*inputs, target)``, a dict batch's ``labels``, else None."""
+    if isinstance(batch, (list, tuple)):  # the common case first: no Mapping check
+        return batch[-1] if len(batch) >= 2 else None
+    return batch.get(LABELS) if isinstance(batch, Mapping) else None
 
-    def __init__(self, loader: DataLoader, check: LabelCheck, masked: bool) -> None:
-        self.loader, self.check, self.masked = loader, check, masked
+
+def _counts(target: torch.Tensor, ignore_index: int) -> bool:
+    """Whether any target of ``target`` counts (is not ``ignore_index``)."""
+    return target.dtype == torch.bool or bool((target != ignore_index).any())
+
+
+def _uncounted(what: str, target: torch.Tensor | None, ignore_index: int, evaluated: bool) -> str:
+    """Why data in which no target counts is refused, and the way on."""
+    held = f"all its {target.numel()} labels are" if target is not None else "every label is"
+    why = ("so its loss and metrics would be NaN (0/0) and nothing could be compared" if evaluated else
+           "so its loss is 0/0, NaN, and training would stop there")  # fmt: skip
+    return (f"{what} has no target that counts: {held} {ignore_index} (ignore_index), {why}. Check how the labels "
+            f"are masked (prompt-only samples, a masking helper that masked every token): a causal LM's labels are "
+            f"its input_ids, -100 only where a token is no target")  # fmt: skip
+
+
+def _check_causal_shape(batch: Mapping, labels: torch.Tensor, where: str) -> None:
+    """A causal LM's labels have its input_ids' shape: one per token (the model shifts them itself)."""
+    ids = batch.get("input_ids")
+    if isinstance(ids, torch.Tensor) and ids.shape != labels.shape:
+        raise ValueError(
+            f"{where}: a causal LM takes one label per token, shaped as input_ids (the model shifts them itself), "
+            f"but labels have shape {tuple(labels.shape)} and input_ids {tuple(ids.shape)} (a sample's: "
+            f"{tuple(labels.shape[1:])} against {tuple(ids.shape[1:])}); give labels of input_ids' shape, -100 "
+            f"where a token is no target"
+        )
+
+
+def refuse_uncounted(loader: Any) -> None:
+    """Evaluation data (a LabelCheckedLoader's) in which no target counts, refused before its pass."""
+    if isinstance(loader, LabelCheckedLoader):
+        loader.refuse_uncounted()
+
+
+class LabelCheckedLoader:
+    """A loader whose batches' targets a LabelCheck sees as they are loaded; otherwise the loader itself.
+
+    A training batch in which no target counts is refused as it is loaded, before its step. Evaluation data
+    keeps whether any target counted so far (``counted``), so ``refuse_uncounted`` reads its batches on the
+    host only where the first (already loaded before any run, by ``Runner.check_eval``) had none.
+    """
+
+    def __init__(self, loader: DataLoader, check: LabelCheck, masked: bool, what: str = "the data") -> None:
+        self.loader, self.check, self.masked, self.what = loader, check, masked, what
+        self.counted = False
 
     def __iter__(self) -> Iterator[Any]:
-        for batch in self.loader:
-            self.check.target(batch[0] if self.masked else batch)
+        for i, batch in enumerate(self.loader):
+            counts = self._see(batch, i)
+            if counts is False and not self.masked:
+                where = f"batch {i + 1} of an epoch of {self.what}"
+                raise ValueError(_uncounted(where, _target_of(batch), self.check.ignore_index, False))
             yield batch
+
+    def _see(self, batch: Any, i: int) -> bool | None:
+        counts = self.check.target(batch[0] if self.masked else batch, f"batch {i + 1} of {self.what}")
+        self.counted = self.counted or counts is not False
+        return counts
+
+    def refuse_uncounted(self) -> None:
+        """Refuses evaluation data in which no target counts (every label ``ignore_index``): nothing more
+        is read where one has counted already."""
+        if self.counted:
+            return
+        for i, batch in enumerate(self.loader):
+            if self._see(batch, i) is not False:
+                return
+        raise ValueError(_uncounted(self.what, None, self.check.ignore_index, True))
 
     def __len__(self) -> int:
         return len(self.loader)

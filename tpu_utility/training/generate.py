@@ -85,6 +85,32 @@ def prompt_ids(data: Any) -> list[list[int]]:
     return [_prompt(data[i], i) for i in range(len(data))]
 
 
+def vocabulary(model: nn.Module) -> int:
+    """The token ids a model reads: its input embedding's rows (``config.vocab_size`` where it has none)."""
+    embedding = model.get_input_embeddings() if callable(getattr(model, "get_input_embeddings", None)) else None
+    rows = getattr(embedding, "num_embeddings", None)
+    return rows if isinstance(rows, int) else model.config.vocab_size
+
+
+def check_token_ids(prompts: list[list[int]], vocab: int) -> None:
+    """Refuses, on the host before any prefill, a token id outside ``[0, vocab)``: on XLA the embedding
+    lookup would read another row and generate garbage without a word (the CPU raises IndexError).
+
+    Example:
+        >>> check_token_ids([[5, 6], [5, 99, 7]], vocab=64)
+        Traceback (most recent call last):
+        ...
+        ValueError: prompt 1 holds token id 99 at position 1, outside the model's vocabulary [0, 64); tokenize with the model's own tokenizer (after adding tokens: model.resize_token_embeddings(len(tokenizer)))
+    """
+    for i, ids in enumerate(prompts):
+        if min(ids) >= 0 and max(ids) < vocab:
+            continue
+        k, bad = next((k, t) for k, t in enumerate(ids) if not 0 <= t < vocab)
+        raise ValueError(f"prompt {i} holds token id {bad} at position {k}, outside the model's vocabulary [0, {vocab}); "
+                         f"tokenize with the model's own tokenizer (after adding tokens: "
+                         f"model.resize_token_embeddings(len(tokenizer)))")  # fmt: skip
+
+
 # --------------------------------------------------------------------- plan
 @dataclass(frozen=True)
 class GenerationPlan:
@@ -476,7 +502,9 @@ def generate(
 
     Raises:
         TypeError: a model that is not a transformers causal LM; a prompt that is not token ids.
-        ValueError: a bad argument (named with its value); a model that cannot run with
+        ValueError: a bad argument (named with its value); a token id outside the model's
+            vocabulary (named with its prompt and position); weights still on the meta
+            device; a model that cannot run with
             a static cache (named with why); a KV cache larger than the device's memory
             (with the batch size that fits).
 
@@ -495,6 +523,7 @@ def generate(
     inner = causal_lm(model)
     stops = stop_tokens(inner, eos_token_id)
     prompts = prompt_ids(data)
+    check_token_ids(prompts, vocabulary(inner))
     lengths = [len(p) for p in prompts]
     n_cores, mode = process_mode(cores)
     if mode not in ("single", "spmd", "replica"):

@@ -18,7 +18,7 @@ from .. import backend
 from ..checkpoint import save_atomic
 from ..environment import choose_start_method, is_interactive
 from . import agreement
-from ..data.loaders import LabelCheck, LoaderSpec, unpack_loader
+from ..data.loaders import LabelCheck, LoaderSpec, refuse_uncounted, unpack_loader
 from ..huggingface import is_causal_lm
 from .metrics import CrossEntropy, MetricSet, check_loss_fn, resolve_metrics
 from .precision import Precision
@@ -240,9 +240,11 @@ def evaluate(
         metric_set = MetricSet(table, loss_fn or CrossEntropy(), runner.device)
         loader, step = runner.eval_loader(spec), eval_step or default_eval_step
         if loss_fn is None and eval_step is None:  # on XLA an out-of-range label would not raise: check on the host
-            labels = LabelCheck()  # and a causal LM's scores and labels paired as its own loss pairs them
-            loader, step = labels.loader(loader, masked=True), EvalStep(labels, causal=is_causal_lm(model))
+            causal = is_causal_lm(model)  # and a causal LM's scores and labels paired as its own loss pairs them
+            labels = LabelCheck(causal=causal)
+            loader, step = labels.loader(loader, masked=True, what="data"), EvalStep(labels, causal=causal)
         runner.check_eval(loader, metric_set, step)
+        refuse_uncounted(loader)  # figures of 0/0: refused before the pass
         sums, computed = runner.eval_sums(loader, metric_set, step)
         sums = backend.all_reduce([torch.stack(sums)], "sum")[0]
         sum_values, computed_values = backend.to_cpu([sums, torch.stack(computed) if computed else sums[:0]])

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import math
+import re
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -219,7 +220,7 @@ def memory_plan(
     optimizer: str | Callable[..., torch.optim.Optimizer] = "adamw",
     precision: str = "fp32",
     checkpointing: bool | None = None,
-    device_memory: int | str | None = None,
+    device_memory: int | float | str | None = None,
 ) -> MemoryPlan:
     """Bytes per chip to train ``model``: replicated on every chip, and sharded (FSDP) over ``cores``.
 
@@ -240,8 +241,9 @@ def memory_plan(
             stay in their own dtype, as autocast leaves them).
         checkpointing: Per-block gradient checkpointing in both columns. None: the model's own setting
             (``gradient_checkpointing_enable()``, or the ``GradientCheckpointing`` callback: give True).
-        device_memory: One chip's bytes, or a TPU kind ("v5e", "v4", "v5p", "v6e"); None asks the backend
-            (its hardware table, a GPU's own memory, or ``TPU_UTILITY_DEVICE_MEMORY_GB``).
+        device_memory: One chip's bytes (16e9; less than a GB is refused as a unit slip), a size ("16GB",
+            "16 GiB") or a TPU kind ("v5e", "v4", "v5p", "v6e"); None asks the backend (its hardware table,
+            a GPU's own memory, or ``TPU_UTILITY_DEVICE_MEMORY_GB``).
 
     Returns:
         A ``MemoryPlan``: ``.replicated`` and ``.sharded`` (bytes per chip), ``.fits_replicated`` and
@@ -249,7 +251,7 @@ def memory_plan(
         sharded run needs (the model whole before it is sharded; a checkpoint's gathered state).
 
     Raises:
-        ValueError: a bad core count, batch size, precision or TPU kind.
+        ValueError: a bad core count, batch size, precision, TPU kind or device_memory (under a GB: a unit slip).
 
     Example:
         >>> # was: loading the 7B model to find out, minutes later, that it does not fit a chip
@@ -439,17 +441,33 @@ def _check_cores(cores: Any) -> int:
     return cores
 
 
-def _device_memory(given: int | str | None) -> int | None:
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([kMGT]i?B)\s*$", re.IGNORECASE)
+_UNITS = {"kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def _device_memory(given: int | float | str | None) -> int | None:
+    """One chip's bytes from ``device_memory=``: bytes (at least a GB: fewer is a unit slip), a size such as
+    "16GB" or "16 GiB", or a TPU kind; None asks the backend.
+
+    Example:
+        >>> _device_memory("16GB"), _device_memory("16 GiB"), _device_memory(16e9)
+        (16000000000, 17179869184, 16000000000)
+    """
+    allowed = "one chip's bytes (16e9), a size such as '16GB' or '16 GiB', or a TPU kind ('v4', 'v5e', 'v5p', 'v6e')"
     if isinstance(given, str):
-        found = tpu_device_memory(given)
-        if found is None:
-            raise ValueError(f"device_memory={given!r} is no TPU kind in the table; give 'v4', 'v5e', 'v5p', 'v6e' "
-                             f"or the bytes of one chip")  # fmt: skip
+        size = _SIZE.match(given)
+        found = int(float(size[1]) * _UNITS[size[2].lower()]) if size else tpu_device_memory(given)
+        if not found:
+            raise ValueError(f"device_memory must be {allowed}, but given {given!r}")
         return found
     if given is not None:
-        if isinstance(given, bool) or not isinstance(given, int) or given < 1:
-            raise ValueError(f"device_memory must be bytes (a positive int) or a TPU kind, but given {given!r}")
-        return given
+        if isinstance(given, bool) or not isinstance(given, (int, float)) or not given >= 1:
+            raise ValueError(f"device_memory must be {allowed}, but given {given!r}")
+        if given < GB:
+            raise ValueError(f"device_memory={given!r} is {given!r} bytes, less than a GB: a unit slip? device_memory "
+                             f"is one chip's bytes; give {given:g}e9 or '{given:g}GB' for {given:g} GB, or a TPU kind "
+                             f"('v5e')")  # fmt: skip
+        return int(given)
     chosen = backend.current()
     return chosen.device_memory(torch.device(chosen.device_type))
 

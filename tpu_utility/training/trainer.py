@@ -29,7 +29,7 @@ from torch import nn
 
 from .. import backend
 from ..checkpoint import CHECKPOINT_NAME
-from ..data.loaders import LabelCheck, LoaderSpec, dropped_per_epoch, set_epoch
+from ..data.loaders import LabelCheck, LoaderSpec, dropped_per_epoch, refuse_uncounted, set_epoch
 from ..files import folder_lock, join, remove, remove_stale_temporaries
 from ..huggingface import is_causal_lm, restore_masks
 from ..optim import on_xla, take_step
@@ -137,13 +137,15 @@ class Loop:
         self.valid_loader = runner.eval_loader(plan.valid) if plan.valid is not None else None
         self.metrics = MetricSet(plan.metrics, steps.loss_fn, runner.device) if plan.valid is not None else None
         # the default loss's labels, checked on the host against the first real output's class count
-        labels = LabelCheck() if steps.default_loss and steps.train_step is None else None
+        # (and where no target counts, or a causal LM's labels are not shaped as its input_ids, named as loaded)
+        causal = steps.default_loss and is_causal_lm(runner.model)
+        labels = LabelCheck(causal=causal) if steps.default_loss and steps.train_step is None else None
         if labels is not None:
-            self.train_loader = labels.loader(self.train_loader)
+            self.train_loader = labels.loader(self.train_loader, what="train_data")
         # the default validation loss of a causal LM pairs its scores and labels as the model's own loss does
-        self.eval_step = steps.eval_step or EvalStep(labels, causal=steps.default_loss and is_causal_lm(runner.model))
+        self.eval_step = steps.eval_step or EvalStep(labels, causal=causal)
         if self.valid_loader is not None and labels is not None and steps.eval_step is None:
-            self.valid_loader = labels.loader(self.valid_loader, masked=True)
+            self.valid_loader = labels.loader(self.valid_loader, masked=True, what="valid_data")
         self.train_step = steps.train_step or LossStep(steps.loss_fn, labels, model_loss=steps.default_loss)
         self.batches = len(self.train_loader)
 
@@ -242,6 +244,7 @@ def _train(model: nn.Module, plan: FitPlan) -> tuple[nn.Module, History]:
 def _run(loop: Loop, model: nn.Module, plan: FitPlan) -> tuple[nn.Module, History]:
     if loop.valid_loader is not None:
         loop.runner.check_eval(loop.valid_loader, loop.metrics, loop.eval_step)
+        refuse_uncounted(loop.valid_loader)  # NaN figures for every epoch: refused before the first
     epoch, history = loop.start_epoch, loop.history
     try:
         loop.events.fire("on_fit_start", loop)  # a resume happens here (Checkpoints)
