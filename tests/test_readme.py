@@ -80,7 +80,7 @@ TEXT_STEP = """
 """
 LLM = """
 import pandas as pd
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 torch.manual_seed(0)
 model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                      num_attention_heads=4, num_key_value_heads=2, pad_token_id=0, eos_token_id=2))
@@ -175,7 +175,8 @@ def _cases():
         ("bring a scheduler", block("class Scheduled(Callback)")
          + "\nassert hf_linear.scheduler.last_epoch == len(history.step_lrs) and os.path.isdir('ckpt-timm')\n", 1),
         ("fine-tune an LLM", LLM + block("peft.LoraConfig(r=8")
-         + "\nassert os.path.exists('adapter/adapter_model.safetensors') and history.records[-1].valid_loss > 0\n", 1),
+         + "\nassert os.path.exists('adapter/adapter_model.safetensors') and history.records[-1].valid_loss > 0"
+         + "\nassert not any('lora_' in k for k in AutoModelForCausalLM.from_pretrained('merged').state_dict())\n", 1),
         ("memory_plan", block("from tpu_utility import memory_plan").replace(
             'AutoConfig.from_pretrained("google/gemma-7b")',  # google/gemma-7b's config.json, no download
             "AutoConfig.for_model('gemma', hidden_size=3072, intermediate_size=24576, num_hidden_layers=28, "
