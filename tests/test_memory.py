@@ -94,7 +94,9 @@ def _meta(config):
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.tie_weights()  # transformers 5.0's from_config leaves a tied config's head untied on the meta device
+    return model
 
 
 def _gemma_7b():
