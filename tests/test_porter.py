@@ -73,6 +73,14 @@ CHANGES = [
      "sampler = DistributedSampler(ds, num_replicas=xm.xrt_world_size(), rank=xm.get_ordinal())\n"
      "loader = DataLoader(ds, sampler=sampler)\nxmp.spawn(_mp_fn, args=(FLAGS,))\n",
      "    global loader, sampler  # tpu_utility.port: built here, in each launched process"),
+    ("cuda_available", 'import torch\ndevice = "cpu"\nif torch.cuda.is_available():\n    device = "cuda"\n',
+     'if get_device().type != "cpu":'),
+    ("device_map", 'model = AutoModelForCausalLM.from_pretrained(name, device_map="auto")\n',
+     "model = move_model(AutoModelForCausalLM.from_pretrained(name), get_device())"),
+    ("import_time_device", 'import torch\nclass args:\n    device = "cuda" if torch.cuda.is_available() else "cpu"\n',
+     "    device = device_type()"),
+    ("device_calls", "import torch\nn_gpu = torch.cuda.device_count()\n", 'n_gpu = int(get_device().type != "cpu")'),
+    ("generator_device", "import torch\ng = torch.Generator(device=device)\n", "g = torch.Generator()"),
 ]
 # (rule, source, the 1-based line the report must name)
 LEFT = [
@@ -86,6 +94,11 @@ LEFT = [
     ("cuda_flag_settings", "use_cuda = not args.no_cuda and torch.cuda.is_available()\n", 1),
     ("colab_tpu_addr", "import os\nassert os.environ['COLAB_TPU_ADDR'], 'select a TPU'\n", 2),
     ("colab_only", "from google.colab import drive\n", 1),
+    ("bitsandbytes", "bnb = BitsAndBytesConfig(load_in_4bit=True)\n", 1),
+    ("memory_stats", "import torch\nprint(torch.cuda.max_memory_allocated() / 2**30)\n", 2),
+    ("ddp_nccl", "import torch.distributed as dist\ndist.init_process_group(backend='nccl')\n", 2),
+    ("hogwild", "model = Net()\nmodel.share_memory()\n", 2),
+    ("device_bookkeeping", "best_acc1 = 0\nacc1 = validate(loader, model)\nbest_acc1 = max(acc1, best_acc1)\n", 3),
 ]
 
 

@@ -8,12 +8,9 @@ named in the report.
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
-from .tree import code, dotted, libcst
-
-_MOVES = re.compile(r"\.(cuda|to)\(|move_model\(")
+from .tree import DECIDES_DEVICE, code, dotted, libcst
 
 
 def _is_flag(test: Any) -> bool:
@@ -24,9 +21,14 @@ def _is_flag(test: Any) -> bool:
     return bool(name) and "cuda" in name.rsplit(".", 1)[-1] and not name.startswith("torch.")
 
 
+def opens(node: Any) -> bool:
+    """Whether an ``if`` tests a CUDA flag and moves to the GPU or picks the device in its body."""
+    return _is_flag(node.test) and bool(DECIDES_DEVICE.search(code(node.body)))
+
+
 def fix_if(porter: Any, original: Any, updated: Any) -> Any:
-    """``if opt.cuda:`` around a move to the GPU -> ``if get_device().type != "cpu":``."""
-    if not _is_flag(original.test) or not _MOVES.search(code(original.body)):
+    """``if opt.cuda:`` around a move to the GPU, or ``if use_cuda:`` around the device line -> ``if get_device().type != "cpu":``."""
+    if not opens(original):
         return None
     porter.need("get_device")
     test = libcst().parse_expression('get_device().type != "cpu"')

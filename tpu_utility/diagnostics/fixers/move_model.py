@@ -61,10 +61,21 @@ def _move(updated: Any) -> tuple[Any, Any] | None:
     return None
 
 
-def fix_call(porter: Any, original: Any, updated: Any) -> Any:
-    """``model.to(device)`` / ``model.cuda()`` for a name the program uses as a model."""
+_CHAINED = {"train", "eval", "float", "half", "bfloat16", "double", "requires_grad_"}  # module methods that return it
+
+
+def _is_model(node: Any, models: set[str]) -> bool:
+    """A model's name, or a chain of module methods on it (``model.train()``, ``model.eval().float()``)."""
     cst = libcst()
-    if not isinstance(updated.func, cst.Attribute) or dotted(updated.func.value) not in porter.plan.models:
+    while isinstance(node, cst.Call) and isinstance(node.func, cst.Attribute) and node.func.attr.value in _CHAINED:
+        node = node.func.value
+    return dotted(node) in models
+
+
+def fix_call(porter: Any, original: Any, updated: Any) -> Any:
+    """``model.to(device)`` / ``model.cuda()`` / ``model.train().to(device)`` for a name the program uses as a model."""
+    cst = libcst()
+    if not isinstance(updated.func, cst.Attribute) or not _is_model(updated.func.value, porter.plan.models):
         return None
     if updated.func.attr.value == "cuda" and not any(a.keyword is None for a in updated.args):
         return _moved(porter, original, updated.func.value, cst.parse_expression(porter.device()))
