@@ -19,6 +19,15 @@ _MODULE_ONLY = {"parameters", "named_parameters", "train", "eval", "configure_op
                 "tie_weights", "modules", "named_modules"}  # fmt: skip
 
 
+def _unchained(node: Any, methods: set[str] | None = None) -> Any:
+    """The receiver under a chain of methods that return the module (``model`` of ``model.to(device).train()``)."""
+    cst = libcst()
+    methods = methods or {*_CHAINED, "to", "cuda"}
+    while isinstance(node, cst.Call) and isinstance(node.func, cst.Attribute) and node.func.attr.value in methods:
+        node = node.func.value
+    return node
+
+
 def analyse(module: Any, plan: Any) -> None:
     """Adds to ``plan.models`` the names the program uses as modules."""
     cst = libcst()
@@ -27,7 +36,7 @@ def analyse(module: Any, plan: Any) -> None:
     class Uses(cst.CSTVisitor):
         def visit_Call(self, node: Any) -> None:
             if isinstance(node.func, cst.Attribute) and node.func.attr.value in _MODULE_ONLY:
-                name = dotted(node.func.value)
+                name = dotted(_unchained(node.func.value))
                 if name:
                     found.add(name)
 
@@ -66,10 +75,7 @@ _CHAINED = {"train", "eval", "float", "half", "bfloat16", "double", "requires_gr
 
 def _is_model(node: Any, models: set[str]) -> bool:
     """A model's name, or a chain of module methods on it (``model.train()``, ``model.eval().float()``)."""
-    cst = libcst()
-    while isinstance(node, cst.Call) and isinstance(node.func, cst.Attribute) and node.func.attr.value in _CHAINED:
-        node = node.func.value
-    return dotted(node) in models
+    return dotted(_unchained(node, _CHAINED)) in models
 
 
 def fix_call(porter: Any, original: Any, updated: Any) -> Any:
