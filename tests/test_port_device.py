@@ -249,3 +249,37 @@ def test_10_pandas_filters_arrays_and_lists_are_no_tensors():
               "    for x, y in loader:\n        seen = []\n        print(seen, idx[idx > 2].tolist())\n")
     new, report = port_source(source)
     assert new == source and not report.left, report.text()
+
+
+# ------------------------------------------------------------------ --check: the verdict is checked
+TRAINS = """\
+import sys
+import torch
+from torch import nn
+device = "cpu"
+if torch.cuda.is_available():
+    device = "cuda"
+model = nn.Linear(4, 2)
+model.to(device)
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+for step in range(int(sys.argv[1])):
+    loss = model(torch.randn(8, 4).to(device)).pow(2).mean()
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+"""
+
+
+@pytest.mark.parametrize("source, status, said", [
+    (TRAINS, 0, "passed: stopped after 2 optimizer step(s) with the parameters on XLA"),
+    # a device the port cannot see as CUDA's: it exits 0, and the check finds the CPU
+    (TRAINS.replace('device = "cpu"\nif torch.cuda.is_available():\n    device = "cuda"\n', 'device = "cpu"\n'), 4,
+     "failed: the optimizer's parameters are on cpu: it trains on the host CPU"),
+])  # fmt: skip
+def test_check_runs_the_first_steps_on_xla_and_fails_a_program_that_trains_on_the_cpu(tmp_path, capsys, source, status, said):
+    from tpu_utility.diagnostics.port import main
+
+    script = tmp_path / "train.py"
+    script.write_text(source)
+    assert main([str(script), "--check", "--check-steps", "2", "--", "100"]) == status
+    assert said in capsys.readouterr().out
