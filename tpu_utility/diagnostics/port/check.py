@@ -27,7 +27,7 @@ from tpu_utility import backend, get_device
 limit, path = int(sys.argv[1]), sys.argv[2]
 sys.argv = [path, *sys.argv[3:]]
 get_device()  # the runtime first: a CPU backward before it would break every XLA backward (pytorch/xla#4174)
-seen = {"steps": 0, "devices": set()}
+seen = {"steps": 0, "devices": set(), "on_xla": True}
 
 
 class StepLimit(BaseException):
@@ -36,7 +36,9 @@ class StepLimit(BaseException):
 
 def hook(optimizer, args, kwargs):
     seen["steps"] += 1
-    seen["devices"].update(p.device.type for group in optimizer.param_groups for p in group["params"])
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    seen["devices"].update(p.device.type for p in params)
+    seen["on_xla"] = seen["on_xla"] and all(backend.is_lazy(p.device) for p in params)
     if seen["steps"] >= limit:
         raise StepLimit
 
@@ -54,7 +56,8 @@ except BaseException:
 if backend.is_lazy(get_device()):
     backend.sync(wait=True)  # the last step's graph
 print(%r + json.dumps({"ended": ended, "error": error, "steps": seen["steps"], "devices": sorted(seen["devices"]),
-                        "executed": backend.execute_count(), "device": get_device().type}), flush=True)
+                        "on_xla": seen["on_xla"], "executed": backend.execute_count(), "device": get_device().type,
+                        "lazy": backend.is_lazy(get_device())}), flush=True)
 """ % _MARK
 
 
@@ -69,9 +72,9 @@ class CheckResult:
 def _verdict(said: dict, steps: int) -> tuple[bool, str]:
     if said["ended"] in ("raised", "exit"):
         return False, f"the program stopped on XLA:\n{said['error']}"
-    if said["device"] != "xla":
+    if not said["lazy"]:
         return False, f"no XLA device here (get_device() is {said['device']!r}): nothing to check"
-    if said["steps"] and said["devices"] != ["xla"]:
+    if said["steps"] and not said["on_xla"]:
         return False, f"the optimizer's parameters are on {', '.join(said['devices'])}: it trains on the host CPU"
     if not said["executed"]:
         return False, "XLA ran no graph: the program computes on the host CPU"
