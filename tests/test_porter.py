@@ -573,8 +573,15 @@ CORPUS = {
     "xla1x_kernel.py": ({"xrt_world_size", "get_ordinal", "xla_device", "spawn_nprocs"}, set(), 0),
     "hf_course_loop.py": ({"cuda_device", "optimizer_params", "optimizer_step"}, set(), 0),
     "timm_amp_loop.py": ({"cuda_amp", "optimizer_step"}, set(), 0),
+    # issue 51's shapes: the nccl DDP branch named line by line, its single-process path ported
+    "build_nanogpt_train_gpt2.py": ({"cuda_available", "device_calls", "generator_device", "tied_weights", "cuda_amp",
+                                    "torch_compile", "optimizer_step"},
+                                   {("ddp_nccl", 294), ("ddp_nccl", 298), ("ddp_nccl", 346)}, 1),
+    "imagenet_main.py": ({"cuda_move", "optimizer_step"},
+                         {("ddp_nccl", 182), ("device_bookkeeping", 295), ("device_bookkeeping", 431)}, 1),
+    "mnist_hogwild.py": ({"cuda_device", "tied_weights", "optimizer_step"}, {("hogwild", 145)}, 1),
 }  # fmt: skip
-_CUDA_ONLY = re.compile(r"\.cuda\(|(?<!== )['\"]cuda(:\d)?['\"]|torch\.compile\(|torch\.accelerator|COLAB_TPU_ADDR|"
+_CUDA_ONLY = re.compile(r"\.cuda\(|(?<!== )(?<!==)['\"]cuda(:\d)?['\"]|torch\.compile\(|torch\.accelerator|COLAB_TPU_ADDR|"
                         r"xrt_world_size|get_ordinal\(|from transformers import .*AdamW")
 
 

@@ -32,6 +32,8 @@ def _host(node: Any, known: set[str]) -> bool:
         return True
     if isinstance(node, cst.UnaryOperation):
         return _host(node.expression, known)
+    if isinstance(node, cst.BinaryOperation):  # acc = correct / total of Python numbers
+        return _host(node.left, known) and _host(node.right, known)
     if isinstance(node, cst.Call) and dotted(node.func) in _HOST_CALLS:
         return True
     if isinstance(node, cst.Call) and dotted(node.func) in ("max", "min", "abs"):
