@@ -580,6 +580,8 @@ CORPUS = {
     "imagenet_main.py": ({"cuda_move", "optimizer_step"},
                          {("ddp_nccl", 182), ("device_bookkeeping", 295), ("device_bookkeeping", 431)}, 1),
     "mnist_hogwild.py": ({"cuda_device", "tied_weights", "optimizer_step"}, {("hogwild", 145)}, 1),
+    "tutorials_quickstart.py": ({"cuda_device", "tied_weights", "optimizer_step"},
+                                {("host_sync", 154), ("host_sync", 169), ("host_sync", 170)}, 0),
 }  # fmt: skip
 _CUDA_ONLY = re.compile(r"\.cuda\(|(?<!== )(?<!==)['\"]cuda(:\d)?['\"]|torch\.compile\(|torch\.accelerator|COLAB_TPU_ADDR|"
                         r"xrt_world_size|get_ordinal\(|from transformers import .*AdamW")
@@ -664,3 +666,57 @@ def test_the_runnable_corpus_runs_after_the_port_with_no_hand_edit_and_the_cpu_o
         assert xla[name]["first_loss"] == pytest.approx(cpu[name]["first_loss"], rel=tolerance), (name, xla, cpu)
     assert xla["word_language_model.py"]["tied"] and xla["nanogpt_train.py"]["tied"], xla  # move_model kept the ties
     assert xla["peft_lora_clm.py"]["saved"], xla  # save_pretrained of a model on XLA, with the CPU copy
+
+
+# A public program as published (its data source aside), the original on the CPU and then its port on XLA:CPU in one
+# interpreter, with the same seed before each: print is wrapped so that each "Epoch N" and the closing "Done!" line
+# is preceded by XLA's compile count, which gives the compiles of each epoch; the optimizer's parameters, read from
+# the program's globals after the run, give the device it trained on.
+RUN_EPOCHS = """
+import builtins, json, runpy, sys, torch
+from tpu_utility import backend, get_device
+torch.set_num_threads(1)
+get_device()
+real_print = builtins.print
+def counting_print(*args, **kwargs):
+    if " ".join(str(a) for a in args).startswith(("Epoch ", "Done!")):
+        real_print("COMPILES", backend.compile_count(), flush=True)
+    real_print(*args, **kwargs)
+builtins.print = counting_print
+for tag, path in (("CPU", {original!r}), ("XLA", {path!r})):
+    sys.argv = [path]
+    torch.manual_seed(0)
+    real_print("RUN", tag, backend.execute_count(), flush=True)
+    names = runpy.run_path(path, run_name="__main__")
+    devices = sorted({{p.device.type for group in names["optimizer"].param_groups for p in group["params"]}})
+    real_print("END", tag, backend.execute_count(), json.dumps(devices), flush=True)
+"""
+
+
+def _run_epochs(tmp_path, name: str) -> dict:
+    report, path = _ported(tmp_path, name)
+    r = run_python(RUN_EPOCHS.format(original=os.path.join(KERNELS, name), path=path), env={"PJRT_DEVICE": "CPU"},
+                   cwd=str(tmp_path))  # fmt: skip
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    runs = {}
+    for part in r.stdout.split("RUN ")[1:]:
+        tag, started = part.split()[:2]
+        end = part.split("END " + tag + " ")[1].splitlines()[0].split(" ", 1)
+        compiles = [int(line.split()[1]) for line in part.splitlines() if line.startswith("COMPILES ")]
+        runs[tag] = {"executions": int(end[0]) - int(started), "devices": json.loads(end[1]),
+                     "losses": [float(x) for x in re.findall(r"^loss: *([0-9.]+)", part, re.M)],
+                     "per_epoch": [b - a for a, b in zip(compiles, compiles[1:])], "text": part[-1500:]}  # fmt: skip
+    return runs
+
+
+# pytorch/tutorials' Quickstart: the `"cuda" if torch.cuda.is_available() else "cpu"` device, five epochs of 10
+# steps and 5 evaluation batches (FakeData for the download); compile counts are torch_xla's, Python's release no concern
+@pytest.mark.lanes("torch_release")
+def test_the_pytorch_quickstart_trains_on_xla_after_the_port_with_the_cpu_losses_and_no_compile_after_epoch_1(tmp_path):
+    runs = _run_epochs(tmp_path, "tutorials_quickstart.py")
+    cpu, xla = runs["CPU"], runs["XLA"]
+    assert cpu["executions"] == 0 and cpu["devices"] == ["cpu"], cpu["text"]  # the original: the plain CPU
+    assert xla["executions"] > 0 and xla["devices"] == ["xla"], xla["text"]  # the port: its parameters on XLA
+    assert len(xla["losses"]) == len(cpu["losses"]) == 5, (cpu["losses"], xla["losses"])  # one line an epoch
+    assert xla["losses"] == pytest.approx(cpu["losses"], rel=1e-4), (cpu["losses"], xla["losses"])
+    assert xla["per_epoch"][0] > 0 and xla["per_epoch"][1:] == [0] * 4, xla["per_epoch"]  # flat from epoch 2
