@@ -58,6 +58,13 @@ def test_cuda_flag_test_becomes_the_device_test():
     new, changed, _ = _port("if args.cuda:\n    model.cuda()\n")
     assert 'if get_device().type != "cpu":' in new and "cuda_flag" in changed
     _unchanged("if not args.cuda:\n    print('cpu')\n")
+    # pytorch/examples' 2025 spelling (mnist_rnn, gcn): --accel, off by default, picks torch.accelerator's device
+    new, changed, _ = _port("if args.accel:\n    device = torch.accelerator.current_accelerator()\nelse:\n"
+                            "    device = torch.device('cpu')\n")
+    assert 'if get_device().type != "cpu":' in new and "cuda_flag" in changed, new
+    new, changed, _ = _port("if use_accel:\n    device = torch.accelerator.current_accelerator()\n")
+    assert 'if get_device().type != "cpu":' in new, new
+    _unchanged("if args.accel_steps:\n    print('no device here')\n")
 
 
 def test_cuda_guard_around_amp_is_named():

@@ -158,7 +158,7 @@ RULES_LIST: tuple[Rule, ...] = (
          "torch_xla, or fail offline", "delete them: Kaggle's TPU image ships torch_xla 2.8, Colab's 2.9",
          replaces="!python pytorch-xla-env-setup.py --version 1.7", tools=_PORT, breaks=True),
     # ---------------------------------------------------- what CUDA programs people have do (issue 39)
-    Rule("cuda_flag", "the GPU is chosen by a flag (--cuda, --no-cuda, use_cuda): without it the program trains "
+    Rule("cuda_flag", "the GPU is chosen by a flag (--cuda, --no-cuda, use_cuda, --accel): without it the program trains "
          "on the CPU, and with it torch.cuda raises where there is no CUDA",
          'test the device instead of the flag: get_device().type != "cpu" (the accelerator, the CPU where there is '
          "none)", replaces="if args.cuda: model.cuda()", tools=_PORT),

@@ -1,9 +1,10 @@
-"""The GPU chosen by a flag (``--cuda``, ``--no-cuda``, ``use_cuda``): after the port the accelerator is the default.
+"""The GPU chosen by a flag (``--cuda``, ``--no-cuda``, ``use_cuda``, ``--accel``): after the port the accelerator is the default.
 
 ``if opt.cuda: netD.cuda()`` moves nothing without the flag, so the port tests the device
 instead (``get_device().type != "cpu"``: the same as no flag on the CPU). A
 ``use_cuda = not args.no_cuda and torch.cuda.is_available()`` that decides other settings is
-named in the report.
+named in the report. pytorch/examples' 2025 scripts spell the flag ``--accel`` (``if args.accel: device =
+torch.accelerator.current_accelerator()``, off by default): the same.
 """
 
 from __future__ import annotations
@@ -13,12 +14,15 @@ from typing import Any
 from .tree import DECIDES_DEVICE, code, dotted, libcst
 
 
+_FLAG_WORDS = ("cuda", "accel")  # args.cuda, use_cuda; args.accel, use_accel
+
+
 def _is_flag(test: Any) -> bool:
     cst = libcst()
     if isinstance(test, cst.UnaryOperation) and isinstance(test.operator, cst.Not):
         return False  # `if not args.cuda:` keeps the CPU branch: left alone
     name = dotted(test)
-    return bool(name) and "cuda" in name.rsplit(".", 1)[-1] and not name.startswith("torch.")
+    return bool(name) and any(word in name.rsplit(".", 1)[-1] for word in _FLAG_WORDS) and not name.startswith("torch.")
 
 
 def opens(node: Any) -> bool:

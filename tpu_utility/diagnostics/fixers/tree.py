@@ -58,7 +58,7 @@ LAUNCHES = ("xmp.spawn", "torch_xla.launch")
 
 
 # code that picks the device or moves to it: a CUDA string, torch.device, a move (a branch's body: cuda_available, cuda_flag)
-DECIDES_DEVICE = re.compile(r"""\.(cuda|to)\(|move_model\(|get_device\(|torch\.device\(|['"]cuda""")
+DECIDES_DEVICE = re.compile(r"""\.(cuda|to)\(|move_model\(|get_device\(|torch\.device\(|current_accelerator\(|['"]cuda""")
 
 
 def mentions_cuda(node: Any) -> bool:
