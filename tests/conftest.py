@@ -222,6 +222,7 @@ TORCH_RELEASE = {  # code whose behaviour moved between torch/torch_xla 2.8 and 
     "test_readme.py": "every README and docs block, as a user runs it",
     "test_notebook.py": "the quickstart notebook end to end",
     "test_porter.py": "ported 1.x kernels and CUDA loops run on this torch_xla (the API table's premise)",
+    "test_port_device.py": "ported programs run on this torch_xla: where parameters and batches land, --check's XLA graphs",
 }
 PYTHON_RELEASE = {  # code whose behaviour can change with the Python version
     "test_import.py": "imports with and without torch_xla",

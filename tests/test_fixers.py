@@ -58,6 +58,13 @@ def test_cuda_flag_test_becomes_the_device_test():
     new, changed, _ = _port("if args.cuda:\n    model.cuda()\n")
     assert 'if get_device().type != "cpu":' in new and "cuda_flag" in changed
     _unchanged("if not args.cuda:\n    print('cpu')\n")
+    # pytorch/examples' 2025 spelling (mnist_rnn, gcn): --accel, off by default, picks torch.accelerator's device
+    new, changed, _ = _port("if args.accel:\n    device = torch.accelerator.current_accelerator()\nelse:\n"
+                            "    device = torch.device('cpu')\n")
+    assert 'if get_device().type != "cpu":' in new and "cuda_flag" in changed, new
+    new, changed, _ = _port("if use_accel:\n    device = torch.accelerator.current_accelerator()\n")
+    assert 'if get_device().type != "cpu":' in new, new
+    _unchanged("if args.accel_steps:\n    print('no device here')\n")
 
 
 def test_cuda_guard_around_amp_is_named():
@@ -116,6 +123,8 @@ def test_launch_moves_runtime_code_before_the_spawn_into_the_launched_function()
 def test_move_model_keeps_ties():
     new, changed, _ = _port("model.train()\nmodel.to(device)\n")
     assert "move_model(model, device)" in new and changed == {"tied_weights"}
+    new, _, _ = _port("model.eval()\nmodel.train().to(device)\nmodel.to(device).train()\n")
+    assert "move_model(model.train(), device)" in new and "move_model(model, device).train()" in new
     _unchanged("batch.to(device)\n")
 
 
@@ -207,3 +216,84 @@ def test_imports_in_a_notebook_come_no_later_than_the_first_cell_using_them_and_
     assert out[1] == "device = get_device()\n"
     assert out[2].splitlines()[2:4] == ["import torch_xla.core.xla_model as xm", "import torch_xla  # tpu_utility.port"]
     assert sorted(c.where for c in report.changes if c.rule == "imports") == ["cell 1, line 3", "cell 3, line 4"]
+
+
+# ------------------------------------------------- programs that trained on the CPU after a port (issue 51)
+def test_bookkeeping_max_of_a_device_metric_and_its_flag_are_named_and_host_numbers_are_not():
+    new, report = port_source("best_acc1 = 0\nfor epoch in range(2):\n    acc1 = validate(model)\n"
+                              "    is_best = acc1 > best_acc1\n    best_acc1 = max(acc1, best_acc1)\n    if is_best:\n"
+                              "        save(model)\n")  # fmt: skip
+    assert [(i.rule, i.where) for i in report.left] == [("device_bookkeeping", "line 5"), ("device_bookkeeping", "line 6")]
+    _unchanged("best = 1e9\nv = 0.5\nbest = min(v, best)\n")
+
+
+def test_cuda_available_check_that_picks_the_device_tests_for_an_accelerator():
+    new, changed, _ = _port('import torch\ndevice = "cpu"\nif torch.cuda.is_available():\n    device = "cuda"\n')
+    assert 'if get_device().type != "cpu":' in new and "cuda_available" in changed
+    new, changed, _ = _port("import torch\nif torch.cuda.is_available():\n    model = model.cuda()\n")
+    assert 'if get_device().type != "cpu":' in new, new
+    _unchanged("import torch\nif torch.cuda.is_available():\n    torch.backends.cudnn.benchmark = True\n")
+
+
+def test_cuda_available_opened_check_no_longer_guards_its_cuda_calls():
+    new, report = port_source('import torch\nif torch.cuda.is_available():\n    device = "cuda"\n    torch.cuda.synchronize()\n')
+    assert [(i.rule, i.where) for i in report.left] == [("cuda_call", "line 4")] and report.status() == 1
+
+
+def test_ddp_nccl_branch_is_named_line_by_line_and_the_single_process_path_ported():
+    new, report = port_source("import torch\nfrom torch.distributed import init_process_group\n"
+                              "from torch.nn.parallel import DistributedDataParallel as DDP\n"
+                              "if ddp:\n    init_process_group(backend='nccl')\n    device = f'cuda:{rank}'\n"
+                              "    torch.cuda.set_device(device)\nelse:\n    device = 'cuda'\nmodel = GPT()\nmodel.train()\n"
+                              "model.to(device)\nif ddp:\n    model = DDP(model, device_ids=[rank])\n")  # fmt: skip
+    assert [(i.rule, i.where) for i in report.left] == [("ddp_nccl", f"line {n}") for n in (5, 6, 14)], report.text()
+    assert "    device = get_device().type" in new and "move_model(model, device)" in new and report.status() == 1
+    _unchanged("import torch.distributed as dist\ndist.init_process_group('gloo')\n")
+
+
+def test_device_calls_get_the_ported_devices_meaning_and_memory_reads_are_named():
+    new, changed, left = _port("import torch\nn = torch.cuda.device_count()\ni = torch.accelerator.current_device_index()\n"
+                               "torch.cuda.set_device(i)\nm = getattr(torch, device_type).max_memory_allocated()\n")
+    assert 'n = int(get_device().type != "cpu")' in new and "i = (get_device().index or 0)" in new
+    assert "pass  # tpu_utility.port: torch.cuda.set_device(i) dropped" in new
+    assert changed == {"device_calls"} and left == {"memory_stats"}
+    _unchanged("import torch\nif torch.cuda.is_available():\n    torch.cuda.empty_cache()\n")
+
+
+def test_dynamic_shape_is_not_named_for_a_pandas_filter_or_an_array():
+    _unchanged('import pandas as pd\ndf = pd.read_csv("train.csv")\ntrain = df[df["fold"] != 0]\n'
+               "folds = np.arange(5)\nrest = folds[folds != 2]\nvalid = frame[frame['fold'] == 0]\n")
+    assert _port("y = x[x > 0]\n")[2] == {"dynamic_shape"}
+
+
+def test_host_sync_is_not_named_for_reads_of_lists_and_arrays():
+    _unchanged("for x, y in loader:\n    preds = np.zeros(3)\n    out = preds.tolist()\n    seen = []\n    print(seen)\n")
+
+
+def test_from_pretrained_device_map_becomes_move_model_and_4bit_is_named():
+    new, changed, left = _port('model = AutoModelForCausalLM.from_pretrained(name, device_map="auto")\n')
+    assert "model = move_model(AutoModelForCausalLM.from_pretrained(name), get_device())" in new and changed == {"device_map"}
+    new, report = port_source("bnb = BitsAndBytesConfig(load_in_4bit=True)\n"
+                              "model = AutoModelForCausalLM.from_pretrained(name, quantization_config=bnb)\n")
+    assert [(i.rule, i.where) for i in report.left] == [("bitsandbytes", "line 1"), ("bitsandbytes", "line 2")]
+    _unchanged("tok = AutoTokenizer.from_pretrained(name)\n")
+
+
+def test_generator_on_the_device_becomes_a_cpu_generator():
+    new, changed, _ = _port('import torch\ng = torch.Generator(device="cuda")\n')
+    assert "g = torch.Generator()" in new and "generator_device" in changed
+    _unchanged("import torch\ng = torch.Generator()\n")
+
+
+def test_hogwild_share_memory_is_named():
+    assert _port("model = Net()\nmodel.share_memory()\n")[2] == {"hogwild"}
+    _unchanged("t = x.clone()\n")
+
+
+def test_import_device_in_a_class_body_or_a_launching_module_stays_lazy():
+    new, changed, _ = _port('import torch\nclass args:\n    device = "cuda" if torch.cuda.is_available() else "cpu"\n')
+    assert "    device = device_type()" in new and "get_device" not in new and "import_time_device" in changed
+    new, _, _ = _port('import torch\nimport torch_xla\ndevice = torch.device("cuda")\ntorch_xla.launch(train)\n')
+    assert "device = torch.device(device_type())" in new
+    new, _, _ = _port('import torch\ndevice = torch.device("cuda")\n')
+    assert "device = get_device()" in new  # one process: the device line of the docs

@@ -73,6 +73,14 @@ CHANGES = [
      "sampler = DistributedSampler(ds, num_replicas=xm.xrt_world_size(), rank=xm.get_ordinal())\n"
      "loader = DataLoader(ds, sampler=sampler)\nxmp.spawn(_mp_fn, args=(FLAGS,))\n",
      "    global loader, sampler  # tpu_utility.port: built here, in each launched process"),
+    ("cuda_available", 'import torch\ndevice = "cpu"\nif torch.cuda.is_available():\n    device = "cuda"\n',
+     'if get_device().type != "cpu":'),
+    ("device_map", 'model = AutoModelForCausalLM.from_pretrained(name, device_map="auto")\n',
+     "model = move_model(AutoModelForCausalLM.from_pretrained(name), get_device())"),
+    ("import_time_device", 'import torch\nclass args:\n    device = "cuda" if torch.cuda.is_available() else "cpu"\n',
+     "    device = device_type()"),
+    ("device_calls", "import torch\nn_gpu = torch.cuda.device_count()\n", 'n_gpu = int(get_device().type != "cpu")'),
+    ("generator_device", "import torch\ng = torch.Generator(device=device)\n", "g = torch.Generator()"),
 ]
 # (rule, source, the 1-based line the report must name)
 LEFT = [
@@ -86,6 +94,11 @@ LEFT = [
     ("cuda_flag_settings", "use_cuda = not args.no_cuda and torch.cuda.is_available()\n", 1),
     ("colab_tpu_addr", "import os\nassert os.environ['COLAB_TPU_ADDR'], 'select a TPU'\n", 2),
     ("colab_only", "from google.colab import drive\n", 1),
+    ("bitsandbytes", "bnb = BitsAndBytesConfig(load_in_4bit=True)\n", 1),
+    ("memory_stats", "import torch\nprint(torch.cuda.max_memory_allocated() / 2**30)\n", 2),
+    ("ddp_nccl", "import torch.distributed as dist\ndist.init_process_group(backend='nccl')\n", 2),
+    ("hogwild", "model = Net()\nmodel.share_memory()\n", 2),
+    ("device_bookkeeping", "best_acc1 = 0\nacc1 = validate(loader, model)\nbest_acc1 = max(acc1, best_acc1)\n", 3),
 ]
 
 
@@ -560,8 +573,18 @@ CORPUS = {
     "xla1x_kernel.py": ({"xrt_world_size", "get_ordinal", "xla_device", "spawn_nprocs"}, set(), 0),
     "hf_course_loop.py": ({"cuda_device", "optimizer_params", "optimizer_step"}, set(), 0),
     "timm_amp_loop.py": ({"cuda_amp", "optimizer_step"}, set(), 0),
+    # issue 51's shapes: the nccl DDP branch named line by line, its single-process path ported
+    "build_nanogpt_train_gpt2.py": ({"cuda_available", "device_calls", "generator_device", "tied_weights", "cuda_amp",
+                                    "torch_compile", "optimizer_step"},
+                                   {("ddp_nccl", 294), ("ddp_nccl", 298), ("ddp_nccl", 346)}, 1),
+    "imagenet_main.py": ({"cuda_move", "optimizer_step"},
+                         {("ddp_nccl", 182), ("device_bookkeeping", 295), ("device_bookkeeping", 431)}, 1),
+    "mnist_hogwild.py": ({"cuda_device", "tied_weights", "optimizer_step"}, {("hogwild", 145)}, 1),
+    "tutorials_quickstart.py": ({"cuda_device", "tied_weights", "optimizer_step"},
+                                {("host_sync", 154), ("host_sync", 169), ("host_sync", 170)}, 0),
+    "mnist_rnn.py": ({"cuda_flag", "tied_weights", "optimizer_step"}, {("host_sync", 55), ("host_sync", 68)}, 0),
 }  # fmt: skip
-_CUDA_ONLY = re.compile(r"\.cuda\(|(?<!== )['\"]cuda(:\d)?['\"]|torch\.compile\(|torch\.accelerator|COLAB_TPU_ADDR|"
+_CUDA_ONLY = re.compile(r"\.cuda\(|(?<!== )(?<!==)['\"]cuda(:\d)?['\"]|torch\.compile\(|torch\.accelerator|COLAB_TPU_ADDR|"
                         r"xrt_world_size|get_ordinal\(|from transformers import .*AdamW")
 
 
@@ -644,3 +667,79 @@ def test_the_runnable_corpus_runs_after_the_port_with_no_hand_edit_and_the_cpu_o
         assert xla[name]["first_loss"] == pytest.approx(cpu[name]["first_loss"], rel=tolerance), (name, xla, cpu)
     assert xla["word_language_model.py"]["tied"] and xla["nanogpt_train.py"]["tied"], xla  # move_model kept the ties
     assert xla["peft_lora_clm.py"]["saved"], xla  # save_pretrained of a model on XLA, with the CPU copy
+
+
+# A public program as published (its data source aside), the original on the CPU and then its port on XLA:CPU in one
+# interpreter, with the same seed before each: print is wrapped so that each "Epoch N" and the closing "Done!" line
+# is preceded by XLA's compile count, which gives the compiles of each epoch (the closing count: the last line that
+# starts with "Epoch", "Train Epoch" or "Done!"); Tensor.backward is wrapped to record the device of each loss it is
+# called on, which is where the parameters are (a loss of a model on the CPU is on the CPU).
+RUN_EPOCHS = """
+import builtins, json, runpy, sys, torch
+from tpu_utility import backend, get_device
+torch.set_num_threads(1)
+get_device()
+real_print, real_backward, devices = builtins.print, torch.Tensor.backward, set()
+def counting_print(*args, **kwargs):
+    if " ".join(str(a) for a in args).startswith({marks!r}):
+        real_print("COMPILES", backend.compile_count(), flush=True)
+    real_print(*args, **kwargs)
+def recording_backward(self, *args, **kwargs):
+    devices.add(self.device.type)
+    return real_backward(self, *args, **kwargs)
+builtins.print, torch.Tensor.backward = counting_print, recording_backward
+for tag, path in (("CPU", {original!r}), ("XLA", {path!r})):
+    sys.argv = [path, *{argv!r}]
+    torch.manual_seed(0)
+    devices.clear()
+    real_print("RUN", tag, backend.execute_count(), flush=True)
+    runpy.run_path(path, run_name="__main__")
+    real_print("COMPILES", backend.compile_count(), flush=True)
+    real_print("END", tag, backend.execute_count(), json.dumps(sorted(devices)), flush=True)
+"""
+
+
+def _run_epochs(tmp_path, name: str, argv: list, marks: tuple, loss: str) -> dict:
+    report, path = _ported(tmp_path, name)
+    code = RUN_EPOCHS.format(original=os.path.join(KERNELS, name), path=path, argv=argv, marks=marks)
+    r = run_python(code, env={"PJRT_DEVICE": "CPU"}, cwd=str(tmp_path))
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    runs = {}
+    for part in r.stdout.split("RUN ")[1:]:
+        tag, started = part.split()[:2]
+        end = part.split("END " + tag + " ")[1].splitlines()[0].split(" ", 1)
+        compiles = [int(line.split()[1]) for line in part.splitlines() if line.startswith("COMPILES ")]
+        runs[tag] = {"executions": int(end[0]) - int(started), "devices": json.loads(end[1]),
+                     "losses": [float(x) for x in re.findall(loss, part, re.M)],
+                     "per_epoch": [b - a for a, b in zip(compiles, compiles[1:])], "text": part[-1500:]}  # fmt: skip
+    return runs
+
+
+# pytorch/tutorials' Quickstart: the `"cuda" if torch.cuda.is_available() else "cpu"` device, five epochs of 10
+# steps and 5 evaluation batches (FakeData for the download); compile counts are torch_xla's, Python's release no concern
+@pytest.mark.lanes("torch_release")
+def test_the_pytorch_quickstart_trains_on_xla_after_the_port_with_the_cpu_losses_and_no_compile_after_epoch_1(tmp_path):
+    runs = _run_epochs(tmp_path, "tutorials_quickstart.py", [], ("Epoch ",), r"^loss: *([0-9.]+)")
+    cpu, xla = runs["CPU"], runs["XLA"]
+    assert cpu["executions"] == 0 and cpu["devices"] == ["cpu"], cpu["text"]  # the original: the plain CPU
+    assert xla["executions"] > 0 and xla["devices"] == ["xla"], xla["text"]  # the port: every loss on XLA
+    assert len(xla["losses"]) == len(cpu["losses"]) == 5, (cpu["losses"], xla["losses"])  # one line an epoch
+    assert xla["losses"] == pytest.approx(cpu["losses"], rel=1e-4), (cpu["losses"], xla["losses"])
+    assert xla["per_epoch"][0] > 0 and xla["per_epoch"][1:] == [0] * 4, xla["per_epoch"]  # flat from epoch 2
+
+
+# pytorch/examples' mnist_rnn as published (FakeData for MNIST): its `--accel` flag (off by default) picks
+# torch.accelerator's device, so without the flag the port trained on the CPU and said it would run on XLA; the flag's
+# test now becomes get_device().type != "cpu". Two epochs of 4 steps and one evaluation batch; its Dropout2d masks
+# come from XLA's generator after the port, so the losses agree to 5% (mnist_main's in RUNS the same).
+@pytest.mark.lanes("torch_release")
+def test_pytorch_examples_mnist_rnn_with_its_accel_flag_off_trains_on_xla_after_the_port(tmp_path):
+    report, _ = _ported(tmp_path, "mnist_rnn.py")
+    assert ("cuda_flag", "args.accel") in {(c.rule, c.before) for c in report.changes}, report.text()
+    runs = _run_epochs(tmp_path, "mnist_rnn.py", ["--epochs", "2"], ("Train Epoch: ",), r"Loss: ([0-9.]+)$")
+    cpu, xla = runs["CPU"], runs["XLA"]
+    assert cpu["executions"] == 0 and cpu["devices"] == ["cpu"], cpu["text"]
+    assert xla["executions"] > 0 and xla["devices"] == ["xla"], xla["text"]
+    assert len(xla["losses"]) == len(cpu["losses"]) == 2, (cpu["losses"], xla["losses"])
+    assert xla["losses"] == pytest.approx(cpu["losses"], rel=0.05), (cpu["losses"], xla["losses"])
+    assert xla["per_epoch"][0] > 0 and xla["per_epoch"][1:] == [0], xla["per_epoch"]

@@ -16,7 +16,7 @@ from importlib.metadata import version as _version
 # the hand-loop kit: the lines that replace CUDA's in a loop you keep
 from .amp import autocast, grad_scaler
 from .checkpoint import load_checkpoint, save_checkpoint
-from .device import get_device, move_model
+from .device import device_type, get_device, move_model
 from .environment import TpuInfo, setup_tpu
 from .loop import device_loader, inference_mode, launch, masked_loader, use_all_cores
 from .optim import step_optimizer
@@ -55,6 +55,7 @@ __all__ = [
     "check",
     "choose_buckets",
     "device_loader",
+    "device_type",
     "doctor",
     "DoctorError",
     "DoctorReport",

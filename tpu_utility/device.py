@@ -88,6 +88,32 @@ def get_device(index: int | None = None) -> torch.device:
     return torch.device("cpu")
 
 
+def device_type() -> str:
+    """The type of the device ``get_device()`` gives ("xla", "cuda", "mps", "cpu"), without starting the XLA runtime.
+
+    For a device chosen when a module is imported (a config class's ``device``, a module-level line
+    of a program that launches processes): ``get_device()`` there starts the XLA runtime in the
+    launching process, and the launch then refuses ('Runtime is already initialized'). The type is
+    a device string: ``torch.device(device_type())`` and ``x.to(device_type())`` land on the
+    process's own device when they are used.
+
+    Returns:
+        str: The device type, as ``get_device().type`` would give it.
+
+    Raises:
+        ModuleNotFoundError: ``PJRT_DEVICE`` is set but torch_xla is not installed.
+
+    Example:
+        >>> class args:
+        ...     device = device_type()   # was: "cuda" if torch.cuda.is_available() else "cpu"
+        >>> model = MyModel().to(args.device)   # doctest: +SKIP
+    """
+    wanted = backend.pjrt_device()
+    if wanted is not None and not backend.XLA_INSTALLED:
+        raise ModuleNotFoundError(f"PJRT_DEVICE={wanted!r} needs torch_xla. Install it with: {backend.INSTALL_HINT}")
+    return backend.current().device_type
+
+
 def tied_parameter_groups(model: nn.Module) -> list[list[str]]:
     """Names of parameters that are one tensor (tied weights), grouped."""
     groups: dict[int, list[str]] = {}

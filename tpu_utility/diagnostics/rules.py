@@ -158,7 +158,7 @@ RULES_LIST: tuple[Rule, ...] = (
          "torch_xla, or fail offline", "delete them: Kaggle's TPU image ships torch_xla 2.8, Colab's 2.9",
          replaces="!python pytorch-xla-env-setup.py --version 1.7", tools=_PORT, breaks=True),
     # ---------------------------------------------------- what CUDA programs people have do (issue 39)
-    Rule("cuda_flag", "the GPU is chosen by a flag (--cuda, --no-cuda, use_cuda): without it the program trains "
+    Rule("cuda_flag", "the GPU is chosen by a flag (--cuda, --no-cuda, use_cuda, --accel): without it the program trains "
          "on the CPU, and with it torch.cuda raises where there is no CUDA",
          'test the device instead of the flag: get_device().type != "cpu" (the accelerator, the CPU where there is '
          "none)", replaces="if args.cuda: model.cuda()", tools=_PORT),
@@ -166,6 +166,54 @@ RULES_LIST: tuple[Rule, ...] = (
          "workers, pin_memory, shuffling), and both are False on a TPU; the device itself is get_device()",
          'if what it guards should hold on the TPU too, test get_device().type != "cpu" instead',
          replaces="use_cuda = not args.no_cuda and torch.cuda.is_available()", tools=_PORT),
+    # ------------------------------------------------- programs that trained on the CPU after a port (issue 51)
+    Rule("cuda_available", "torch.cuda.is_available() is False on a TPU, so a branch that picks or moves to the "
+         "accelerator is never taken there: the program trains on the host CPU",
+         'test for an accelerator instead: get_device().type != "cpu"',
+         replaces='if torch.cuda.is_available(): device = "cuda"', tools=_PORT),
+    Rule("device_map", "device_map places the model on CUDA or the CPU, never on XLA, and batch.to(model.device) "
+         "follows it: the whole run stays on the host CPU",
+         "load without device_map and move the model: model = move_model(AutoModel.from_pretrained(name), "
+         "get_device())", replaces='from_pretrained(name, device_map="auto")', tools=_PORT),
+    Rule("bitsandbytes", "bitsandbytes' 4-bit and 8-bit layers have CUDA kernels only, none for XLA: the load "
+         "raises or the quantized layers run on the host",
+         "load in bfloat16 without quantization (from_pretrained(name, torch_dtype=torch.bfloat16)) and train "
+         "LoRA on it; a model too large for one core: shard it with tpu_utility.FSDP instead of QLoRA",
+         replaces="BitsAndBytesConfig(load_in_4bit=True) / load_in_8bit=True", tools=_PORT, breaks=True),
+    Rule("import_time_device", "a device chosen when the module is imported (a config class's attribute, a "
+         "module-level line of a program that launches processes) starts the XLA runtime at import, and the "
+         "launch then refuses: 'Runtime is already initialized'",
+         "keep it lazy: device_type() (the device's type, without starting the runtime) or get_device() inside "
+         "the launched function", replaces='class args: device = "cuda" if torch.cuda.is_available() else "cpu"',
+         tools=_PORT),
+    Rule("device_calls", "torch.cuda and torch.accelerator device calls (set_device, device_count, "
+         "current_device) ask CUDA, which a TPU host lacks: they raise ('Found no NVIDIA driver') or answer for "
+         "no device", "let the ported device answer: get_device() is this process's one device, chosen by the "
+         "launch", replaces="torch.cuda.set_device(local_rank) / torch.accelerator.device_count()", tools=_PORT),
+    Rule("memory_stats", "torch.cuda and torch.accelerator memory statistics (memory_allocated, "
+         "max_memory_allocated, memory_reserved) raise where there is no CUDA, and XLA:CPU keeps none",
+         "drop the line, or on a TPU read torch_xla.core.xla_model.get_memory_info(device) (bytes_used, "
+         "peak_bytes_used)", replaces="torch.cuda.max_memory_allocated()", tools=_PORT, breaks=True),
+    Rule("ddp_nccl", "a CUDA DDP job (init_process_group with nccl, the device cuda:{local_rank}, "
+         "DDP(model, device_ids=[local_rank])) has neither nccl nor a CUDA device on a TPU",
+         "run the ported single-process path (no torchrun), or one process per core: put the training in a "
+         "function and run launch(train) (from tpu_utility), where get_device() is each process's core, "
+         "make_sampler(dataset) its part of the data and step_optimizer(optimizer) averages the gradients, "
+         "with no DDP wrapper", replaces='init_process_group(backend="nccl"); DDP(model, device_ids=[rank])',
+         tools=_PORT, breaks=True),
+    Rule("generator_device", "torch.Generator(device=...) raises for an XLA device ('XLA device type not an "
+         "accelerator')", "a CPU generator, torch.Generator(): draw on the host and move what it drew with "
+         ".to(device)", replaces="torch.Generator(device=device)", tools=_PORT),
+    Rule("hogwild", "Hogwild (model.share_memory() and mp.Process workers updating one model in shared host "
+         "memory) has no XLA form: each worker trains on the host CPU",
+         "train data-parallel instead: launch(train) (from tpu_utility) runs train once per core, "
+         "make_sampler(dataset) gives each its part and step_optimizer(optimizer) averages the gradients",
+         replaces="model.share_memory(); mp.Process(target=train, args=(model,))", tools=_PORT, breaks=True),
+    Rule("device_bookkeeping", "a Python max(), comparison or if on a device value (best_acc1 = max(acc1, "
+         "best_acc1); if is_best:) reads it on the host and bakes the number into the next graphs: a host sync "
+         "and new compiles every epoch", "read the metric once, as a Python number, where it is made "
+         "(acc1 = float(acc1)), and keep the bookkeeping in Python numbers", replaces="best = max(acc, best)",
+         tools=_PORT),
     Rule("torch_compile", "torch.compile's default backend (inductor) does not compile for XLA: InductorError",
          "nothing: torch_xla traces and compiles the step itself; torch.compile(model, backend=\"openxla\") is an "
          "option for inference", replaces="model = torch.compile(model)", tools=_PORT),

@@ -1,16 +1,19 @@
-"""``torch.cuda.*`` calls no test guards (``torch.cuda.synchronize()``): reported, they raise without CUDA."""
+"""``torch.cuda.*`` / ``torch.accelerator.*`` calls no test guards (``torch.cuda.synchronize()``): reported, they raise without CUDA."""
 
 from __future__ import annotations
 
 from typing import Any
 
+from .device_calls import HANDLED
 from .tree import call_names
+
+_FINE = {"is_available", "current_accelerator", *HANDLED}  # answered, or given their XLA meaning by device_calls
 
 
 def fix_call(porter: Any, original: Any, updated: Any) -> Any:
-    """A ``torch.cuda`` call outside an ``if`` (or ``and``) that tests CUDA; availability and count are fine."""
+    """A ``torch.cuda`` or ``torch.accelerator`` call outside an ``if`` (or ``and``) that tests CUDA."""
     name, last = call_names(updated, porter.plan)
-    if name.startswith("torch.cuda.") and last not in ("is_available", "device_count"):
+    if name.startswith(("torch.cuda.", "torch.accelerator.")) and last not in _FINE:
         if not any(porter.guards) and "amp." not in name:
             porter.leave_alone("cuda_call", original)
     return None

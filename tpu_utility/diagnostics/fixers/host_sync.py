@@ -6,6 +6,7 @@ import re
 from typing import Any
 
 from ..rules import COLLECT_ON_DEVICE, RULES
+from .dynamic_shape import root
 from .tree import call_names, dotted, libcst
 
 _READS = {"item", "cpu", "numpy", "tolist"}
@@ -13,7 +14,7 @@ _PRINTS = {"print", "xm.master_print", "tqdm.write"}
 _TENSOR_NAME = re.compile(r"^(loss|losses|logits|outputs?|preds?|predictions|probs|acc)(_\w+)?$")
 
 
-def _prints_a_tensor(call: Any) -> bool:
+def _prints_a_tensor(call: Any, host: set[str]) -> bool:
     """A print of a name that holds a tensor by its name (loss, logits, outputs, preds), not a read of it."""
     cst = libcst()
     found: list[str] = []
@@ -27,7 +28,8 @@ def _prints_a_tensor(call: Any) -> bool:
             return False
 
         def visit_Name(self, node: Any) -> None:
-            found.append(node.value)
+            if node.value not in host:  # a list, an array, a Python number
+                found.append(node.value)
 
     for arg in call.args:
         arg.value.visit(Names())
@@ -39,8 +41,8 @@ def fix_call(porter: Any, original: Any, updated: Any) -> Any:
     if not any(porter.loops):
         return None
     name, last = call_names(updated, porter.plan)
-    if last in _READS and isinstance(original.func, libcst().Attribute):
+    if last in _READS and isinstance(original.func, libcst().Attribute) and root(original.func) not in porter.plan.host_values:
         porter.leave_alone("host_sync", original, RULES["host_sync"].fix + (f"; {COLLECT_ON_DEVICE}" if last != "item" else ""))
-    if name in _PRINTS and _prints_a_tensor(original):
+    if name in _PRINTS and _prints_a_tensor(original, porter.plan.host_values):
         porter.leave_alone("host_sync", original)
     return None

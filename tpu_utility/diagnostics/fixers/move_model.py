@@ -19,6 +19,15 @@ _MODULE_ONLY = {"parameters", "named_parameters", "train", "eval", "configure_op
                 "tie_weights", "modules", "named_modules"}  # fmt: skip
 
 
+def _unchained(node: Any, methods: set[str] | None = None) -> Any:
+    """The receiver under a chain of methods that return the module (``model`` of ``model.to(device).train()``)."""
+    cst = libcst()
+    methods = methods or {*_CHAINED, "to", "cuda"}
+    while isinstance(node, cst.Call) and isinstance(node.func, cst.Attribute) and node.func.attr.value in methods:
+        node = node.func.value
+    return node
+
+
 def analyse(module: Any, plan: Any) -> None:
     """Adds to ``plan.models`` the names the program uses as modules."""
     cst = libcst()
@@ -27,7 +36,7 @@ def analyse(module: Any, plan: Any) -> None:
     class Uses(cst.CSTVisitor):
         def visit_Call(self, node: Any) -> None:
             if isinstance(node.func, cst.Attribute) and node.func.attr.value in _MODULE_ONLY:
-                name = dotted(node.func.value)
+                name = dotted(_unchained(node.func.value))
                 if name:
                     found.add(name)
 
@@ -61,10 +70,18 @@ def _move(updated: Any) -> tuple[Any, Any] | None:
     return None
 
 
+_CHAINED = {"train", "eval", "float", "half", "bfloat16", "double", "requires_grad_"}  # module methods that return it
+
+
+def _is_model(node: Any, models: set[str]) -> bool:
+    """A model's name, or a chain of module methods on it (``model.train()``, ``model.eval().float()``)."""
+    return dotted(_unchained(node, _CHAINED)) in models
+
+
 def fix_call(porter: Any, original: Any, updated: Any) -> Any:
-    """``model.to(device)`` / ``model.cuda()`` for a name the program uses as a model."""
+    """``model.to(device)`` / ``model.cuda()`` / ``model.train().to(device)`` for a name the program uses as a model."""
     cst = libcst()
-    if not isinstance(updated.func, cst.Attribute) or dotted(updated.func.value) not in porter.plan.models:
+    if not isinstance(updated.func, cst.Attribute) or not _is_model(updated.func.value, porter.plan.models):
         return None
     if updated.func.attr.value == "cuda" and not any(a.keyword is None for a in updated.args):
         return _moved(porter, original, updated.func.value, cst.parse_expression(porter.device()))

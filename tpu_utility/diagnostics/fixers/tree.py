@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 PORT_INSTALL = 'pip install libcst nbformat  (or pip install "tpu_utility[port]")'
@@ -54,6 +55,10 @@ def keyword(call: Any, name: str) -> Any:
 OPTIMIZERS = {"SGD", "Adam", "AdamW", "Adagrad", "Adadelta", "Adamax", "NAdam", "RAdam", "RMSprop", "LBFGS",
               "SparseAdam", "Lamb", "LAMB", "Lion", "Adafactor", "create_optimizer", "create_optimizer_v2"}  # fmt: skip
 LAUNCHES = ("xmp.spawn", "torch_xla.launch")
+
+
+# code that picks the device or moves to it: a CUDA string, torch.device, a move (a branch's body: cuda_available, cuda_flag)
+DECIDES_DEVICE = re.compile(r"""\.(cuda|to)\(|move_model\(|get_device\(|torch\.device\(|current_accelerator\(|['"]cuda""")
 
 
 def mentions_cuda(node: Any) -> bool:

@@ -8,6 +8,7 @@ every line it left that still costs speed or breaks on XLA, with the fix::
     python -m tpu_utility.port kernel.ipynb            # writes kernel_tpu.ipynb beside it
     python -m tpu_utility.port train.py -o train_xla.py
     python -m tpu_utility.port train.py --diff         # prints a unified diff, writes nothing
+    python -m tpu_utility.port train.py --check -- --epochs 1   # then runs its first 3 steps on XLA:CPU
 
 The input is never changed. Edits are made on the concrete syntax tree (LibCST), so
 comments and formatting stay; a notebook keeps its cells, markdown and metadata, and
@@ -30,8 +31,10 @@ from ..fixers.tree import PORT_INSTALL
 from .cells import port_cells
 from .report import EXIT_DOES_NOT_PARSE, EXIT_LEFT_BREAKS, EXIT_RUNS, EXIT_USAGE, Change, Left, PortReport
 
+EXIT_CHECK_FAILED = 4
+
 __all__ = ["Change", "Left", "PortReport", "default_output", "main", "port_file", "port_source",
-           "EXIT_RUNS", "EXIT_LEFT_BREAKS", "EXIT_USAGE", "EXIT_DOES_NOT_PARSE"]
+           "EXIT_RUNS", "EXIT_LEFT_BREAKS", "EXIT_USAGE", "EXIT_DOES_NOT_PARSE", "EXIT_CHECK_FAILED"]
 
 # ----------------------------------------------------------------- entries
 def port_source(source: str, name: str = "<source>") -> tuple[str, PortReport]:
@@ -134,12 +137,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     1: written, but the report names lines left that stop the program on XLA or change what it computes.
     2: nothing written: a bad path or argument, or LibCST/nbformat missing.
     3: written, but part of the input does not parse (the report names where and why): nothing ported there.
+    4: written, and ``--check`` ran its first steps: they stopped, or did not run on XLA (port/check.py).
     """
     parser = argparse.ArgumentParser(prog="python -m tpu_utility.port", description=__doc__.split("\n")[0])
     parser.add_argument("input", help="a .py script or .ipynb notebook (never changed)")
     parser.add_argument("-o", "--output", help="where to write (default: beside the input, _tpu before the suffix)")
     parser.add_argument("--diff", action="store_true", help="print a unified diff and write nothing")
-    args = parser.parse_args(argv)
+    parser.add_argument("--check", action="store_true", help="then run the output's first optimizer steps on XLA:CPU "
+                        "and fail (exit 4) if they stop or do not run on XLA")
+    parser.add_argument("--check-steps", type=int, default=3, help="optimizer steps the check runs (default 3)")
+    parser.add_argument("--check-timeout", type=float, default=600, help="seconds the check may run (default 600)")
+    parser.epilog = "after --: the program's own arguments, for --check (train.py --check -- --epochs 1)"
+    argv = list(sys.argv[1:] if argv is None else argv)
+    program_args = argv[argv.index("--") + 1:] if "--" in argv else []
+    args = parser.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
+    if args.check and (args.diff or not args.input.endswith(".py") or args.check_steps < 1):
+        print("tpu_utility.port: --check runs a written .py output for 1 or more steps, but given "
+              f"{args.input!r}{' with --diff' if args.diff else ''}, --check-steps {args.check_steps}", file=sys.stderr)
+        return EXIT_USAGE
     try:
         report, text = port_file(args.input, args.output, args.diff)
     except (ValueError, FileNotFoundError, ModuleNotFoundError) as error:
@@ -148,4 +163,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.diff:
         print(text, end="")
     print(report.text())
+    if args.check and report.status() == EXIT_RUNS:
+        from .check import dry_run
+
+        result = dry_run(report.output, args.check_steps, program_args, args.check_timeout)
+        print(result.text)
+        return EXIT_RUNS if result.ok else EXIT_CHECK_FAILED
+    if args.check:
+        print(f"check: not run: the port itself says the output does not run unchanged (exit {report.status()})")
     return report.status()

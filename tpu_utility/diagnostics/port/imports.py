@@ -171,6 +171,7 @@ def add_imports(cells: list[Any], plan: Any, report: PortReport) -> None:
     modules = [cst.parse_module(c.result) for c in ported]
     read = [_read(module) for module in modules]
     items = _missing(_items(plan), [node for _, imports in read for node in imports])
+    items = [item for item in items if any(_bound(item) in names for names, _ in read)]  # a rewrite made it unused
     if not items:
         return
     xla = next((i for i, module in enumerate(modules) if any(_imports_torch_xla(stmt) for stmt in module.body)), None)

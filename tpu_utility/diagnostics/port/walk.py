@@ -79,6 +79,7 @@ class Porter(cst.CSTTransformer):
         self.loops: list[bool] = []  # per enclosing loop: does it run per step?
         self.guards: list[bool] = []  # per enclosing if: does its test mention CUDA?
         self.device_stack: list[str | None] = [plan.device]
+        self.classes = 0  # class bodies around the node (at import time when no function is around it either)
         self.reported: set[tuple[str, int]] = set()
 
     # ------------------------------------------------------------ the fixers' helpers
@@ -122,6 +123,13 @@ class Porter(cst.CSTTransformer):
         self.device_stack.pop()
         return updated
 
+    def visit_ClassDef(self, node: Any) -> None:
+        self.classes += 1
+
+    def leave_ClassDef(self, original: Any, updated: Any) -> Any:
+        self.classes -= 1
+        return updated
+
     def visit_For(self, node: Any) -> None:
         self.loops.append(per_step(node))
 
@@ -137,7 +145,8 @@ class Porter(cst.CSTTransformer):
         return updated
 
     def visit_If(self, node: Any) -> None:
-        self.guards.append(mentions_cuda(node.test))
+        """A CUDA test guards its body, unless the port opens it to the accelerator (then its body runs on a TPU)."""
+        self.guards.append(mentions_cuda(node.test) and not fixers.opened(node))
 
     def leave_If(self, original: Any, updated: Any) -> Any:
         self.guards.pop()
