@@ -43,7 +43,7 @@ def test_hosts_of_a_pod_slice_each_load_their_share_of_the_global_batch():
     from tpu_utility.training.topology import Topology
 
     hosts, devices, per_core = 4, 16, 8
-    layouts = [Topology("spmd", hosts=hosts, host=h, devices=devices) for h in range(hosts)]
+    layouts = [Topology(spmd=True, hosts=hosts, host=h, devices=devices) for h in range(hosts)]
     assert {t.loader_batch(per_core) for t in layouts} == {32}  # 4 local devices x 8
     assert {t.global_batch(per_core) for t in layouts} == {128}  # the batch the mesh sees
     assert [t.loaders for t in layouts] == [(4, 0), (4, 1), (4, 2), (4, 3)]
@@ -73,12 +73,12 @@ def test_single_and_multiprocess_layouts_and_an_uneven_mesh():
 
     single = Topology()
     assert (single.loaders, single.loader_batch(64), single.global_batch(64), single.cores) == ((1, 0), 64, 64, 1)
-    spmd = Topology("spmd", devices=8)
+    spmd = Topology(spmd=True, devices=8)
     assert (spmd.loaders, spmd.loader_batch(16), spmd.cores) == ((1, 0), 128, 8)
-    replica = Topology("replica", replicas=8, rank=3)
+    replica = Topology(replicas=8, rank=3)
     assert (replica.loaders, replica.loader_batch(16), replica.global_batch(16), replica.master) == ((8, 3), 16, 128, False)
     with pytest.raises(ValueError, match="6 devices do not split evenly over 4 hosts"):
-        Topology("spmd", hosts=4, devices=6)
+        Topology(spmd=True, hosts=4, devices=6)
 
 
 def _ids(loader):

@@ -14,8 +14,8 @@ from torch import nn
 
 from conftest import run_python
 from tpu_utility import FSDP, one_cycle_fit
-from tpu_utility.training.topology import choose_strategy
-from tpu_utility.sharding import block_classes, check_batch, output_scores, refuse_replaced, resolve_strategy
+from tpu_utility.training.strategies import choose_strategy, resolve_strategy
+from tpu_utility.sharding import block_classes, check_batch, output_scores, refuse_replaced
 
 FSDP_SCRIPT = r"""
 import copy, json, math, os, tempfile

@@ -20,7 +20,8 @@ import pytest
 
 from conftest import run_python
 from test_native import WARM, _ranks, _torchrun
-from tpu_utility.training.topology import choose_strategy
+from tpu_utility.sharding import FSDP
+from tpu_utility.training.strategies import Fsdp, FsdpProcess, choose_strategy
 
 MODEL = """
 import json, os, sys
@@ -154,10 +155,14 @@ def check_inference(seen):
 
 
 def test_fsdp_is_launched_natively_joined_in_a_job_and_refused_on_one_core():
-    native = {"sharded_processes": True}
-    assert choose_strategy("fsdp", 2, in_launch=False, **native) == "multiprocess-fsdp"  # one_cycle_fit launches
-    assert choose_strategy("fsdp", 1, in_launch=True, **native) == "fsdp"  # a torchrun process shards with the job
-    assert choose_strategy("fsdp", 4, in_launch=False) == "fsdp"  # XLA: one process over the mesh
+    native = {"native": True}
+    launched = choose_strategy("fsdp", 2, in_launch=False, **native)  # one_cycle_fit launches processes that shard
+    assert (launched.name, launched.launches, launched.shards) == ("multiprocess-fsdp", True, True)
+    assert launched.replica() == FsdpProcess(2, FSDP())  # each of them holds a shard
+    joined = choose_strategy("fsdp", 1, in_launch=True, **native)  # a torchrun process shards with the job
+    assert (type(joined), joined.name, joined.launches, joined.in_job) == (FsdpProcess, "fsdp", False, True)
+    on_xla = choose_strategy("fsdp", 4, in_launch=False)  # XLA: one process over the mesh
+    assert (type(on_xla), on_xla.launches, on_xla.shards, on_xla.in_job) == (Fsdp, False, True, False)
     with pytest.raises(ValueError, match="this process is one replica of a multi-process launch"):
         choose_strategy("fsdp", 4, in_launch=True)  # XLA's one-process SPMD cannot run inside a launch
     with pytest.raises(ValueError, match=r"given cores=1; give cores=N with N >= 2"):

@@ -21,11 +21,12 @@ LAYERS = [
     {"arguments", "remote", "files", "progress", "device", "environment", "diagnostics.port", "diagnostics.fixers",
      "huggingface"},
     {"optim", "sharding", "amp", "checkpoint", "export", "data.buckets", "data.cache", "data.presize", "training.schedule",
+     "training.topology", "training.precision",
      "training.monitor", "training.history", "training.events", "training.strategies"},
     {"training.memory"},
     {"data.loaders", "training.metrics", "training.callbacks", "training.builtins", "training.agreement"},
     {"data", "loop"},
-    {"training.topology", "training.steps", "training.precision", "training.runner"},  # the runner's rooms
+    {"training.steps", "training.runner"},  # the runner's rooms
     {"training.trainer", "training.inference", "training.generate", "diagnostics.doctor"},
     {"training.fit"},
     {"training.lr_finder", "training", "diagnostics.check", "diagnostics"},
@@ -354,3 +355,68 @@ def test_the_xla_backends_methods_are_the_operations_not_a_layer_over_module_fun
     layered = "def f(x):\n    return x\n\nclass B:\n    def a(self, x):\n        '''Doc.'''\n        return f(x)\n\n" \
               "    def b(self):\n        f(1)\n\n    def c(self):\n        return len([])\n"  # fmt: skip
     assert _bare_delegations(layered, "B") == ["a", "b"]  # the check sees a delegation (it can fail)
+
+
+STRATEGY_WORDS = {"single", "spmd", "multiprocess", "fsdp", "multiprocess-fsdp", "replica"}
+
+
+def _word_comparisons(source: str) -> list[int]:
+    """Lines comparing a value with a strategy word (``mode == "spmd"``, ``word in ("auto", "fsdp")``)."""
+    lines = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Compare):
+            sides = [node.left, *node.comparators]
+            literals = [c for side in sides for c in ([side] if isinstance(side, ast.Constant) else
+                        getattr(side, "elts", []) if isinstance(side, (ast.Tuple, ast.List, ast.Set)) else [])]  # fmt: skip
+            if any(isinstance(c, ast.Constant) and c.value in STRATEGY_WORDS for c in literals):
+                lines.append(node.lineno)
+    return lines
+
+
+def test_no_code_outside_the_strategies_room_compares_a_strategy_word():
+    """Callers ask the strategy object (launches, shards, in_job, topology()); only strategies/ reads the words."""
+    found = {}
+    for path, unit, _ in _modules():
+        if unit == "training.strategies" or unit.startswith("diagnostics"):  # the porter's rules name user code's words
+            continue
+        with open(path) as f:
+            lines = _word_comparisons(f.read())
+        if lines:
+            found[os.path.relpath(path, PACKAGE)] = lines
+    assert not found, f"strategy words compared outside training/strategies/: {found}"
+    assert _word_comparisons('if mode in ("single", "x"):\n    pass\nok = word != "fsdp"\n') == [1, 3]
+
+
+def test_a_strategy_is_one_module_and_one_table_row(tmp_path, monkeypatch):
+    """A tensor-parallel stub: one module (written here as a user would add it) and one row in STRATEGIES; the
+    rest of the package untouched, one_cycle_fit runs it (enter and leave called, its word on the summary line)."""
+    import importlib
+    import sys
+
+    import torch
+    from torch import nn
+    from torch.utils.data import TensorDataset
+
+    from tpu_utility import one_cycle_fit
+    from tpu_utility.training import strategies
+
+    (tmp_path / "tensor_parallel_stub.py").write_text(
+        "from tpu_utility.training.strategies.base import Strategy\n"
+        "class TensorParallel(Strategy):\n"
+        "    name = 'tensor-parallel'\n"
+        "    seen = []\n"
+        "    def enter(self, model):\n"
+        "        self.seen.append('enter')\n"
+        "        self.note = 'tp: stub'\n"
+        "    def leave(self, model):\n"
+        "        self.seen.append('leave')\n"
+    )  # fmt: skip
+    monkeypatch.syspath_prepend(str(tmp_path))
+    stub = importlib.import_module("tensor_parallel_stub")
+    monkeypatch.setitem(strategies.STRATEGIES, "tp", stub.TensorParallel)
+    torch.manual_seed(0)
+    data = TensorDataset(torch.randn(32, 4), torch.randint(0, 2, (32,)))
+    history = one_cycle_fit(nn.Linear(4, 2), data, epochs=1, max_lr=1e-2, batch_size=8, strategy="tp", progress=False)
+    assert stub.TensorParallel.seen == ["enter", "leave"], stub.TensorParallel.seen
+    assert history.summary.startswith("one_cycle_fit: tensor-parallel on 1") and "tp: stub" in history.summary
+    sys.modules.pop("tensor_parallel_stub", None)

@@ -229,8 +229,10 @@ def test_a_sharded_run_the_host_cannot_hold_is_refused_before_training(monkeypat
     model = nn.Sequential(nn.Linear(1000, 1000), nn.Linear(1000, 2))  # 4.01 MB of fp32 weights, 8.02 MB AdamW state
     data = TensorDataset(torch.randn(8, 1000), torch.randint(0, 2, (8,)))
     run = dict(epochs=1, max_lr=1e-3, batch_size=4, progress=False, strategy="fsdp")
-    # this process has one XLA device: fsdp over 4 cores, and over 2 launched processes, as process_mode says them
-    monkeypatch.setattr(fit_module, "process_mode", lambda cores, word: (4, "fsdp"))
+    # this process has one XLA device: fsdp over 4 cores, and over 2 launched processes, as strategies.choose gives them
+    from tpu_utility.training.strategies import FSDP, Fsdp, MultiprocessFsdp
+
+    monkeypatch.setattr(fit_module, "choose", lambda cores, strategy: Fsdp(4, FSDP()))
     monkeypatch.setenv("TPU_UTILITY_HOST_MEMORY_GB", str(6e6 / 2**30))  # 6 MB available: 5.4 MB usable
     compiles = backend.compile_count()
     with pytest.raises(ValueError) as error:  # a save gathers 12.04 MB; the model's own 4.01 MB are freed by then
@@ -243,7 +245,7 @@ def test_a_sharded_run_the_host_cannot_hold_is_refused_before_training(monkeypat
         assert part in message, (part, message)
     assert backend.compile_count() == compiles and not (tmp_path / "ckpt").exists()  # before anything ran
 
-    monkeypatch.setattr(fit_module, "process_mode", lambda cores, word: (2, "multiprocess-fsdp"))
+    monkeypatch.setattr(fit_module, "choose", lambda cores, strategy: MultiprocessFsdp(2, FSDP()))
     monkeypatch.setenv("TPU_UTILITY_HOST_MEMORY_GB", str(8.5e6 / 2**30))  # 7.65 MB usable: two copies of 4.01 MB
     with pytest.raises(ValueError) as error:  # do not fit, beside the caller's own copy (which stays)
         one_cycle_fit(model, data, **run)

@@ -5,7 +5,8 @@ import pytest
 
 from conftest import TINY_CNN, run_python, run_script
 from tpu_utility.environment import choose_start_method
-from tpu_utility.training.topology import choose_strategy, resolve_cores
+from tpu_utility.training.strategies import choose_strategy
+from tpu_utility.training.topology import resolve_cores
 
 SPMD_SCRIPT = """
 import warnings; warnings.simplefilter("ignore")
@@ -111,11 +112,19 @@ def test_start_method_fork_in_notebooks_spawn_in_scripts():
 
 
 def test_strategy_choice():
-    assert choose_strategy("auto", 1, in_launch=False) == "single"
-    assert choose_strategy("auto", 8, in_launch=False) == "spmd"
-    assert choose_strategy("spmd", 1, in_launch=False) == "spmd"
-    assert choose_strategy("multiprocess", 8, in_launch=False) == "multiprocess"
-    assert choose_strategy("auto", 8, in_launch=True) == "replica"
+    def said(*args, **kwargs):
+        chosen = choose_strategy(*args, **kwargs)
+        return chosen.name, chosen.launches, chosen.may_shard
+
+    assert said("auto", 1, in_launch=False) == ("single", False, False)
+    assert said("auto", 8, in_launch=False) == ("spmd", False, True)  # the memory plan may shard it instead
+    assert said("spmd", 1, in_launch=False) == ("spmd", False, False)
+    assert said("multiprocess", 8, in_launch=False) == ("multiprocess", True, False)
+    assert choose_strategy("multiprocess", 8, in_launch=False).replica().name == "replica"
+    assert said("auto", 8, in_launch=True) == ("replica", False, False)
+    assert said("auto", 8, in_launch=False, native=True) == ("multiprocess", True, False)
+    with pytest.raises(ValueError, match=r"strategy must be one of \('auto', 'spmd', 'multiprocess', 'fsdp'\), but given 'ddp'"):
+        choose_strategy("ddp", 8, in_launch=False)
 
 
 def test_cores_are_one_or_all():

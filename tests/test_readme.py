@@ -58,6 +58,12 @@ def block(marker: str) -> str:
     return found
 
 
+PORTED_IDIOMS = """
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+name, local_rank = "tiny-llama", 0  # a model folder on disk (no download), as a Kaggle dataset holds one
+LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)).save_pretrained(name)
+"""
 FAKE_WANDB = """
 import sys, types
 logged = []  # a stand-in for wandb (not installed): records what the block logs
@@ -186,6 +192,10 @@ def _cases():
         ("shard_model", LLM + block("model = shard_model(model)") + "\nassert loss.item() > 0\n", 4),
         ("generate a submission", LLM + block("the best valid_loss's epoch\nprompts =")
          + "\nsub = pd.read_csv('submission.csv'); assert list(sub['id']) == list(range(5)) and len(sub) == 5, sub\n", 4),
+        ("the port's device idioms", PORTED_IDIOMS + block("device = device_type()              # \"xla\"")
+         + "\nassert device == args.device == model.device.type == 'xla' and n_gpu == 1, (device, args.device, n_gpu)"
+         + "\nassert model.get_input_embeddings().weight is model.get_output_embeddings().weight  # the tie kept"
+         + "\nassert g.device.type == 'cpu'\n", 1),
         ("reload best.pt", "one_cycle_fit(small_cnn(), train_ds, epochs=1, max_lr=1e-3, checkpoint_dir='ckpt', progress=False)\n"
          + block('load_checkpoint("ckpt/best.pt"') + "\nassert preds.shape == (len(test_ds), 10)\n", 1),
     ]  # fmt: skip

@@ -73,22 +73,6 @@ class FSDP:
                 raise TypeError(f"FSDP({name}=...) must be True or False, but given {getattr(self, name)!r}")
 
 
-def resolve_strategy(strategy: Any) -> tuple[Any, FSDP | None]:
-    """``strategy=`` as (its word, the FSDP options): ``FSDP(...)`` gives ("fsdp", it), "fsdp" ("fsdp", FSDP()),
-    another word (checked where it is chosen) itself and None.
-
-    Example:
-        >>> resolve_strategy("fsdp"), resolve_strategy("spmd")
-        (('fsdp', FSDP(wrap=None, checkpoint=True, shard_output=True)), ('spmd', None))
-    """
-    if isinstance(strategy, FSDP):
-        return "fsdp", strategy
-    if isinstance(strategy, str):
-        return strategy, FSDP() if strategy == "fsdp" else None
-    raise TypeError(f"strategy must be a name ('auto', 'spmd', 'multiprocess', 'fsdp') or FSDP(...), but given "
-                    f"{strategy!r} of type {type(strategy).__name__}")  # fmt: skip
-
-
 # ------------------------------------------------------------------ blocks
 def _no_split_names(model: nn.Module) -> set[str]:
     names: set[str] = set()
@@ -325,5 +309,5 @@ def shard_model(model: nn.Module, options: FSDP | None = None, *, optimizer: Any
     return model
 
 
-__all__ = ["FSDP", "shard_model", "block_classes", "repeated_class", "resolve_strategy", "check_batch",
+__all__ = ["FSDP", "shard_model", "block_classes", "repeated_class", "check_batch",
            "output_scores", "apply_sharding", "refuse_replaced", "blocks_of"]  # fmt: skip

@@ -171,9 +171,9 @@ def _checkpoint() -> str:
 
 def _bf16() -> str:
     from ..device import get_device
-    from ..training.precision import PrecisionMode
+    from ..training.precision import Precision
 
-    mode = PrecisionMode.choose("bf16", get_device())
+    mode = Precision.of("bf16").on(get_device())
     if mode.mode != "autocast":
         raise _Skip(f"{mode.device} has no bf16 autocast (precision='bf16' runs as {mode.label} there)")
     return f"{mode.label} on {mode.device}: {_fit(1, precision='bf16', epochs=2)[1]}"

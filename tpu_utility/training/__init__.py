@@ -14,7 +14,8 @@ Read it top down:
 - ``inference.py``: ``predict()`` and ``evaluate()`` in dataset order on any number of cores.
 - ``generate.py``: ``generate()``, a causal LM's new tokens for every prompt with static shapes (buckets, one cache).
 - ``memory.py``: ``memory_plan()``, the bytes per chip to train a model, replicated and sharded.
-- ``strategies/``: each way of spreading a model over devices in its own room (FSDP's blocks and wrap).
+- ``strategies/``: each way of spreading a model over devices in its own module behind one ``Strategy``
+  interface, and the one table from ``strategy=``'s words to them (FSDP's blocks and wrap from ``sharding``).
 - ``lr_finder.py``: ``find_lr()``, the same loop with a learning-rate sweep for its schedule.
 """
 

@@ -189,7 +189,7 @@ class ReplicaAgreement(Callback):
 
     def on_fit_start(self, loop: TrainerLoop) -> None:
         topology = loop.runner.topology
-        if topology.mode != "replica" or topology.replicas < 2:
+        if topology.replicas < 2:  # one process, or one program over a mesh: nothing to agree on
             return
         check(describe_fit(loop, self.arguments), loop.device, "one_cycle_fit run")
 

@@ -50,10 +50,10 @@ from .history import History
 from .metrics import METRICS, CrossEntropy, accuracy, check_loss_fn, per_sample_loss, resolve_metrics
 from .memory import auto_shards, refuse_host_shortage, refuse_replicating
 from .monitor import Mode, StopRule, parse_duration, resolve_mode
-from .precision import Precision, check_precision
-from .topology import LAUNCHED_MODE, Strategy, available_cores, choose_strategy, process_mode, resolve_cores
+from .precision import Precision, PrecisionName
+from .topology import available_cores, resolve_cores
 from .schedule import LrSchedule, OneCycle, ScheduleName, check_warmup
-from .strategies import FSDP, resolve_strategy
+from .strategies import FSDP, StrategyName, choose, choose_strategy
 from .trainer import FitPlan, Steps, train
 
 __all__ = ["one_cycle_fit", "resolve_optimizer", "resolve_cores", "choose_strategy", "available_cores",
@@ -197,8 +197,8 @@ def one_cycle_fit(
     optimizer: str | Callable[..., torch.optim.Optimizer] = "adamw",
     batch_size: int | None = None,
     cores: int | str = 1,
-    strategy: Strategy | FSDP = "auto",
-    precision: Precision = "fp32",
+    strategy: StrategyName | FSDP = "auto",
+    precision: PrecisionName = "fp32",
     metrics: str | Metric | Sequence[str | Metric] | dict[str, Any] | None = None,
     accumulate_steps: int = 1,
     max_grad_norm: float | None = None,
@@ -358,7 +358,7 @@ def one_cycle_fit(
         raise ValueError("the model has no trainable parameters (all have requires_grad=False); unfreeze some layers")
     _positive("epochs", epochs, int)
     _positive("accumulate_steps", accumulate_steps, int)
-    check_precision(precision)  # fp16 where the device has no float16 path: refused before any launch or epoch
+    precision = Precision.of(precision)  # fp16 where the device has no float16 path: refused before any launch or epoch
     if max_grad_norm is not None:
         _positive("max_grad_norm", max_grad_norm)
     if resume and checkpoint_dir is None:
@@ -376,17 +376,15 @@ def one_cycle_fit(
     metric_table = resolve_metrics(metrics, loss_fn is None)
     callbacks = check_callbacks(callbacks)
     stop = _stop_rule(monitor, mode, early_stopping, restore_best, time_limit, (valid_data is not None, metric_table))
-    word, sharding = resolve_strategy(strategy)
-    n_cores, run_mode = process_mode(cores, word)
-    processes = n_cores if run_mode in LAUNCHED_MODE else 1
+    chosen = choose(cores, strategy)
+    n_cores, processes = chosen.cores, chosen.cores if chosen.launches else 1
     train_spec, valid_spec = _loader_specs(train_data, valid_data, batch_size, num_workers, processes)
-    why = ""
     if factory is None:  # a model that cannot fit: said now, not after minutes of compiling
-        if word == "auto" and run_mode == "spmd":  # the plan may choose to shard
+        if chosen.may_shard:  # strategy="auto" over a mesh: the plan may choose to shard
             why = auto_shards(model, n_cores, train_spec.batch_size, optimizer, precision)
-            run_mode, sharding = ("fsdp", FSDP()) if why else (run_mode, sharding)
-        refuse_replicating(model, n_cores, train_spec.batch_size, optimizer, precision, sharded=run_mode == "fsdp")
-        if run_mode in ("fsdp", "multiprocess-fsdp"):  # the host holds it whole before it is sharded, and each save
+            chosen = chosen.sharded(why) if why else chosen
+        refuse_replicating(model, n_cores, train_spec.batch_size, optimizer, precision, sharded=chosen.shards)
+        if chosen.shards:  # the host holds it whole before it is sharded, and each save
             refuse_host_shortage(model, optimizer, processes, checkpoint_dir is not None)
     loss = loss_fn if loss_fn is not None else CrossEntropy()
     if valid_spec is not None:
@@ -408,17 +406,17 @@ def one_cycle_fit(
     config = {"epochs": epochs, "max_lr": max_lr, "batch_size": train_spec.batch_size, "cores": n_cores}
     checkpoints = {"folder": checkpoint_dir, "resume": resume, "fingerprint": fingerprint, "config": config}
     # what every replica must be given alike (ReplicaAgreement adds the data, the model and the resume point)
-    run_shape = {**config, **{k: v for k, v in fingerprint.items() if k != "train samples"}, "precision": precision,
+    run_shape = {**config, **{k: v for k, v in fingerprint.items() if k != "train samples"}, "precision": precision.name,
                  "max_grad_norm": max_grad_norm, "stop": repr(stop)}  # fmt: skip
     plan = FitPlan(
         epochs=epochs, train=train_spec, valid=valid_spec, steps=steps,
         optimizer=opt_factory, optimizer_name=opt_name, optimizer_args=_optimizer_args(optimizer, weight_decay),
         metrics=metric_table, checkpoint_dir=checkpoint_dir, overwrite=overwrite, precision=precision,
-        seed=seed, progress=progress, cores=n_cores, mode=run_mode, sharding=sharding, strategy_note=why,
+        seed=seed, progress=progress, cores=n_cores, strategy=chosen,
         callbacks=callbacks,
         builtins=builtin_callbacks(lr_schedule, stop, checkpoints, progress, run_shape),
     )  # fmt: skip
-    if run_mode not in LAUNCHED_MODE:
+    if not chosen.launches:
         trained, history = train(model if factory is None else factory(), plan)
         history.model = trained
         return history
@@ -557,7 +555,7 @@ def _mp_worker(index: int, model: Any, plan: FitPlan, result: str) -> None:
 
     if backend.current().lazy:
         setup_tpu(verbose=False)  # this process's own compile-cache folder
-    replica_plan = dataclasses.replace(plan, mode=LAUNCHED_MODE[plan.mode])  # one process of the launch
+    replica_plan = dataclasses.replace(plan, strategy=plan.strategy.replica())  # one process of the launch
     trained, history = train(model if isinstance(model, nn.Module) else model(), replica_plan)
     if backend.is_master():
         save_atomic(

@@ -42,7 +42,7 @@ from ..data.buckets import _check_buckets, choose_buckets, group_batches
 from ..huggingface import base_model, is_transformers_model
 from ..progress import progress_bar
 from .runner import Runner
-from .topology import process_mode
+from .strategies import Single, choose
 
 _MASK32 = 0xFFFFFFFF
 MEMORY_HEADROOM = 0.9  # of a device's memory left over by the weights, the share a KV cache may take
@@ -525,15 +525,16 @@ def generate(
     prompts = prompt_ids(data)
     check_token_ids(prompts, vocabulary(inner))
     lengths = [len(p) for p in prompts]
-    n_cores, mode = process_mode(cores)
-    if mode not in ("single", "spmd", "replica"):
+    chosen = choose(cores)
+    if chosen.launches or chosen.shards:
         raise ValueError(f"generate runs on one device, or on all XLA devices as one program (SPMD); cores={cores!r} "
-                         f"asks the {backend.current().name} backend for {n_cores} processes: use cores=1")  # fmt: skip
-    if mode == "replica" and not _same_prompts_everywhere(prompts):
-        mode = "single"  # each replica given prompts of its own generates them all, alone
-    runner = Runner(inner, "fp32", mode)
+                         f"asks the {backend.current().name} backend for {chosen.cores} processes: use cores=1")  # fmt: skip
+    if chosen.in_job and not _same_prompts_everywhere(prompts):
+        chosen = Single()  # each replica given prompts of its own generates them all, alone
+    runner = Runner(inner, "fp32", chosen)
     try:
-        rows = batch_size if mode == "replica" else runner.topology.global_batch(batch_size)
+        # the rows of a batch: the global batch of one program over the mesh, else this process's own
+        rows = runner.topology.global_batch(batch_size) if runner.topology.spmd else batch_size
         plan = GenerationPlan.of(lengths, buckets, rows, max_new_tokens)
         _check_positions(inner, plan)
         check_memory(inner, batch_size, plan.cache_length, runner.device)

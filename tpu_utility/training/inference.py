@@ -21,33 +21,30 @@ from . import agreement
 from ..data.loaders import LabelCheck, LoaderSpec, refuse_uncounted, unpack_loader
 from ..huggingface import is_causal_lm
 from .metrics import CrossEntropy, MetricSet, check_loss_fn, resolve_metrics
-from .precision import Precision
+from .precision import PrecisionName
 from .runner import Runner
 from .steps import EvalStep, default_eval_step, default_predict_step
-from .topology import Strategy, process_mode
-from .strategies import FSDP, resolve_strategy
+from .strategies import FSDP, Single, Strategy, StrategyName, choose
 
 
-def _mode(model: nn.Module, cores: int | str, strategy: Any) -> tuple[int, str, FSDP | None]:
-    """(cores, run mode as ``process_mode`` names it, the FSDP options) for ``predict`` or ``evaluate``."""
+def _strategy(model: nn.Module, cores: int | str, strategy: Any) -> Strategy:
+    """The strategy ``predict`` or ``evaluate`` runs (``strategies.choose``), the model checked first."""
     if isinstance(model, type):
         raise TypeError(f"model is the class {model.__qualname__}, not a model; give an instance, "
                         f"{model.__qualname__}(...), with its trained weights")  # fmt: skip
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, but given {model!r}")
-    word, sharding = resolve_strategy(strategy)
-    n_cores, mode = process_mode(cores, word)
-    return n_cores, mode, sharding
+    return choose(cores, strategy)
 
 
-def _runner(model: nn.Module, precision: str, spec: LoaderSpec, what: str, mode: str, sharding: FSDP | None) -> Runner:
-    """The Runner for ``predict`` or ``evaluate`` in ``mode``; the replicas of a job given different data each run
+def _runner(model: nn.Module, precision: str, spec: LoaderSpec, what: str, chosen: Strategy) -> Runner:
+    """The Runner for ``predict`` or ``evaluate`` under ``chosen``; the replicas of a job given different data each run
     alone (``predict``: each gets its own rows) or are refused (``evaluate``: no one figure is asked for; and
     ``strategy="fsdp"``: each batch runs through every process's shard of the model)."""
-    # several processes only (on XLA, "fsdp" is one process, whose runtime must not start before SPMD is on)
-    several = mode in ("replica", "fsdp") and backend.world_size() > 1
+    # several processes of a job only (on XLA, "fsdp" is one process, whose runtime must not start before SPMD is on)
+    several = chosen.in_job and backend.world_size() > 1
     differ = agreement.data_differences(spec.dataset, backend.device()) if several else []
-    if differ and mode == "fsdp":
+    if differ and chosen.shards:
         raise agreement.ReplicaMismatch(
             f"{what} with strategy='fsdp' runs one model sharded over the {len(differ)} processes, each batch "
             f"through all of them, but the processes were given different data ({agreement.by_rank(differ)}). "
@@ -61,8 +58,9 @@ def _runner(model: nn.Module, precision: str, spec: LoaderSpec, what: str, mode:
                 f"no replica's data. Give every replica the same dataset; for each replica's own figures, "
                 f"predict(model, its_data) gives every replica its own rows to score"
             )
-        mode = "single"  # each replica predicts its own data, every row of it, alone
-    return Runner(model, precision, mode, sharding)
+        chosen = Single()  # each replica predicts its own data, every row of it, alone
+    # natively, processes the caller would launch for replicas: inference runs in this one (FSDP's launch: above)
+    return Runner(model, precision, Single() if chosen.launches else chosen)
 
 
 def _in_sharded_processes(what: str, model: nn.Module, data: Any, options: dict[str, Any], cores: int) -> Any:
@@ -90,8 +88,8 @@ def predict(
     *,
     cores: int | str = 1,
     batch_size: int | None = None,
-    precision: Precision = "fp32",
-    strategy: Strategy | FSDP = "auto",
+    precision: PrecisionName = "fp32",
+    strategy: StrategyName | FSDP = "auto",
     predict_step: Callable[[nn.Module, Any], Any] | None = None,
     tta: Sequence[Callable[[Any], Any]] | None = None,
     progress: bool = True,
@@ -162,12 +160,12 @@ def predict(
     if tta is not None and (isinstance(tta, (str, bytes)) or not all(callable(t) for t in tta)):
         raise TypeError(f"tta must be a list of batch transforms (callables), but given {tta!r}")
     spec = _every_sample_once(unpack_loader(data, batch_size, "data"))
-    n_cores, mode, sharding = _mode(model, cores, strategy)
-    if mode == "multiprocess-fsdp":  # natively: processes launched to hold the shards, as one_cycle_fit's
+    chosen = _strategy(model, cores, strategy)
+    if chosen.launches and chosen.shards:  # natively: processes launched to hold the shards, as one_cycle_fit's
         options = dict(cores=cores, batch_size=batch_size, precision=precision, strategy=strategy,
                        predict_step=predict_step, tta=tta, progress=progress)  # fmt: skip
-        return _in_sharded_processes("predict", model, data, options, n_cores)
-    runner = _runner(model, precision, spec, "predict", mode, sharding)
+        return _in_sharded_processes("predict", model, data, options, chosen.cores)
+    runner = _runner(model, precision, spec, "predict", chosen)
     try:
         return runner.predict(runner.eval_loader(spec), predict_step or default_predict_step, tta, progress)
     finally:
@@ -198,8 +196,8 @@ def evaluate(
     loss_fn: Callable | None = None,
     cores: int | str = 1,
     batch_size: int | None = None,
-    precision: Precision = "fp32",
-    strategy: Strategy | FSDP = "auto",
+    precision: PrecisionName = "fp32",
+    strategy: StrategyName | FSDP = "auto",
     eval_step: Callable[[nn.Module, Any], Any] | None = None,
 ) -> dict[str, float]:
     """Exact loss and metrics over every sample (each counted once on any number of cores).
@@ -230,12 +228,12 @@ def evaluate(
     check_loss_fn(loss_fn)
     spec = unpack_loader(data, batch_size, "data")
     table = resolve_metrics(metrics, loss_fn is None)
-    n_cores, mode, sharding = _mode(model, cores, strategy)
-    if mode == "multiprocess-fsdp":  # natively: processes launched to hold the shards, as one_cycle_fit's
+    chosen = _strategy(model, cores, strategy)
+    if chosen.launches and chosen.shards:  # natively: processes launched to hold the shards, as one_cycle_fit's
         options = dict(metrics=metrics, loss_fn=loss_fn, cores=cores, batch_size=batch_size, precision=precision,
                        strategy=strategy, eval_step=eval_step)  # fmt: skip
-        return _in_sharded_processes("evaluate", model, data, options, n_cores)
-    runner = _runner(model, precision, spec, "evaluate", mode, sharding)
+        return _in_sharded_processes("evaluate", model, data, options, chosen.cores)
+    runner = _runner(model, precision, spec, "evaluate", chosen)
     try:
         metric_set = MetricSet(table, loss_fn or CrossEntropy(), runner.device)
         loader, step = runner.eval_loader(spec), eval_step or default_eval_step

@@ -25,8 +25,7 @@ from .fit import check_number, check_seed, resolve_optimizer
 from .history import closed_figure
 from .metrics import CrossEntropy, check_loss_fn
 from .runner import Placement
-from .topology import process_mode
-from .strategies import FSDP, resolve_strategy
+from .strategies import FSDP, choose
 from .trainer import FitPlan, Steps, train
 
 
@@ -151,11 +150,8 @@ def find_lr(
         >>> one_cycle_fit(model, train_ds, epochs=5, max_lr=result.suggested_lr)  # doctest: +SKIP
         >>> result = find_lr(llm, train_ds, strategy="fsdp")  # doctest: +SKIP
     """
-    word, sharding = resolve_strategy(strategy)
-    if word not in ("auto", "spmd", "fsdp"):
-        raise ValueError(f"find_lr's strategy must be 'auto' (one core), 'spmd', 'fsdp' or FSDP(...) (all cores), "
-                         f"but given {strategy!r}")  # fmt: skip
-    cores, mode = (1, "single") if word == "auto" else process_mode("all", word)  # "auto": one core, as always
+    # "auto": one core, as always; "spmd" and "fsdp": all cores, in this process
+    chosen = choose("all", strategy, allowed=("auto", "spmd", "fsdp"), auto_alone=True)
     _check_sweep(start_lr, end_lr, num_steps, smooth, diverge_factor)
     check_loss_fn(loss_fn)
     if isinstance(read_every, bool) or not isinstance(read_every, int) or read_every < 1:
@@ -168,7 +164,7 @@ def find_lr(
         epochs=num_steps, train=unpack_loader(train_data, batch_size, "train_data"), valid=None,
         steps=Steps(loss_fn or CrossEntropy(), default_loss=loss_fn is None), optimizer=make_opt,
         optimizer_name=name, optimizer_args={}, metrics={}, seed=check_seed(seed), progress=False, builtins=[sweep],
-        cores=cores, mode=mode, sharding=sharding,
+        cores=chosen.cores, strategy=chosen,
     )  # fmt: skip
     found, saved = Placement.of(model), {k: v.detach().clone() for k, v in model.state_dict().items()}
     python_state, xla_state = random.getstate(), backend.rng_state() if backend.current().lazy else None

@@ -25,6 +25,7 @@ from torch import nn
 from .. import backend
 from ..backend.hardware import memory_override, tpu_device_memory
 from ..huggingface import base_model
+from .precision import Precision, PrecisionName
 from ..sharding import block_classes
 
 # the share of a chip's memory a plan may fill: XLA's own buffers, fragmentation and the compiler's temporaries
@@ -218,7 +219,7 @@ def memory_plan(
     batch_size: int = 64,
     seq_len: int | None = None,
     optimizer: str | Callable[..., torch.optim.Optimizer] = "adamw",
-    precision: str = "fp32",
+    precision: PrecisionName | Precision = "fp32",
     checkpointing: bool | None = None,
     device_memory: int | float | str | None = None,
 ) -> MemoryPlan:
@@ -268,8 +269,7 @@ def memory_plan(
     for name, value in (("batch_size", batch_size), ("seq_len", seq_len)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise ValueError(f"{name} must be a positive int, but given {value!r}")
-    if precision not in ("fp32", "bf16", "fp16"):
-        raise ValueError(f"precision must be one of ('fp32', 'bf16', 'fp16'), but given {precision!r}")
+    precision = Precision.named(precision)
     states, opt_name = optimizer_states(optimizer)
     params = list({id(p): p for p in model.parameters()}.values())  # tied weights once
     trainable = [p for p in params if p.requires_grad]
@@ -289,7 +289,7 @@ def memory_plan(
                      f"({frozen} frozen tensors keep no gradient or optimizer state)")  # fmt: skip
     shape = TransformerShape.of(getattr(model, "config", None)) if getattr(model, "config", None) is not None else None
     if shape is not None and seq_len is not None:
-        itemsize = 4 if precision == "fp32" else 2
+        itemsize = precision.itemsize
         inner = base_model(model)  # transformers 5 renamed the flag; the old name warns
         own = bool(getattr(inner, "is_activation_checkpointing", None) or getattr(inner, "gradient_checkpointing", False))
         repl_ckpt = shard_ckpt = own if checkpointing is None else checkpointing
@@ -310,7 +310,7 @@ def memory_plan(
     return MemoryPlan(tuple(terms), shards, _device_memory(device_memory), tuple(notes))
 
 
-def auto_shards(model: nn.Module, cores: int, batch_size: int, optimizer: Any, precision: str) -> str:
+def auto_shards(model: nn.Module, cores: int, batch_size: int, optimizer: Any, precision: Precision | str) -> str:
     """For ``strategy="auto"`` on several cores: why FSDP is chosen (the plan's figures) when one replica's
     parameters, gradients and optimizer state cannot fit a chip and a shard of them can; "" otherwise (and
     where the chip's memory is unknown), which leaves the run replicated.
@@ -326,7 +326,7 @@ def auto_shards(model: nn.Module, cores: int, batch_size: int, optimizer: Any, p
             f"{_gb(plan.usable)} usable of {_gb(plan.device_memory)}; sharded over {cores}: {_gb(plan.sharded)}")  # fmt: skip
 
 
-def refuse_replicating(model: nn.Module, cores: int, batch_size: int, optimizer: Any, precision: str,
+def refuse_replicating(model: nn.Module, cores: int, batch_size: int, optimizer: Any, precision: Precision | str,
                        sharded: bool = False) -> None:  # fmt: skip
     """Refuses, before anything compiles, a run whose parameters, gradients and optimizer state alone cannot
     fit one chip (replicated, or ``sharded`` over ``cores``), naming the figures and the ways out (sharding,

@@ -1,5 +1,7 @@
 """Precision: fp32, bf16 (autocast where the backend has it, else the model and inputs cast) or fp16 with
-torch's ``GradScaler``, checked once (``check_precision``) and applied by one ``PrecisionMode`` per run.
+torch's ``GradScaler``. One ``Precision`` value, made and checked once at the boundary (``Precision.of``), is
+carried down: the memory plan reads its ``itemsize``, the runner applies it on its device (``on``: one
+``PrecisionMode`` per run), a checkpoint records its ``name``.
 """
 
 from __future__ import annotations
@@ -14,9 +16,9 @@ import torch
 from torch.utils import _pytree as pytree
 
 from .. import backend
-from .steps import Batch
 
-Precision = Literal["fp32", "bf16", "fp16"]
+Batch = Any  # a step's batch: tensors, or dicts, lists and tuples of them
+PrecisionName = Literal["fp32", "bf16", "fp16"]
 
 
 def _cast_floats(batch: Batch, dtype: torch.dtype) -> Batch:
@@ -39,8 +41,7 @@ def check_precision(precision: Any, device: torch.device | None = None) -> None:
     Raises:
         ValueError: the value, and for fp16 the device and the precisions it has.
     """
-    if precision not in get_args(Precision):
-        raise ValueError(f"precision must be one of {get_args(Precision)}, but given {precision!r}")
+    Precision.named(precision)
     chosen = backend.current()
     if precision != "fp16" or chosen.fp16_available():
         return
@@ -53,6 +54,57 @@ def check_precision(precision: Any, device: torch.device | None = None) -> None:
         f"use precision='bf16' (what TPUs compute in; it has float32's range, so no loss scaling is needed) or "
         f"precision='fp32'. fp16 runs on CUDA GPUs (and, slowly, the CPU)"
     )
+
+
+@dataclass(frozen=True)
+class Precision:
+    """A run's precision, checked once where the user gives it and carried down as this value.
+
+    Example:
+        >>> # was: with torch.autocast("cuda", dtype=torch.bfloat16): ...
+        >>> Precision.of("bf16").itemsize, Precision.of("fp32").dtype
+        (2, torch.float32)
+    """
+
+    name: PrecisionName = "fp32"
+
+    @classmethod
+    def of(cls, value: Precision | str, device: torch.device | None = None) -> Precision:
+        """``value`` (a name, or a Precision already checked) as a Precision; a name is checked here
+        (``check_precision``: fp16 where the backend has no float16 path is refused)."""
+        if isinstance(value, cls):
+            return value
+        check_precision(value, device)
+        return cls(value)
+
+    @classmethod
+    def named(cls, value: Precision | str) -> Precision:
+        """``value`` as a Precision, its name checked but not this backend's paths (a memory plan may be
+        made here for other hardware)."""
+        if isinstance(value, cls):
+            return value
+        if value not in get_args(PrecisionName):
+            raise ValueError(f"precision must be one of {get_args(PrecisionName)}, but given {value!r}")
+        return cls(value)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype activations are computed in."""
+        return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[self.name]
+
+    @property
+    def itemsize(self) -> int:
+        """Bytes of one activation element (the memory plan's unit)."""
+        return self.dtype.itemsize
+
+    def on(self, device: torch.device) -> PrecisionMode:
+        """How this precision applies on ``device``: bf16 by autocast where the backend has it, else by casting
+        the model and its inputs (XLA:CPU refuses autocast)."""
+        if self.name != "bf16":
+            return PrecisionMode(self.name, device)
+        if backend.is_lazy(device):  # XLA: its autocast on TPUs, else cast (XLA:CPU refuses autocast)
+            return PrecisionMode("autocast" if backend.bf16_autocast_available() else "cast", device)
+        return PrecisionMode("autocast", device)
 
 
 @dataclass
@@ -68,7 +120,7 @@ class PrecisionMode:
         >>> # was: scaler = torch.cuda.amp.GradScaler()
         >>> #      with torch.autocast("cuda", dtype=torch.float16): loss = loss_fn(model(x), y)
         >>> #      scaler.scale(loss).backward(); scaler.step(opt); scaler.update()
-        >>> precision = PrecisionMode.choose("fp16", torch.device("cuda"))   # doctest: +SKIP
+        >>> precision = Precision.of("fp16").on(torch.device("cuda"))         # doctest: +SKIP
         >>> with precision.context():                                        # doctest: +SKIP
         ...     loss = loss_fn(model(x), y)
         >>> precision.backward(loss)                                         # doctest: +SKIP
@@ -77,15 +129,6 @@ class PrecisionMode:
 
     mode: str  # "fp32", "autocast", "cast" or "fp16"
     device: torch.device
-
-    @classmethod
-    def choose(cls, precision: str, device: torch.device) -> PrecisionMode:
-        check_precision(precision, device)
-        if precision in ("fp32", "fp16"):
-            return cls(precision, device)
-        if backend.is_lazy(device):  # XLA: its autocast on TPUs, else cast (XLA:CPU refuses autocast)
-            return cls("autocast" if backend.bf16_autocast_available() else "cast", device)
-        return cls("autocast", device)
 
     @property
     def name(self) -> str:

@@ -27,10 +27,9 @@ from ..huggingface import (base_model, check_transformers, give_back_checkpoint_
                            restore_masks, static_masks, use_checkpoint_function)
 from ..progress import progress_bar
 from .metrics import MetricSet
-from .precision import PrecisionMode
+from .precision import Precision
 from .steps import Batch, Step
-from .strategies import room
-from .topology import current_topology
+from .strategies import Single, Strategy
 
 PREDICT_CHUNK = 16  # batches of outputs kept on the device between host transfers
 
@@ -72,32 +71,30 @@ class Runner:
     """One process's device, model, precision and data layout.
 
     Example:
-        >>> runner = Runner(model, precision="bf16", mode="spmd")   # doctest: +SKIP
+        >>> runner = Runner(model, precision="bf16", strategy=Spmd(cores=4))   # doctest: +SKIP
         >>> loader = runner.eval_loader(unpack_loader(valid_ds, 64, "valid_data"))  # doctest: +SKIP
         >>> for batch, index in runner.batches(loader): ...          # doctest: +SKIP
     """
 
-    def __init__(self, model: nn.Module, precision: str = "fp32", mode: str = "single", sharding: Any = None,
-                 why: str = "") -> None:  # fmt: skip
+    def __init__(self, model: nn.Module, precision: Precision | str = "fp32", strategy: Strategy | None = None) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be an nn.Module, but given {model!r}")
         if is_transformers_model(base_model(model)):
             check_transformers()
         self.found = Placement.of(model)
-        self.topology = current_topology(mode)
+        self.strategy = strategy if strategy is not None else Single()
+        self.topology = self.strategy.topology()
         self.device = get_device()
         self.model = model
         self._train_model: nn.Module | None = None
-        self.precision = PrecisionMode.choose(precision, self.device)
+        self.precision = Precision.of(precision, self.device).on(self.device)
         self.found_weights = None
         if self.precision.mode == "cast":  # bf16 -> fp32 would not give the weights back exactly
             self.found_weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
         move_model(model, self.device)
         if self.precision.mode == "cast":
             model.to(torch.bfloat16)
-        # the parameters sharded under "fsdp" (``sharding``: its FSDP options, ``why``: what chose it); nothing replicated
-        self.strategy = room(mode, sharding, why)
-        self.strategy.enter(model)
+        self.strategy.enter(model)  # a sharding strategy shards the parameters in place; a replicated one does nothing
         # a transformers model's masks built on the device: no host read per forward on XLA (given back after)
         self.found_attention = static_masks(model) if self.lazy else None
         # gradient_checkpointing_enable()'s torch checkpoint fails on XLA: torch_xla's in its place (given back after)
@@ -129,7 +126,7 @@ class Runner:
     def batches(self, loader: Any) -> Iterator[Batch]:
         """Device batches (sharded over the mesh under SPMD); Dataset errors reach the caller."""
         if self.lazy:
-            spmd = self.topology.mode == "spmd"
+            spmd = self.topology.spmd
             devices = self.topology.devices if spmd else None
             return backend.device_loader(loader, self.device, devices, minibatch=spmd and self.topology.hosts > 1)
         if self.device.type == "cpu":  # the loader's batches are where the model is: nothing to move
@@ -144,7 +141,7 @@ class Runner:
     def train_model(self) -> nn.Module:
         """The model a training step calls: the backend's replica wrapper (DDP on CUDA/CPU) when replicas train."""
         if self._train_model is None:
-            replicas = self.topology.mode == "replica" and self.topology.replicas > 1
+            replicas = self.topology.replicas > 1
             self._train_model = backend.current().wrap_replica(self.model, self.device) if replicas else self.model
         return self._train_model
 

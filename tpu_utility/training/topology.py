@@ -1,19 +1,17 @@
-"""Topology: how many cores, which strategy, and who loads which samples.
+"""Topology: how many cores, and who loads which samples.
 
-Pure choices (``resolve_cores``, ``choose_strategy``, ``process_mode``) from the arguments and the
-backend's counts, and ``Topology``, the data layout of one process: single core, SPMD over a mesh of
-devices and hosts, or one replica of a multi-process launch. Plain arithmetic, tested with simulated
-process counts; a new strategy is a word here and a room in ``strategies/``.
+``resolve_cores`` from the argument and the backend's counts, and ``Topology``, the data layout of one
+process: single core, SPMD over a mesh of devices and hosts, or one replica of a multi-process launch.
+Plain arithmetic, tested with simulated process counts; each strategy (``strategies/``) says which
+layout its process has.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, get_args
+from typing import Literal
 
 from .. import backend
-
-Strategy = Literal["auto", "spmd", "multiprocess", "fsdp"]
 
 
 # ----------------------------------------------------------- pure choices
@@ -40,63 +38,9 @@ def resolve_cores(cores: int | str, available: int, rule: CoreRule = "one_or_all
     return cores
 
 
-def choose_strategy(strategy: str, cores: int, in_launch: bool, sharded_processes: bool = False) -> str:
-    """"single", "spmd", "fsdp" (this process shards: over its SPMD mesh on XLA, or as one process of a job
-    natively), "multiprocess" (we launch), "multiprocess-fsdp" (we launch processes that shard) or "replica"
-    (already launched). ``sharded_processes``: the backend shards over processes (native FSDP2), not a mesh."""
-    if strategy not in get_args(Strategy):
-        raise ValueError(f"strategy must be one of {get_args(Strategy)}, but given {strategy!r}")
-    if strategy == "fsdp" and in_launch:
-        if sharded_processes:
-            return "fsdp"  # one process of the job, sharding with the others
-        raise ValueError("strategy='fsdp' shards over all cores from one process, but this process is one replica of "
-                         "a multi-process launch; call it from the main process with cores='all'")  # fmt: skip
-    if strategy == "fsdp":
-        if cores < 2:
-            raise ValueError(f"strategy='fsdp' shards the model over several cores, but given cores={cores}; give "
-                             f"cores=N with N >= 2 (cores='all' where several devices are attached), or strategy='auto' "
-                             f"on one core")  # fmt: skip
-        return "multiprocess-fsdp" if sharded_processes else "fsdp"
-    if in_launch:
-        return "replica"
-    if strategy == "multiprocess":
-        return "multiprocess"
-    if cores == 1 and strategy == "auto":
-        return "single"
-    return "spmd"
-
-
-# the modes that launch processes, and the mode each launched process runs
-LAUNCHED_MODE = {"multiprocess": "replica", "multiprocess-fsdp": "fsdp"}
-
-
 def available_cores() -> int:
     """Devices this job could use, counted without starting a runtime."""
     return backend.device_count()
-
-
-def process_mode(cores: int | str, strategy: str = "auto") -> tuple[int, str]:
-    """(cores, mode) for this process; ``mode`` as ``choose_strategy`` names it.
-
-    On XLA several cores run SPMD (one process) or one process per chip; on the
-    native backends (CUDA, CPU) one process per device, under ``torch.distributed``.
-
-    Raises:
-        ValueError: a strategy or core count that this backend cannot run.
-    """
-    backend.join_job()  # inside torchrun: this process is one replica of its job
-    chosen = backend.current()
-    n_cores = resolve_cores(cores, available_cores(), chosen.core_rule)
-    in_launch = backend.in_launched_process() and backend.world_size() > 1
-    mode = choose_strategy(strategy, n_cores, in_launch, sharded_processes=not chosen.lazy)
-    if chosen.lazy or mode in ("single", "replica", "fsdp", "multiprocess-fsdp"):
-        return n_cores, mode
-    if strategy == "spmd":
-        raise ValueError(
-            f"strategy={strategy!r} needs XLA devices (a TPU, or PJRT_DEVICE set); here the {chosen.name} backend runs "
-            f"one process per device: use strategy='auto' or 'multiprocess' ('fsdp' shards over the processes)"
-        )
-    return n_cores, "multiprocess" if n_cores > 1 else "single"
 
 
 @dataclass(frozen=True)
@@ -109,7 +53,7 @@ class Topology:
     ``devices``: the SPMD mesh size over all hosts.
     """
 
-    mode: str = "single"  # "single", "spmd" or "replica"
+    spmd: bool = False  # one program over a mesh of ``devices`` (else one device, or one of ``replicas``)
     replicas: int = 1
     rank: int = 0
     hosts: int = 1
@@ -117,17 +61,17 @@ class Topology:
     devices: int = 1
 
     def __post_init__(self) -> None:
-        if self.mode == "spmd" and self.devices % self.hosts:
+        if self.spmd and self.devices % self.hosts:
             raise ValueError(f"{self.devices} devices do not split evenly over {self.hosts} hosts")
 
     @property
     def cores(self) -> int:
-        return self.devices if self.mode == "spmd" else self.replicas
+        return self.devices if self.spmd else self.replicas
 
     @property
     def loaders(self) -> tuple[int, int]:
         """(how many loaders split the data, this one's index)."""
-        return (self.hosts, self.host) if self.mode == "spmd" else (self.replicas, self.rank)
+        return (self.hosts, self.host) if self.spmd else (self.replicas, self.rank)
 
     @property
     def master(self) -> bool:
@@ -135,19 +79,7 @@ class Topology:
 
     def loader_batch(self, per_core: int) -> int:
         """Samples this process loads per step: its cores' share of the global batch."""
-        return per_core * self.devices // self.hosts if self.mode == "spmd" else per_core
+        return per_core * self.devices // self.hosts if self.spmd else per_core
 
     def global_batch(self, per_core: int) -> int:
         return per_core * self.cores
-
-
-def current_topology(mode: str) -> Topology:
-    """This process's Topology; switches SPMD on for mode "spmd" (before the runtime starts)."""
-    if mode == "fsdp" and not backend.current().lazy:  # natively: one process of a job, its parameters sharded
-        return Topology("replica", replicas=backend.world_size(), rank=backend.rank())
-    if mode in ("spmd", "fsdp"):  # fsdp: the same data layout, the parameters sharded too (strategies.fsdp)
-        backend.use_spmd()
-        return Topology("spmd", hosts=backend.process_count(), host=backend.process_index(), devices=backend.global_device_count())
-    if mode == "replica":
-        return Topology("replica", replicas=backend.world_size(), rank=backend.rank())
-    return Topology("single")

@@ -38,7 +38,9 @@ from .builtins import BEST_NAME, HISTORY_NAME
 from .events import Events, StopFit
 from .history import EpochRecord, History
 from .metrics import MetricSet
+from .precision import Precision
 from .runner import Runner
+from .strategies import Single, Strategy
 from .steps import EvalStep, LossStep
 from .schedule import peak_ratios, total_optimizer_steps
 
@@ -76,13 +78,11 @@ class FitPlan:
     metrics: dict[str, Any]
     checkpoint_dir: str | None = None
     overwrite: bool = False
-    precision: str = "fp32"
+    precision: Precision = field(default_factory=Precision)  # checked once, where one_cycle_fit was called
     seed: int = 0
     progress: bool = True
     cores: int = 1
-    mode: str = "single"
-    sharding: Any = None  # mode "fsdp": its FSDP options
-    strategy_note: str = ""  # what chose the strategy when the user did not (strategy="auto" from the memory plan)
+    strategy: Strategy = field(default_factory=Single)  # how the model spreads over the cores (``strategies/``)
     callbacks: list[Any] = field(default_factory=list)
     builtins: list[Any] = field(default_factory=list)
 
@@ -95,7 +95,7 @@ class Loop:
         self.plan, self.epochs = plan, plan.epochs
         torch.manual_seed(plan.seed)
         random.seed(plan.seed)
-        self.runner = runner = Runner(model, plan.precision, plan.mode, plan.sharding, plan.strategy_note)
+        self.runner = runner = Runner(model, plan.precision, plan.strategy)
         if runner.lazy:
             backend.set_rng_state(plan.seed)
         self.model, self.device = runner.model, runner.device
@@ -449,7 +449,7 @@ def _summary(loop: Loop) -> str:
     schedule = [c.describe(loop) for c in loop.events.callbacks if callable(getattr(c, "describe", None))]
     users = [c for c in loop.events.callbacks if any(c is given for given in plan.callbacks)]  # in their order
     return (
-        f"one_cycle_fit: {plan.mode} on {loop.cores} {kind} core(s) | batch {plan.train.batch_size} per core, "
+        f"one_cycle_fit: {plan.strategy.name} on {loop.cores} {kind} core(s) | batch {plan.train.batch_size} per core, "
         f"{runner.topology.global_batch(plan.train.batch_size)} global | {loop.batches} batches/epoch per core "
         f"x {plan.epochs} epochs = {loop.total_steps} optimizer steps | "
         + (f"{runner.strategy.note} | " if runner.strategy.note else "")

@@ -3,8 +3,10 @@
 On XLA the backend applies FSDPv2's steps to the model in place (``backend.shard_parameters``): the model
 keeps its own modules and key names, so a checkpoint, ``history.model`` or ``predict`` never asks which
 strategy trained it. Batches are sharded over the same devices as under ``strategy="spmd"``, and the model's
-output on its batch dimension (so the compiler never replicates the logits). Each block recomputes its
-activations in the backward unless ``FSDP(checkpoint=False)`` (``sharding.apply_sharding``).
+output on its batch dimension (so the compiler never replicates the logits). Natively (FSDP2 over
+``torch.distributed``) each process of a job holds one shard: ``one_cycle_fit`` launches them
+(``MultiprocessFsdp``), or torchrun did (``FsdpProcess``). Each block recomputes its activations in the
+backward unless ``FSDP(checkpoint=False)`` (``sharding.apply_sharding``).
 """
 
 from __future__ import annotations
@@ -13,35 +15,47 @@ from typing import Callable
 
 from torch import nn
 
+from ... import backend
 from ...sharding import FSDP, apply_sharding, blocks_of
+from ..topology import Topology
+from .base import Strategy
 
 
-class Replicated:
-    """Every core holds the whole model (single core, SPMD data parallel, replicas): nothing to do."""
-
-    name = "replicated"
-    note = ""  # said on the summary line
-
-    def enter(self, model: nn.Module) -> None:
-        """Called once the model is on its device."""
-
-    def leave(self, model: nn.Module) -> None:
-        """Called before the model goes back where it was found."""
-
-
-class Fsdp(Replicated):
-    """Each core holds 1/N of every parameter; the blocks (``block_classes``) are gathered one at a time.
-
-    ``why``: what chose it, when not the user (``strategy="auto"`` from the memory plan).
-    """
+class Fsdp(Strategy):
+    """XLA: one process, each parameter split over the mesh of devices; batches split as under SPMD."""
 
     name = "fsdp"
+    shards = True
 
-    def __init__(self, options: FSDP | None = None, why: str = "") -> None:
-        self.options = options or FSDP()
-        self.why = why
+    def __init__(self, cores: int = 1, options: FSDP | None = None, why: str = "") -> None:
+        super().__init__(cores, options or FSDP(), why)
         self._undo: Callable[[], None] | None = None
-        self.note = ""
+
+    @classmethod
+    def for_job(cls, cores: int, native: bool, options: FSDP | None) -> Strategy | None:
+        if native:
+            return FsdpProcess(cores, options)  # one process of the job, sharding with the others
+        raise ValueError("strategy='fsdp' shards over all cores from one process, but this process is one replica "
+                         "of a multi-process launch; call it from the main process with cores='all'")  # fmt: skip
+
+    @classmethod
+    def choose(cls, cores: int, native: bool, options: FSDP | None) -> Strategy:
+        if cores < 2:
+            raise ValueError(f"strategy='fsdp' shards the model over several cores, but given cores={cores}; give "
+                             f"cores=N with N >= 2 (cores='all' where several devices are attached), or strategy='auto' "
+                             f"on one core")  # fmt: skip
+        return MultiprocessFsdp(cores, options) if native else Fsdp(cores, options)
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is type(self) and (self.cores, self.options, self.why) == (other.cores, other.options, other.why)
+
+    def __getstate__(self) -> dict:  # a launched process gets the options, not this process's undo
+        return {**vars(self), "_undo": None}
+
+    def topology(self) -> Topology:
+        backend.use_spmd()
+        return Topology(spmd=True, hosts=backend.process_count(), host=backend.process_index(),
+                        devices=backend.global_device_count())  # fmt: skip
 
     def enter(self, model: nn.Module) -> None:
         self._undo = apply_sharding(model, self.options)
@@ -55,6 +69,20 @@ class Fsdp(Replicated):
         self._undo = None
 
 
-def room(mode: str, options: FSDP | None = None, why: str = "") -> Replicated:
-    """The strategy room for a run mode: ``Fsdp(options, why)`` for "fsdp", else ``Replicated``."""
-    return Fsdp(options, why) if mode == "fsdp" else Replicated()
+class FsdpProcess(Fsdp):
+    """Natively: one process of a job (launched by ``MultiprocessFsdp`` or torchrun), holding its shard."""
+
+    in_job = True
+
+    def topology(self) -> Topology:
+        return Topology(replicas=backend.world_size(), rank=backend.rank())
+
+
+class MultiprocessFsdp(Fsdp):
+    """Natively: the caller launches ``cores`` processes that shard the model among them (FSDP2)."""
+
+    name = "multiprocess-fsdp"
+    launches = True
+
+    def replica(self) -> Strategy:
+        return FsdpProcess(self.cores, self.options, self.why)

@@ -1,0 +1,36 @@
+"""strategy="multiprocess": one process per device (per chip on XLA, per GPU or CPU process natively), each a
+replica of the model on its own share of the data, gradients averaged every step."""
+
+from __future__ import annotations
+
+from ... import backend
+from ...sharding import FSDP
+from ..topology import Topology
+from .base import Strategy
+from .single import Single
+
+
+class Replica(Strategy):
+    """One process of a launched job (ours, or torchrun's): the whole model, its own share of the samples."""
+
+    name = "replica"
+    in_job = True
+
+    def topology(self) -> Topology:
+        return Topology(replicas=backend.world_size(), rank=backend.rank())
+
+
+class Multiprocess(Strategy):
+    """The caller launches ``cores`` processes, each running ``Replica``."""
+
+    name = "multiprocess"
+    launches = True
+
+    @classmethod
+    def choose(cls, cores: int, native: bool, options: FSDP | None) -> Strategy:
+        if native and cores == 1:  # natively one process per device: one device, nothing to launch
+            return Single()
+        return super().choose(cores, native, options)
+
+    def replica(self) -> Strategy:
+        return Replica(self.cores)
