@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .tree import call_names, code, dotted, libcst
+from .tree import call_names, code, dotted, drop_imported, libcst
 
 _AUTOCASTS = ("torch.autocast", "torch.amp.autocast", "torch.cuda.amp.autocast")
 _PARTIAL = ("partial", "functools.partial")
@@ -56,12 +56,4 @@ def fix_import(porter: Any, original: Any, updated: Any) -> Any:
     module = dotted(updated.module) if updated.module is not None else ""
     if module not in ("torch", "torch.amp", "torch.cuda.amp") or isinstance(updated.names, cst.ImportStar):
         return None
-    kept = [a for a in updated.names if a.name.value not in ("autocast", "GradScaler")]
-    if len(kept) == len(updated.names):
-        return None
-    if not kept:
-        porter.change("cuda_amp", original, cst.Name("removed"))
-        return cst.RemovalSentinel.REMOVE
-    new = updated.with_changes(names=[*kept[:-1], kept[-1].with_changes(comma=cst.MaybeSentinel.DEFAULT)])
-    porter.change("cuda_amp", original, new)
-    return new
+    return drop_imported(porter, "cuda_amp", original, updated, ("autocast", "GradScaler"))
