@@ -248,16 +248,42 @@ def test_no_function_in_diagnostics_is_longer_than_80_lines():
     assert not long, long
 
 
-def test_every_fixer_module_is_registered_and_has_its_own_test():
-    """One concern a module under diagnostics/fixers/, each imported by the registry and tested in test_fixers.py."""
+def test_every_fixer_module_registers_one_fixer_and_has_its_own_test():
+    """One concern a module under diagnostics/fixers/: each registers itself (fixers/registry.py's decorators), no list
+    names them by hand, and each is tested in test_fixers.py; the registry and tree.py are the helpers."""
+    from tpu_utility.diagnostics import fixers
+
     folder = os.path.join(PACKAGE, "diagnostics", "fixers")
-    modules = sorted(name[:-3] for name in os.listdir(folder) if name.endswith(".py") and name not in ("__init__.py", "tree.py"))
+    modules = sorted(name[:-3] for name in os.listdir(folder) if name.endswith(".py") and name != "__init__.py")
+    assert sorted(fixers.HELPERS) == ["registry", "tree"]
+    assert sorted(fixers.REGISTRY) == [m for m in modules if m not in fixers.HELPERS], "a module that registers nothing"
+    for name, fixer in fixers.REGISTRY.items():
+        hooks = [f for _, f in fixer.fixes.values()] + [f for _, f in fixer.hooks.values()]
+        assert hooks and {f.__module__ for f in hooks} == {f"tpu_utility.diagnostics.fixers.{name}"}
     with open(os.path.join(folder, "__init__.py"), encoding="utf-8") as f:
-        registry = f.read()
+        init = ast.parse(f.read())
+    by_hand = [a.name for n in ast.walk(init) if isinstance(n, ast.ImportFrom) and n.level == 1 and n.module is None
+               for a in n.names]  # fmt: skip
+    assert by_hand == [], "fixers/__init__.py imports its modules by walking the folder"
     with open(os.path.join(ROOT, "tests", "test_fixers.py"), encoding="utf-8") as f:
         tests = f.read()
-    assert [m for m in modules if m not in registry] == []
-    assert [m for m in modules if f"def test_{m}_" not in tests] == []
+    assert [m for m in fixers.REGISTRY if f"def test_{m}_" not in tests] == []
+
+
+def test_two_fixers_of_a_node_type_cannot_share_an_order():
+    """The order the walk tries a node type's fixers in is explicit: a second fixer at a taken place is refused."""
+    import pytest
+
+    from tpu_utility.diagnostics.fixers import fixers_of, registry
+
+    def fix_call(porter, original, updated):
+        return None
+
+    fix_call.__module__ = "tpu_utility.diagnostics.fixers.double"
+    taken = registry.REGISTRY["host_sync"].fixes["Call"][0]
+    with pytest.raises(ValueError, match="both ask for order"):
+        registry.fixes("Call", order=taken)(fix_call)
+    assert "double" not in registry.REGISTRY and fix_call not in fixers_of("Call")
 
 
 def test_the_cost_and_fix_texts_are_written_only_in_rules():
