@@ -286,6 +286,26 @@ def test_two_fixers_of_a_node_type_cannot_share_an_order():
     assert "double" not in registry.REGISTRY and fix_call not in fixers_of("Call")
 
 
+def test_doctors_finding_kinds_are_read_from_the_rules_table_not_written_again():
+    """doctor.Kind is the rules table's doctor rules (rules.DOCTOR_KINDS): a new rule is one entry, and a finding
+    of a kind the table lacks is refused when it is made."""
+    import importlib
+    from typing import get_args
+
+    import pytest
+
+    from tpu_utility.diagnostics.rules import DOCTOR_KINDS, RULES_LIST
+
+    doctor = importlib.import_module("tpu_utility.diagnostics.doctor")
+    ids = tuple(rule.id for rule in RULES_LIST if "doctor" in rule.tools and not rule.part_of)
+    assert get_args(doctor.Kind) == DOCTOR_KINDS == ids
+    with open(doctor.__file__, encoding="utf-8") as f:
+        (kind,) = [n for n in ast.parse(f.read()).body if isinstance(n, ast.Assign) and ast.unparse(n.targets[0]) == "Kind"]
+    assert [n.value for n in ast.walk(kind) if isinstance(n, ast.Constant)] == [], "Kind names the kinds again"
+    with pytest.raises(ValueError, match="DOCTOR_KINDS"):
+        doctor.Finding("host_syncs", "a typo of a kind", "")
+
+
 def test_the_cost_and_fix_texts_are_written_only_in_rules():
     """doctor, check and port print their costs and fixes from diagnostics/rules.py; a copy elsewhere drifts."""
     import re
