@@ -350,14 +350,14 @@ def _members(source, class_name):
 
 
 def test_the_trainers_loop_has_what_the_loop_protocols_promise_and_callbacks_are_typed_with_them():
-    """events.Loop (a user's hooks) and events.TrainerLoop (the built-ins') list what the trainer's Loop holds."""
+    """events.Loop (a user's hooks) and events.TrainerLoop (the built-ins') list what trainer.Trainer holds."""
     with open(os.path.join(PACKAGE, "training", "events.py"), encoding="utf-8") as f:
         events = f.read()
     with open(os.path.join(PACKAGE, "training", "trainer.py"), encoding="utf-8") as f:
         trainer = f.read()
     promised = _members(events, "Loop") | _members(events, "TrainerLoop")
     assert {"model", "optimizer", "history", "step", "stop", "runner"} <= promised
-    assert sorted(promised - _members(trainer, "Loop")) == []
+    assert sorted(promised - _members(trainer, "Trainer")) == []
     assert _members("class Loop:\n    def __init__(self):\n        self.a, self.b = 1, 2\n", "Loop") == {"a", "b"}
     untyped = []
     for folder, _, files in os.walk(os.path.join(PACKAGE, "training")):
