@@ -423,3 +423,4 @@ def test_every_finding_kind_is_a_rule_of_the_shared_table():
     assert set(get_args(Kind)) <= set(RULES)
     doctor_rules = {rule.id for rule in for_tool("doctor")} - {"hf_mask_sync"}  # a host_sync finding's fix
     assert set(get_args(Kind)) == doctor_rules, "a rule doctor never reports, or a finding with no rule"
+    assert RULES["hf_mask_sync"].part_of == "host_sync"

@@ -249,16 +249,62 @@ def test_no_function_in_diagnostics_is_longer_than_80_lines():
     assert not long, long
 
 
-def test_every_fixer_module_is_registered_and_has_its_own_test():
-    """One concern a module under diagnostics/fixers/, each imported by the registry and tested in test_fixers.py."""
+def test_every_fixer_module_registers_one_fixer_and_has_its_own_test():
+    """One concern a module under diagnostics/fixers/: each registers itself (fixers/registry.py's decorators), no list
+    names them by hand, and each is tested in test_fixers.py; the registry and tree.py are the helpers."""
+    from tpu_utility.diagnostics import fixers
+
     folder = os.path.join(PACKAGE, "diagnostics", "fixers")
-    modules = sorted(name[:-3] for name in os.listdir(folder) if name.endswith(".py") and name not in ("__init__.py", "tree.py"))
+    modules = sorted(name[:-3] for name in os.listdir(folder) if name.endswith(".py") and name != "__init__.py")
+    assert sorted(fixers.HELPERS) == ["registry", "tree"]
+    assert sorted(fixers.REGISTRY) == [m for m in modules if m not in fixers.HELPERS], "a module that registers nothing"
+    for name, fixer in fixers.REGISTRY.items():
+        hooks = [f for _, f in fixer.fixes.values()] + [f for _, f in fixer.hooks.values()]
+        assert hooks and {f.__module__ for f in hooks} == {f"tpu_utility.diagnostics.fixers.{name}"}
     with open(os.path.join(folder, "__init__.py"), encoding="utf-8") as f:
-        registry = f.read()
+        init = ast.parse(f.read())
+    by_hand = [a.name for n in ast.walk(init) if isinstance(n, ast.ImportFrom) and n.level == 1 and n.module is None
+               for a in n.names]  # fmt: skip
+    assert by_hand == [], "fixers/__init__.py imports its modules by walking the folder"
     with open(os.path.join(ROOT, "tests", "test_fixers.py"), encoding="utf-8") as f:
         tests = f.read()
-    assert [m for m in modules if m not in registry] == []
-    assert [m for m in modules if f"def test_{m}_" not in tests] == []
+    assert [m for m in fixers.REGISTRY if f"def test_{m}_" not in tests] == []
+
+
+def test_two_fixers_of_a_node_type_cannot_share_an_order():
+    """The order the walk tries a node type's fixers in is explicit: a second fixer at a taken place is refused."""
+    import pytest
+
+    from tpu_utility.diagnostics.fixers import fixers_of, registry
+
+    def fix_call(porter, original, updated):
+        return None
+
+    fix_call.__module__ = "tpu_utility.diagnostics.fixers.double"
+    taken = registry.REGISTRY["host_sync"].fixes["Call"][0]
+    with pytest.raises(ValueError, match="both ask for order"):
+        registry.fixes("Call", order=taken)(fix_call)
+    assert "double" not in registry.REGISTRY and fix_call not in fixers_of("Call")
+
+
+def test_doctors_finding_kinds_are_read_from_the_rules_table_not_written_again():
+    """doctor.Kind is the rules table's doctor rules (rules.DOCTOR_KINDS): a new rule is one entry, and a finding
+    of a kind the table lacks is refused when it is made."""
+    import importlib
+    from typing import get_args
+
+    import pytest
+
+    from tpu_utility.diagnostics.rules import DOCTOR_KINDS, RULES_LIST
+
+    doctor = importlib.import_module("tpu_utility.diagnostics.doctor")
+    ids = tuple(rule.id for rule in RULES_LIST if "doctor" in rule.tools and not rule.part_of)
+    assert get_args(doctor.Kind) == DOCTOR_KINDS == ids
+    with open(doctor.__file__, encoding="utf-8") as f:
+        (kind,) = [n for n in ast.parse(f.read()).body if isinstance(n, ast.Assign) and ast.unparse(n.targets[0]) == "Kind"]
+    assert [n.value for n in ast.walk(kind) if isinstance(n, ast.Constant)] == [], "Kind names the kinds again"
+    with pytest.raises(ValueError, match="DOCTOR_KINDS"):
+        doctor.Finding("host_syncs", "a typo of a kind", "")
 
 
 def test_the_cost_and_fix_texts_are_written_only_in_rules():
@@ -305,14 +351,14 @@ def _members(source, class_name):
 
 
 def test_the_trainers_loop_has_what_the_loop_protocols_promise_and_callbacks_are_typed_with_them():
-    """events.Loop (a user's hooks) and events.TrainerLoop (the built-ins') list what the trainer's Loop holds."""
+    """events.Loop (a user's hooks) and events.TrainerLoop (the built-ins') list what trainer.Trainer holds."""
     with open(os.path.join(PACKAGE, "training", "events.py"), encoding="utf-8") as f:
         events = f.read()
     with open(os.path.join(PACKAGE, "training", "trainer.py"), encoding="utf-8") as f:
         trainer = f.read()
     promised = _members(events, "Loop") | _members(events, "TrainerLoop")
     assert {"model", "optimizer", "history", "step", "stop", "runner"} <= promised
-    assert sorted(promised - _members(trainer, "Loop")) == []
+    assert sorted(promised - _members(trainer, "Trainer")) == []
     assert _members("class Loop:\n    def __init__(self):\n        self.a, self.b = 1, 2\n", "Loop") == {"a", "b"}
     untyped = []
     for folder, _, files in os.walk(os.path.join(PACKAGE, "training")):

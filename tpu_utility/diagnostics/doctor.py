@@ -50,12 +50,11 @@ from ..device import move_to_device
 from ..loop import INFERENCE_MODE_ERROR
 from ..optim import step_optimizer
 from ..training.steps import LossStep
-from .rules import COLLECT_ON_DEVICE, LOWERED_REPLACEMENTS, MEASURED_FIXES, NO_DYNAMIC_SHAPE, RULES
+from .rules import COLLECT_ON_DEVICE, DOCTOR_KINDS, LOWERED_REPLACEMENTS, MEASURED_FIXES, NO_DYNAMIC_SHAPE, RULES
 
-Kind = Literal[
-    "not_on_xla", "not_on_device", "optimizer_params", "tied_weights", "batch_split", "graph_growth", "recompile",
-    "device_slicing", "host_sync", "cpu_fallback", "inference_mode",
-]  # fmt: skip
+# a finding's kind: an id of the rules table's doctor rules (rules.DOCTOR_KINDS), named there only. A type
+# checker cannot read a Literal built from a value, so Finding checks the kind when it is made.
+Kind = Literal[DOCTOR_KINDS]  # type: ignore[valid-type]
 Mode = Literal["train", "eval"]
 _OWN_DIRS = tuple(
     os.path.dirname(m.__file__) + os.sep
@@ -73,6 +72,10 @@ class Finding:
     message: str
     fix: str
     where: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.kind not in DOCTOR_KINDS:
+            raise ValueError(f"a finding's kind is one of rules.DOCTOR_KINDS {DOCTOR_KINDS}, but given {self.kind!r}")
 
     def __str__(self) -> str:
         lines = [f"[{self.kind}] {self.message}"]

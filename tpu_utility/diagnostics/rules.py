@@ -33,6 +33,8 @@ class Rule:
         tools: Which of doctor, check and port know it.
         breaks: For a line ``port`` leaves as written: True where the line stops the program on XLA or
             makes it compute something else there (the port's exit status 1), False where it only costs speed.
+        part_of: For a rule ``doctor`` reports inside another rule's finding (its fix added there): that
+            rule's id; "" for a rule that is a finding of its own (one of ``DOCTOR_KINDS``).
     """
 
     id: str
@@ -43,6 +45,7 @@ class Rule:
     deprecated_in: str = ""
     tools: tuple[Tool, ...] = ("doctor",)
     breaks: bool = False
+    part_of: str = ""
 
 
 NO_DYNAMIC_SHAPE = "it has a data-dependent shape: keep the shape fixed with torch.where(mask, x, 0) and a mask"
@@ -104,7 +107,7 @@ RULES_LIST: tuple[Rule, ...] = (
     Rule("hf_mask_sync", "transformers' SDPA mask code reads padding_mask.all() on the host in every forward, to "
          "skip an all-ones mask", "static_masks(model): the same attention with the mask built on the device "
          "(one_cycle_fit, evaluate, predict and find_lr do it for the run)", replaces="model(**batch) with sdpa",
-         tools=("doctor",)),
+         tools=("doctor",), part_of="host_sync"),
     Rule("cpu_fallback", "an op with no XLA lowering runs on the host CPU, copying tensors each way",
          "replace it with ops XLA lowers (tpu_utility.diagnostics.rules.LOWERED_REPLACEMENTS), or compute it "
          "outside the step, once per epoch", tools=_BOTH),
@@ -238,6 +241,8 @@ RULES_LIST: tuple[Rule, ...] = (
          tools=("port", "check")),
 )
 RULES: dict[str, Rule] = {rule.id: rule for rule in RULES_LIST}
+# the kinds of doctor's findings (doctor.Kind): its rules, less those it reports inside another's finding
+DOCTOR_KINDS: tuple[str, ...] = tuple(rule.id for rule in RULES_LIST if "doctor" in rule.tools and not rule.part_of)
 
 # doctor's fixes that depend on what it measured or on the loop it ran (a rule's id, _ and the case;
 # "{...}" is filled in by doctor); the rule's own fix above is the general one

@@ -88,8 +88,8 @@ class FitPlan:
 
 
 # ------------------------------------------------------------ one process
-class Loop:
-    """One process's training state, and what callbacks see of it (``events.py`` lists it)."""
+class Trainer:
+    """One process's training state; callbacks are handed it as ``loop`` (``events.Loop``, ``events.TrainerLoop``)."""
 
     def __init__(self, model: nn.Module, plan: FitPlan) -> None:
         self.plan, self.epochs = plan, plan.epochs
@@ -233,7 +233,7 @@ def _locked_train(model: nn.Module, plan: FitPlan) -> tuple[nn.Module, History]:
 
 
 def _train(model: nn.Module, plan: FitPlan) -> tuple[nn.Module, History]:
-    loop = Loop(model, plan)
+    loop = Trainer(model, plan)
     try:
         return _run(loop, model, plan)
     finally:  # a transformers model leaves with its own attention implementation (see static_masks)
@@ -241,7 +241,7 @@ def _train(model: nn.Module, plan: FitPlan) -> tuple[nn.Module, History]:
         loop.runner.strategy.leave(model)  # its hooks off: history.model is the plain model
 
 
-def _run(loop: Loop, model: nn.Module, plan: FitPlan) -> tuple[nn.Module, History]:
+def _run(loop: Trainer, model: nn.Module, plan: FitPlan) -> tuple[nn.Module, History]:
     if loop.valid_loader is not None:
         loop.runner.check_eval(loop.valid_loader, loop.metrics, loop.eval_step)
         refuse_uncounted(loop.valid_loader)  # NaN figures for every epoch: refused before the first
@@ -272,7 +272,7 @@ def _run(loop: Loop, model: nn.Module, plan: FitPlan) -> tuple[nn.Module, Histor
     return model, history
 
 
-def _epoch(loop: Loop, epoch: int, started: float) -> EpochRecord:
+def _epoch(loop: Trainer, epoch: int, started: float) -> EpochRecord:
     """Trains and evaluates one epoch; its figures, read once."""
     runner = loop.runner
     syncs0, transfers0 = backend.host_sync_count(), backend.transfer_from_device_count()
@@ -300,7 +300,7 @@ def _epoch(loop: Loop, epoch: int, started: float) -> EpochRecord:
     return record
 
 
-def _train_epoch(loop: Loop, epoch: int) -> tuple[list[torch.Tensor], float]:
+def _train_epoch(loop: Trainer, epoch: int) -> tuple[list[torch.Tensor], float]:
     """The epoch's training pass: its device sums, and the seconds its steps spent compiling."""
     plan, runner = loop.plan, loop.runner
     set_epoch(loop.train_loader, epoch)  # its sampler's order, and a CachedDataset's augmented copy
@@ -372,7 +372,7 @@ class LossTally:
         self.loss_sum = self.loss_sum + losses.sum()
 
 
-def _train_batch(loop: Loop, i: int, batch: Any) -> torch.Tensor:
+def _train_batch(loop: Trainer, i: int, batch: Any) -> torch.Tensor:
     """One batch, top to bottom: the loss and its gradients; the optimizer step every ``accumulate_steps``
     batches, between ``on_before_step`` (the schedule) and ``on_step_end``. Returns the loss, detached."""
     steps = loop.plan.steps
@@ -393,7 +393,7 @@ def _train_batch(loop: Loop, i: int, batch: Any) -> torch.Tensor:
     loop.loss = loss.detach()
     if (i + 1) % steps.accumulate_steps == 0:
         loop.events.fire("on_before_step", loop)
-        # step_optimizer's step, its arguments checked before the first epoch (FitPlan, Loop); MpDeviceLoader
+        # step_optimizer's step, its arguments checked before the first epoch (FitPlan, Trainer); MpDeviceLoader
         # cuts the graph at every batch, so the step needs no barrier
         take_step(loop.optimizer, loop.reduce, precision.scaler, False, steps.max_grad_norm, loop.step_args)
         loop.optimizer.zero_grad(set_to_none=True)
@@ -429,7 +429,7 @@ def _read_epoch(device: torch.device, train_sums: list[torch.Tensor], eval_sums:
     return values, synced_values, first_bad
 
 
-def _interrupted(loop: Loop, epoch: int) -> str:
+def _interrupted(loop: Trainer, epoch: int) -> str:
     """What a Ctrl-C left: the epoch last.pt holds and the call that continues."""
     where = f"one_cycle_fit interrupted in epoch {epoch} of {loop.epochs}"
     if not loop.last_path:
@@ -439,7 +439,7 @@ def _interrupted(loop: Loop, epoch: int) -> str:
     return f"{where}; {loop.last_path} holds epoch {loop.saved_epoch}: continue with the same call and resume=True"
 
 
-def _summary(loop: Loop) -> str:
+def _summary(loop: Trainer) -> str:
     plan, runner = loop.plan, loop.runner
     kind = backend.hardware(loop.device) or loop.device.type
     workers = plan.train.num_workers or 0

@@ -9,20 +9,21 @@ from __future__ import annotations
 
 from typing import Any
 
-from .tree import call_names, code, dotted, libcst
+from .registry import Porter, fixes
+from .tree import call_names, code, dotted, drop_imported, libcst
 
 _AUTOCASTS = ("torch.autocast", "torch.amp.autocast", "torch.cuda.amp.autocast")
 _PARTIAL = ("partial", "functools.partial")
 _SCALERS = ("torch.cuda.amp.GradScaler", "torch.amp.GradScaler", "GradScaler")
 
 
-def _changed(porter: Any, original: Any, text: str) -> Any:
+def _changed(porter: Porter, original: Any, text: str) -> Any:
     new = libcst().parse_expression(text)
     porter.change("cuda_amp", original, new)
     return new
 
 
-def _autocast(porter: Any, original: Any, updated: Any, name: str) -> Any:
+def _autocast(porter: Porter, original: Any, updated: Any, name: str) -> Any:
     args = list(updated.args)
     porter.need("autocast")
     if name in _PARTIAL:
@@ -37,7 +38,8 @@ def _autocast(porter: Any, original: Any, updated: Any, name: str) -> Any:
     return _changed(porter, original, f"autocast({', '.join(kept)})")
 
 
-def fix_call(porter: Any, original: Any, updated: Any) -> Any:
+@fixes("Call", order=170)
+def fix_call(porter: Porter, original: Any, updated: Any) -> Any:
     """``torch.autocast(...)``, ``partial(torch.autocast, ...)``, ``GradScaler(...)``."""
     name, _ = call_names(updated, porter.plan)
     args = updated.args
@@ -50,18 +52,11 @@ def fix_call(porter: Any, original: Any, updated: Any) -> Any:
     return None
 
 
-def fix_import(porter: Any, original: Any, updated: Any) -> Any:
+@fixes("ImportFrom", order=30)
+def fix_import(porter: Porter, original: Any, updated: Any) -> Any:
     """``from torch.cuda.amp import autocast, GradScaler``: the kit's names replace these (the line goes when empty)."""
     cst = libcst()
     module = dotted(updated.module) if updated.module is not None else ""
     if module not in ("torch", "torch.amp", "torch.cuda.amp") or isinstance(updated.names, cst.ImportStar):
         return None
-    kept = [a for a in updated.names if a.name.value not in ("autocast", "GradScaler")]
-    if len(kept) == len(updated.names):
-        return None
-    if not kept:
-        porter.change("cuda_amp", original, cst.Name("removed"))
-        return cst.RemovalSentinel.REMOVE
-    new = updated.with_changes(names=[*kept[:-1], kept[-1].with_changes(comma=cst.MaybeSentinel.DEFAULT)])
-    porter.change("cuda_amp", original, new)
-    return new
+    return drop_imported(porter, "cuda_amp", original, updated, ("autocast", "GradScaler"))

@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from .registry import Porter, analysis, fixes
 from .tree import dotted, libcst
 
 _METRIC = re.compile(r"acc|top\d|prec|loss|score|metric|auc|f1", re.I)
@@ -22,6 +23,7 @@ def _metrics(nodes: list[Any], plan: Any) -> bool:
     return all(names) and any(_METRIC.search(n.rsplit(".", 1)[-1]) and n not in plan.host_values for n in names)
 
 
+@analysis(order=30)
 def analyse(module: Any, plan: Any) -> None:
     """``plan.device_flags``: names bound to a comparison of device metrics (``is_best = acc1 > best_acc1``)."""
     cst = libcst()
@@ -35,14 +37,16 @@ def analyse(module: Any, plan: Any) -> None:
     module.visit(Flags())
 
 
-def fix_call(porter: Any, original: Any, updated: Any) -> Any:
+@fixes("Call", order=60)
+def fix_call(porter: Porter, original: Any, updated: Any) -> Any:
     """``max(acc1, best_acc1)`` / ``min(loss, best_loss)``."""
     if dotted(updated.func) in ("max", "min") and len(updated.args) > 1 and _metrics([a.value for a in original.args], porter.plan):
         porter.leave_alone("device_bookkeeping", original)
     return None
 
 
-def fix_if(porter: Any, original: Any, updated: Any) -> Any:
+@fixes("If", order=20)
+def fix_if(porter: Porter, original: Any, updated: Any) -> Any:
     """``if is_best:`` of such a flag."""
     if dotted(original.test) in porter.plan.device_flags:
         porter.leave_alone("device_bookkeeping", original, code=f"if {dotted(original.test)}:")

@@ -4,24 +4,29 @@ from __future__ import annotations
 
 from typing import Any
 
+from .registry import Porter, fixes
 from .tree import code, dotted, libcst
 
 
-def fix_assert(porter: Any, original: Any, updated: Any) -> Any:
+@fixes("Assert", order=10)
+def fix_assert(porter: Porter, original: Any, updated: Any) -> Any:
     """``assert os.environ['COLAB_TPU_ADDR']``: a KeyError on every TPU of today."""
     if "COLAB_TPU_ADDR" in code(original.test):
         porter.leave_alone("colab_tpu_addr", original)
     return None
 
 
-def fix_subscript(porter: Any, original: Any, updated: Any) -> Any:
+@fixes("Subscript", order=10)
+def fix_subscript(porter: Porter, original: Any, updated: Any) -> Any:
     """``os.environ['COLAB_TPU_ADDR']`` outside an assert (``'grpc://' + os.environ[...]``)."""
     if "COLAB_TPU_ADDR" in code(original) and dotted(original.value).endswith("environ"):
         porter.leave_alone("colab_tpu_addr", original)
     return None
 
 
-def fix_import(porter: Any, original: Any, updated: Any) -> Any:
+@fixes("Import", order=10)
+@fixes("ImportFrom", order=10)
+def fix_import(porter: Porter, original: Any, updated: Any) -> Any:
     """``from google.colab import drive`` / ``import google.colab``."""
     cst = libcst()
     if isinstance(original, cst.ImportFrom):

@@ -11,18 +11,21 @@ from __future__ import annotations
 
 from typing import Any
 
+from .registry import Porter, fixes, opening
 from .tree import DECIDES_DEVICE, code, dotted, libcst
 
 _CHECK = "torch.cuda.is_available"
 
 
+@opening
 def decides_device(node: Any) -> bool:
     """Whether an ``if`` tests ``torch.cuda.is_available()`` and picks or moves to the device in a branch."""
     branches = code(node.body) + (code(node.orelse) if node.orelse is not None else "")
     return f"{_CHECK}()" in code(node.test) and bool(DECIDES_DEVICE.search(branches))
 
 
-def fix_if(porter: Any, original: Any, updated: Any) -> Any:
+@fixes("If", order=30)
+def fix_if(porter: Porter, original: Any, updated: Any) -> Any:
     """``if torch.cuda.is_available():`` around ``device = "cuda"`` / ``model.cuda()`` -> ``if get_device().type != "cpu":``."""
     cst = libcst()
     if not decides_device(original):

@@ -5,12 +5,14 @@ from __future__ import annotations
 from typing import Any
 
 from .device_calls import HANDLED
+from .registry import Porter, fixes
 from .tree import call_names
 
 _FINE = {"is_available", "current_accelerator", *HANDLED}  # answered, or given their XLA meaning by device_calls
 
 
-def fix_call(porter: Any, original: Any, updated: Any) -> Any:
+@fixes("Call", order=30)
+def fix_call(porter: Porter, original: Any, updated: Any) -> Any:
     """A ``torch.cuda`` or ``torch.accelerator`` call outside an ``if`` (or ``and``) that tests CUDA."""
     name, last = call_names(updated, porter.plan)
     if name.startswith(("torch.cuda.", "torch.accelerator.")) and last not in _FINE:

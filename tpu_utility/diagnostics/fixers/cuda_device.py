@@ -4,12 +4,14 @@ from __future__ import annotations
 
 from typing import Any
 
+from .registry import Porter, fixes
 from .tree import call_names, code, cuda_string, libcst, mentions_cuda
 
 _PORTED = ("get_device()", "get_device().type", "str(get_device())")
 
 
-def fix_call(porter: Any, original: Any, updated: Any) -> Any:
+@fixes("Call", order=140)
+def fix_call(porter: Porter, original: Any, updated: Any) -> Any:
     """``torch.device("cuda")`` (or of a device string already ported) -> ``get_device()``."""
     name, _ = call_names(updated, porter.plan)
     args = updated.args
@@ -21,7 +23,8 @@ def fix_call(porter: Any, original: Any, updated: Any) -> Any:
     return None
 
 
-def fix_arg(porter: Any, original: Any, updated: Any) -> Any:
+@fixes("Arg", order=10)
+def fix_arg(porter: Porter, original: Any, updated: Any) -> Any:
     """``f(..., device="cuda")`` -> the device the scope holds."""
     if updated.keyword is not None and updated.keyword.value == "device" and cuda_string(updated.value) is not None:
         new = updated.with_changes(value=libcst().parse_expression(porter.device()))
@@ -30,7 +33,8 @@ def fix_arg(porter: Any, original: Any, updated: Any) -> Any:
     return None
 
 
-def fix_ifexp(porter: Any, original: Any, updated: Any) -> Any:
+@fixes("IfExp", order=20)
+def fix_ifexp(porter: Porter, original: Any, updated: Any) -> Any:
     """``torch.device("cuda") if torch.cuda.is_available() else ...`` (what device_strings left) -> ``get_device()``."""
     if mentions_cuda(original.test) and mentions_cuda(original.body):
         new = libcst().parse_expression("get_device()")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from .registry import Porter, fixes, opening
 from .tree import DECIDES_DEVICE, code, dotted, libcst
 
 
@@ -25,12 +26,14 @@ def _is_flag(test: Any) -> bool:
     return bool(name) and any(word in name.rsplit(".", 1)[-1] for word in _FLAG_WORDS) and not name.startswith("torch.")
 
 
+@opening
 def opens(node: Any) -> bool:
     """Whether an ``if`` tests a CUDA flag and moves to the GPU or picks the device in its body."""
     return _is_flag(node.test) and bool(DECIDES_DEVICE.search(code(node.body)))
 
 
-def fix_if(porter: Any, original: Any, updated: Any) -> Any:
+@fixes("If", order=40)
+def fix_if(porter: Porter, original: Any, updated: Any) -> Any:
     """``if opt.cuda:`` around a move to the GPU, or ``if use_cuda:`` around the device line -> ``if get_device().type != "cpu":``."""
     if not opens(original):
         return None
@@ -40,7 +43,8 @@ def fix_if(porter: Any, original: Any, updated: Any) -> Any:
     return updated.with_changes(test=test)
 
 
-def fix_assign(porter: Any, original: Any, updated: Any) -> Any:
+@fixes("Assign", order=50)
+def fix_assign(porter: Porter, original: Any, updated: Any) -> Any:
     """``use_cuda = not args.no_cuda and torch.cuda.is_available()``: reported, the device line is ported."""
     cst = libcst()
     targets = [dotted(t.target) for t in original.targets]

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 from typing import Any
 
+from .registry import Porter, fixes
 from .tree import call_names, code, cuda_string, libcst
 
 
-def fix_call(porter: Any, original: Any, updated: Any) -> Any:
+@fixes("Call", order=150)
+def fix_call(porter: Porter, original: Any, updated: Any) -> Any:
     """``x.cuda(non_blocking=True)`` -> ``x.to(device, non_blocking=True)``; ``x.to("cuda", ...)``."""
     cst = libcst()
     name, last = call_names(updated, porter.plan)

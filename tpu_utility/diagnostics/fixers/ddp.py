@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from .registry import Porter, fixes
 from .tree import code, dotted, keyword, libcst
 
 _WRAPPERS = {"DDP", "DistributedDataParallel"}
@@ -20,7 +21,8 @@ def _nccl(call: Any) -> bool:
     return backend is not None and "nccl" in code(backend.value)
 
 
-def fix_call(porter: Any, original: Any, updated: Any) -> Any:
+@fixes("Call", order=40)
+def fix_call(porter: Porter, original: Any, updated: Any) -> Any:
     """``init_process_group("nccl")``, ``DDP(model, device_ids=[...])``."""
     last = dotted(updated.func).rsplit(".", 1)[-1]
     if (last == "init_process_group" and _nccl(updated)) or (last in _WRAPPERS and keyword(updated, "device_ids")):
@@ -28,7 +30,8 @@ def fix_call(porter: Any, original: Any, updated: Any) -> Any:
     return None
 
 
-def fix_assign(porter: Any, original: Any, updated: Any) -> Any:
+@fixes("Assign", order=20)
+def fix_assign(porter: Porter, original: Any, updated: Any) -> Any:
     """``device = f"cuda:{local_rank}"``."""
     cst = libcst()
     value = original.value

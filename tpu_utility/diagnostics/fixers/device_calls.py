@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from .registry import Porter, fixes
 from .tree import code, dotted, libcst
 
 _PREFIXES = ("torch.cuda.", "torch.accelerator.")
@@ -35,7 +36,8 @@ def device_call(call: Any) -> str | None:
     return last if dotted(call.func).startswith(_PREFIXES) else None
 
 
-def fix_call(porter: Any, original: Any, updated: Any) -> Any:
+@fixes("Call", order=70)
+def fix_call(porter: Porter, original: Any, updated: Any) -> Any:
     """``device_count()`` and ``current_device()`` -> the ported device's; a memory read is named."""
     name = device_call(updated)
     if name in _VALUES:
@@ -48,7 +50,8 @@ def fix_call(porter: Any, original: Any, updated: Any) -> Any:
     return None
 
 
-def fix_statement(porter: Any, original: Any, updated: Any) -> Any:
+@fixes("SimpleStatementLine", order=50)
+def fix_statement(porter: Porter, original: Any, updated: Any) -> Any:
     """``torch.cuda.set_device(device)`` / ``reset_peak_memory_stats()`` as a statement -> a ``pass`` that says so."""
     cst = libcst()
     if len(original.body) != 1 or not isinstance(original.body[0], cst.Expr) or device_call(original.body[0].value) not in _DROPPED:

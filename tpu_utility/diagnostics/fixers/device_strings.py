@@ -10,19 +10,21 @@ from __future__ import annotations
 
 from typing import Any
 
+from .registry import Porter, fixes
 from .tree import code, cuda_string, device_string, dotted, keyword, libcst
 
 _ACCELERATOR = "torch.accelerator.current_accelerator()"
 
 
-def _new(porter: Any, original: Any, text: str) -> Any:
+def _new(porter: Porter, original: Any, text: str) -> Any:
     porter.need("get_device")
     new = libcst().parse_expression(text)
     porter.change("cuda_device", original, new)
     return new
 
 
-def fix_ifexp(porter: Any, original: Any, updated: Any) -> Any:
+@fixes("IfExp", order=10)
+def fix_ifexp(porter: Porter, original: Any, updated: Any) -> Any:
     """``'cuda' if <test> else 'cpu'`` and ``torch.accelerator.current_accelerator().type if ... else ...``."""
     branches = (original.body, original.orelse)
     if any(_ACCELERATOR in code(b) for b in branches):
@@ -34,7 +36,8 @@ def fix_ifexp(porter: Any, original: Any, updated: Any) -> Any:
     return None
 
 
-def fix_assign(porter: Any, original: Any, updated: Any) -> Any:
+@fixes("Assign", order=40)
+def fix_assign(porter: Porter, original: Any, updated: Any) -> Any:
     """``device = 'cuda'`` / ``'cuda:0'``."""
     cuda = cuda_string(original.value)
     if cuda is None:
@@ -42,7 +45,8 @@ def fix_assign(porter: Any, original: Any, updated: Any) -> Any:
     return updated.with_changes(value=_new(porter, original.value, device_string(cuda)))
 
 
-def fix_call(porter: Any, original: Any, updated: Any) -> Any:
+@fixes("Call", order=110)
+def fix_call(porter: Porter, original: Any, updated: Any) -> Any:
     """``add_argument('--device', default='cuda')``, ``torch.accelerator.current_accelerator()`` and ``.is_available()``."""
     name = dotted(updated.func)
     if name.endswith("add_argument"):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from .registry import Porter, analysis, fixes
 from .tree import dotted, libcst
 
 _HOST_MODULES = {"pd", "pandas", "np", "numpy", "math", "random"}
@@ -46,6 +47,7 @@ def _host(node: Any, known: set[str]) -> bool:
     return head in _HOST_MODULES or head in known
 
 
+@analysis(order=20)
 def analyse(module: Any, plan: Any) -> None:
     """``plan.host_values``: the names bound only to host values (in order; a later tensor binding removes one)."""
     cst = libcst()
@@ -80,7 +82,8 @@ def _pandas_filter(subscript: Any, plan: Any) -> bool:
     return False
 
 
-def fix_subscript(porter: Any, original: Any, updated: Any) -> Any:
+@fixes("Subscript", order=20)
+def fix_subscript(porter: Porter, original: Any, updated: Any) -> Any:
     """``x[<comparison>]`` of a tensor."""
     cst = libcst()
     masks = [e for e in original.slice if isinstance(e.slice, cst.Index) and isinstance(e.slice.value, cst.Comparison)]

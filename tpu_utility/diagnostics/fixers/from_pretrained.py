@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from .registry import Porter, fixes
 from .tree import code, dotted, keyword, libcst
 
 _QUANTIZED = ("load_in_4bit", "load_in_8bit")
@@ -22,7 +23,8 @@ def _quantizes(call: Any) -> bool:
     return any(f is not None and code(f.value) != "False" for f in flags)
 
 
-def fix_call(porter: Any, original: Any, updated: Any) -> Any:
+@fixes("Call", order=100)
+def fix_call(porter: Porter, original: Any, updated: Any) -> Any:
     """``X.from_pretrained(..., device_map=...)`` -> ``move_model(X.from_pretrained(...), get_device())``; 4/8-bit named."""
     cst = libcst()
     last = dotted(updated.func).rsplit(".", 1)[-1]

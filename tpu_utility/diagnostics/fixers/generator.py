@@ -4,10 +4,12 @@ from __future__ import annotations
 
 from typing import Any
 
+from .registry import Porter, fixes
 from .tree import dotted, keyword, libcst
 
 
-def fix_call(porter: Any, original: Any, updated: Any) -> Any:
+@fixes("Call", order=80)
+def fix_call(porter: Porter, original: Any, updated: Any) -> Any:
     """``torch.Generator(device=...)`` (or the device given positionally) -> ``torch.Generator()``."""
     cst = libcst()
     if dotted(updated.func) not in ("torch.Generator", "Generator") or not updated.args:

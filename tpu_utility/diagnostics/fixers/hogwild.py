@@ -4,10 +4,12 @@ from __future__ import annotations
 
 from typing import Any
 
+from .registry import Porter, fixes
 from .tree import libcst
 
 
-def fix_call(porter: Any, original: Any, updated: Any) -> Any:
+@fixes("Call", order=50)
+def fix_call(porter: Porter, original: Any, updated: Any) -> Any:
     """``<model>.share_memory()``."""
     cst = libcst()
     if isinstance(updated.func, cst.Attribute) and updated.func.attr.value == "share_memory" and not updated.args:

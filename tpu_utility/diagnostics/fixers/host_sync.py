@@ -7,6 +7,7 @@ from typing import Any
 
 from ..rules import COLLECT_ON_DEVICE, RULES
 from .dynamic_shape import root
+from .registry import Porter, fixes
 from .tree import call_names, dotted, libcst
 
 _READS = {"item", "cpu", "numpy", "tolist"}
@@ -36,7 +37,8 @@ def _prints_a_tensor(call: Any, host: set[str]) -> bool:
     return any(_TENSOR_NAME.search(n) for n in found)
 
 
-def fix_call(porter: Any, original: Any, updated: Any) -> Any:
+@fixes("Call", order=10)
+def fix_call(porter: Porter, original: Any, updated: Any) -> Any:
     """``loss.item()``, ``logits.cpu()``, ``print(loss)`` in a loop that runs once per step."""
     if not any(porter.loops):
         return None

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from .registry import Porter, analysis, fixes
 from .tree import LAUNCHES, calls, code, libcst
 
 _LAUNCHERS = {*LAUNCHES, "launch", "mp.spawn", "torch.multiprocessing.spawn"}
@@ -21,6 +22,7 @@ _LAZY = {"get_device().type": "device_type()", "str(get_device())": "device_type
          "get_device()": "torch.device(device_type())"}  # fmt: skip
 
 
+@analysis(order=40)
 def analyse(module: Any, plan: Any) -> None:
     """``plan.launches``: whether the program starts processes itself (then its module level runs in the parent)."""
     plan.launches = plan.launches or bool(calls(module, plan) & _LAUNCHERS)
@@ -42,7 +44,8 @@ def _lazy(node: Any) -> Any:
     return node.visit(Lazy())
 
 
-def fix_statement(porter: Any, original: Any, updated: Any) -> Any:
+@fixes("SimpleStatementLine", order=20)
+def fix_statement(porter: Porter, original: Any, updated: Any) -> Any:
     """A device line (made ``get_device()`` by the fixers before it) in a class body at import time, or at a
     launching program's module level."""
     cst = libcst()

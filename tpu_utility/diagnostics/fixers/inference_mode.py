@@ -4,10 +4,12 @@ from __future__ import annotations
 
 from typing import Any
 
+from .registry import Porter, fixes
 from .tree import call_names, libcst
 
 
-def fix_call(porter: Any, original: Any, updated: Any) -> Any:
+@fixes("Call", order=180)
+def fix_call(porter: Porter, original: Any, updated: Any) -> Any:
     """``torch.inference_mode(...)`` -> ``inference_mode(...)``."""
     if call_names(updated, porter.plan)[0] != "torch.inference_mode":
         return None

@@ -11,12 +11,14 @@ from __future__ import annotations
 
 from typing import Any
 
+from .registry import Porter, finishing, fixes, planning
 from .tree import assigned, calls, code, function_defs, is_docstring, launched, libcst, uses
 
 _RUNTIME = {"xm.xrt_world_size", "xm.get_ordinal", "xm.get_local_ordinal", "xm.is_master_ordinal", "xm.xla_device",
             "xr.world_size", "xr.global_ordinal", "xr.local_ordinal", "torch_xla.device", "make_sampler"}  # fmt: skip
 
 
+@planning(order=20)
 def plan_top(top: list[Any], plan: Any) -> None:
     """Marks the top-level statements before the launch that ask the runtime (when the launched function is here)."""
     cst = libcst()
@@ -37,7 +39,8 @@ def plan_top(top: list[Any], plan: Any) -> None:
             plan.stuck.append(stmt)
 
 
-def fix_statement(porter: Any, original: Any, updated: Any) -> Any:
+@fixes("SimpleStatementLine", order=10)
+def fix_statement(porter: Porter, original: Any, updated: Any) -> Any:
     """A statement that moves: kept (with its comments, not its blank lines) for the launched function, removed here."""
     plan = porter.plan
     if id(original) not in plan.relocate:
@@ -66,6 +69,7 @@ def _insert(module: Any, plan: Any, statements: list[Any]) -> Any:
     return module.visit(Insert())
 
 
+@finishing(order=10)
 def after_walk(results: list[str | None], plan: Any) -> tuple[list[str | None], list[tuple[str, str]]]:
     """The cells' new sources with the moved statements in the launched function; and (rule, code) of blocks left."""
     import re

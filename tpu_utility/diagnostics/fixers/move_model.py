@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from .registry import Porter, analysis, fixes
 from .tree import code, cuda_string, dotted, libcst
 
 _MODULE_ONLY = {"parameters", "named_parameters", "train", "eval", "configure_optimizers",
@@ -28,6 +29,7 @@ def _unchained(node: Any, methods: set[str] | None = None) -> Any:
     return node
 
 
+@analysis(order=10)
 def analyse(module: Any, plan: Any) -> None:
     """Adds to ``plan.models`` the names the program uses as modules."""
     cst = libcst()
@@ -53,7 +55,7 @@ def _device_argument(call: Any) -> Any:
     return args[0].value if ("device" in text or cuda_string(args[0].value) or "get_device()" in text) else None
 
 
-def _moved(porter: Any, original: Any, model: Any, device: Any) -> Any:
+def _moved(porter: Porter, original: Any, model: Any, device: Any) -> Any:
     porter.need("move_model")
     new = libcst().parse_expression(f"move_model({code(model)}, {code(device)})")
     porter.change("tied_weights", original, new)
@@ -78,7 +80,8 @@ def _is_model(node: Any, models: set[str]) -> bool:
     return dotted(_unchained(node, _CHAINED)) in models
 
 
-def fix_call(porter: Any, original: Any, updated: Any) -> Any:
+@fixes("Call", order=120)
+def fix_call(porter: Porter, original: Any, updated: Any) -> Any:
     """``model.to(device)`` / ``model.cuda()`` / ``model.train().to(device)`` for a name the program uses as a model."""
     cst = libcst()
     if not isinstance(updated.func, cst.Attribute) or not _is_model(updated.func.value, porter.plan.models):
@@ -89,7 +92,8 @@ def fix_call(porter: Any, original: Any, updated: Any) -> Any:
     return _moved(porter, original, *found) if found else None
 
 
-def fix_assign(porter: Any, original: Any, updated: Any) -> Any:
+@fixes("Assign", order=60)
+def fix_assign(porter: Porter, original: Any, updated: Any) -> Any:
     """``model = Net().to(device)``: the target is the model, built in the same line."""
     if not any(dotted(t.target) in porter.plan.models for t in original.targets):
         return None

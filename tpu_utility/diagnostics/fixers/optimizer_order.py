@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from .registry import Porter, fixes, planning
 from .tree import OPTIMIZERS, assigned, code, dotted, function_defs, libcst, value
 
 
@@ -60,6 +61,7 @@ def _plan_block(block: list[Any], plan: Any) -> None:
         defined.update(assigned(stmt))
 
 
+@planning(order=10)
 def plan_top(top: list[Any], plan: Any) -> None:
     """Plans the moves in the top-level statements and in each function's body."""
     blocks = [top]
@@ -71,7 +73,8 @@ def plan_top(top: list[Any], plan: Any) -> None:
         _plan_block(block, plan)
 
 
-def fix_statement(porter: Any, original: Any, updated: Any) -> Any:
+@fixes("SimpleStatementLine", order=30)
+def fix_statement(porter: Porter, original: Any, updated: Any) -> Any:
     """The planned move before the optimizer's line; the bare move it replaces goes."""
     cst = libcst()
     key = id(original)

@@ -5,12 +5,14 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from .registry import Porter, fixes
 from .tree import code, libcst
 
 _OPTIMIZER_NAME = re.compile(r"(^|\.)(opt|optim|optimizer|optimiser)(_?\w*)?$")
 
 
-def fix_call(porter: Any, original: Any, updated: Any) -> Any:
+@fixes("Call", order=160)
+def fix_call(porter: Porter, original: Any, updated: Any) -> Any:
     """``<an optimizer>.step()`` with no arguments; a scheduler's ``step()`` stays."""
     cst = libcst()
     if not (isinstance(updated.func, cst.Attribute) and updated.func.attr.value == "step" and not updated.args):

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 from typing import Any
 
+from .registry import Porter, fixes
 from .tree import assigned, call_names, code, dotted, keyword, libcst, value
 
 
-def fix_call(porter: Any, original: Any, updated: Any) -> Any:
+@fixes("Call", order=190)
+def fix_call(porter: Porter, original: Any, updated: Any) -> Any:
     """``DistributedSampler(ds, shuffle=...)`` and a ``DataLoader(..., sampler=<a make_sampler's name>)``."""
     last = call_names(updated, porter.plan)[1]
     if last == "DistributedSampler":
@@ -22,7 +24,7 @@ def fix_call(porter: Any, original: Any, updated: Any) -> Any:
     return None
 
 
-def _sampler(porter: Any, original: Any, updated: Any) -> Any:
+def _sampler(porter: Porter, original: Any, updated: Any) -> Any:
     args = updated.args
     if any(a.keyword is not None and a.keyword.value in ("num_replicas", "rank") for a in args):
         return None  # a torch_xla kernel's: its world size and rank calls are ported one by one
@@ -33,7 +35,7 @@ def _sampler(porter: Any, original: Any, updated: Any) -> Any:
     return new
 
 
-def _loader(porter: Any, original: Any, updated: Any) -> Any:
+def _loader(porter: Porter, original: Any, updated: Any) -> Any:
     cst = libcst()
     sampler = keyword(updated, "sampler")
     if sampler is None or dotted(sampler.value) not in porter.plan.samplers:
@@ -56,7 +58,8 @@ def _loader(porter: Any, original: Any, updated: Any) -> Any:
     return new
 
 
-def fix_assign(porter: Any, original: Any, updated: Any) -> Any:
+@fixes("Assign", order=30)
+def fix_assign(porter: Porter, original: Any, updated: Any) -> Any:
     """``sampler = make_sampler(ds, shuffle)`` (as the call's fixer left it): the plan learns the name and its shuffle."""
     cst = libcst()
     if isinstance(updated.value, cst.Call) and dotted(updated.value.func) == "make_sampler":
@@ -67,7 +70,8 @@ def fix_assign(porter: Any, original: Any, updated: Any) -> Any:
     return None
 
 
-def fix_statement(porter: Any, original: Any, updated: Any) -> Any:
+@fixes("SimpleStatementLine", order=60)
+def fix_statement(porter: Porter, original: Any, updated: Any) -> Any:
     """``sampler.set_epoch(epoch)`` -> ``if sampler is not None: sampler.set_epoch(epoch)``."""
     cst = libcst()
     call = value(updated)

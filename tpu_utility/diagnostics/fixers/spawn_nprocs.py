@@ -4,10 +4,12 @@ from __future__ import annotations
 
 from typing import Any
 
+from .registry import Porter, fixes
 from .tree import call_names, libcst
 
 
-def fix_call(porter: Any, original: Any, updated: Any) -> Any:
+@fixes("Call", order=210)
+def fix_call(porter: Porter, original: Any, updated: Any) -> Any:
     """The ``nprocs`` argument, by keyword or third position, goes."""
     if call_names(updated, porter.plan)[0] != "xmp.spawn":
         return None

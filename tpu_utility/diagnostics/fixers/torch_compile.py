@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from .registry import Porter, fixes
 from .tree import code, dotted, libcst
 
 _MARK = "pass  # tpu_utility.port: {} dropped: torch_xla compiles the step itself\n"
@@ -14,7 +15,8 @@ def _compiles(node: Any) -> bool:
     return isinstance(node, cst.Call) and dotted(node.func) == "torch.compile" and bool(node.args)
 
 
-def fix_call(porter: Any, original: Any, updated: Any) -> Any:
+@fixes("Call", order=90)
+def fix_call(porter: Porter, original: Any, updated: Any) -> Any:
     """``torch.compile(model, ...)`` -> ``model``."""
     if not _compiles(updated) or updated.args[0].keyword is not None:
         return None
@@ -23,7 +25,8 @@ def fix_call(porter: Any, original: Any, updated: Any) -> Any:
     return new
 
 
-def fix_statement(porter: Any, original: Any, updated: Any) -> Any:
+@fixes("SimpleStatementLine", order=40)
+def fix_statement(porter: Porter, original: Any, updated: Any) -> Any:
     """``model = torch.compile(model)``, which the call's fixer left as ``model = model``: a ``pass`` that says so."""
     cst = libcst()
     if len(original.body) != 1 or not isinstance(original.body[0], cst.Assign):

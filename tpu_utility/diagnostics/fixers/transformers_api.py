@@ -4,12 +4,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from .tree import code, dotted, keyword, libcst
+from .registry import Porter, fixes
+from .tree import code, dotted, drop_imported, keyword, libcst
 
 _SAVE = "{}.save_pretrained({}, state_dict={{k: v.cpu() for k, v in {}.state_dict().items()}})"
 
 
-def fix_import(porter: Any, original: Any, updated: Any) -> Any:
+@fixes("ImportFrom", order=20)
+def fix_import(porter: Porter, original: Any, updated: Any) -> Any:
     """``from transformers import AdamW, get_scheduler`` -> AdamW from torch.optim."""
     cst = libcst()
     if updated.module is None or dotted(updated.module) != "transformers" or isinstance(updated.names, cst.ImportStar):
@@ -19,16 +21,11 @@ def fix_import(porter: Any, original: Any, updated: Any) -> Any:
         return None
     porter.plan.hf_adamw.add(ours[0].asname.name.value if ours[0].asname else "AdamW")
     porter.plan.imports.append(("torch.optim", "AdamW", ours[0].asname.name.value if ours[0].asname else None))
-    kept = [a for a in updated.names if a.name.value != "AdamW"]
-    if not kept:
-        porter.change("transformers_adamw", original, cst.Name("removed"))
-        return cst.RemovalSentinel.REMOVE
-    new = updated.with_changes(names=[*kept[:-1], kept[-1].with_changes(comma=cst.MaybeSentinel.DEFAULT)])
-    porter.change("transformers_adamw", original, new)
-    return new
+    return drop_imported(porter, "transformers_adamw", original, updated, ("AdamW",))
 
 
-def fix_call(porter: Any, original: Any, updated: Any) -> Any:
+@fixes("Call", order=130)
+def fix_call(porter: Porter, original: Any, updated: Any) -> Any:
     """``AdamW(...)`` imported from transformers keeps its default ``weight_decay=0.0``; ``model.save_pretrained(dir)``."""
     cst = libcst()
     name = dotted(updated.func)

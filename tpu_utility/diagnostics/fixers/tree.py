@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Any, Container
 
 PORT_INSTALL = 'pip install libcst nbformat  (or pip install "tpu_utility[port]")'
 
@@ -49,6 +49,21 @@ def device_string(cuda: str) -> str:
 def keyword(call: Any, name: str) -> Any:
     """The argument ``name=...`` of a call, or None."""
     return next((a for a in call.args if a.keyword is not None and a.keyword.value == name), None)
+
+
+def drop_imported(porter: Any, rule: str, original: Any, updated: Any, names: Container[str]) -> Any:
+    """``from m import a, b`` without ``names``, the change recorded as ``rule``: the new line, the line's removal
+    when no name is left, or None when it imports none of ``names``."""
+    cst = libcst()
+    kept = [a for a in updated.names if a.name.value not in names]
+    if len(kept) == len(updated.names):
+        return None
+    if not kept:
+        porter.change(rule, original, cst.Name("removed"))
+        return cst.RemovalSentinel.REMOVE
+    new = updated.with_changes(names=[*kept[:-1], kept[-1].with_changes(comma=cst.MaybeSentinel.DEFAULT)])
+    porter.change(rule, original, new)
+    return new
 
 
 # optimizers by the name a program calls to build one

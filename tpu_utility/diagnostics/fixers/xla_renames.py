@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..rules import RULES
+from .registry import Porter, fixes
 from .tree import call_names, libcst
 
 _RENAMED = ("xrt_world_size", "get_ordinal", "xla_device", "mark_step")
@@ -23,7 +24,8 @@ def renames() -> dict[str, tuple[str, str, str]]:
     return found
 
 
-def fix_call(porter: Any, original: Any, updated: Any) -> Any:
+@fixes("Call", order=200)
+def fix_call(porter: Porter, original: Any, updated: Any) -> Any:
     """``xm.xla_device(devkind=...)`` -> ``torch_xla.device()`` (``devkind`` is gone with it)."""
     name, _ = call_names(updated, porter.plan)
     table = renames()

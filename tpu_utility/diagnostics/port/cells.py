@@ -88,7 +88,7 @@ def _read(n: int, source: str, indexed: bool, ipython: bool, report: PortReport)
     _parse(cell, ipython, report)
     for line in cell.magics:
         where = cell.where(source.split("\n").index(line) + 1)
-        rule = next((found for fix in fixers.MAGICS if (found := fix(line))), None)
+        rule = next((found for fix in fixers.magics() if (found := fix(line))), None)
         if rule:
             report.left.append(Left(rule, where, short(line.strip()), RULES[rule].fix))
         else:
@@ -107,7 +107,7 @@ def port_cells(sources: list[str], indexed: bool, report: PortReport, ipython: b
     for cell in cells:
         if cell.wrapper is not None:
             cell.result = cell.wrapper.visit(Porter(cell.where, plan, report)).code
-    results, stuck = fixers.launch.after_walk([c.result for c in cells], plan)
+    results, stuck = fixers.after_walk([c.result for c in cells], plan)
     for cell, result in zip(cells, results):
         cell.result = result
     for rule, text in stuck:

@@ -79,7 +79,7 @@ def make_plan(modules: list[Any]) -> Plan:
     for module in modules:
         _names(module, plan)
     for module in modules:
-        for analyse in fixers.ANALYSES:
+        for analyse in fixers.analyses():
             analyse(module, plan)
     top = [stmt for module in modules for stmt in module.body]
     for stmt in top:
@@ -88,6 +88,6 @@ def make_plan(modules: list[Any]) -> Plan:
             plan.device = names[0]
         if launched(stmt, plan) and value(stmt).args and isinstance(value(stmt).args[0].value, libcst().Name):
             plan.spawned = value(stmt).args[0].value.value
-    for plan_top in fixers.PLANS:
+    for plan_top in fixers.plans():
         plan_top(top, plan)
     return plan

@@ -1,6 +1,7 @@
 """The walk: one LibCST transformer over a cell that keeps the scopes and hands each node to its fixers.
 
-It knows no rewrite itself: ``fixers.FIXERS`` maps a node type to the fixers tried on it.
+It knows no rewrite itself: each fixer registers itself for the node types
+it is tried on (``fixers/registry.py``), and ``fixers.apply`` tries them in their order.
 What it keeps for them: the enclosing loops (does each run once per step?), the enclosing
 tests (does each mention CUDA?), the device name each function scope holds, and the report.
 Importing it imports LibCST (the package itself imports without it).
@@ -161,7 +162,7 @@ class Porter(cst.CSTTransformer):
         return updated
 
     # --------------------------------------------------- the node types fixers are registered for
-    def _fixed(self, kind: str, original: Any, updated: Any) -> Any:
+    def _fixed(self, kind: fixers.NodeType, original: Any, updated: Any) -> Any:
         new = fixers.apply(kind, self, original, updated)
         return updated if new is None else new
 
