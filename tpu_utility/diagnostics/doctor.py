@@ -457,21 +457,21 @@ def _growing(pending: list[int]) -> bool:
 def _run_one(step: Callable, batch: Any, into: list[_Step]) -> None:
     before = backend.compile_count()
     step(batch)
-    into.append(_Step(_shapes(batch), backend.compile_count() - before, backend.pending_ir_nodes()))
+    into.append(_Step(_shapes(batch), backend.compile_count() - before, backend.current().diagnosis.pending_ir_nodes()))
 
 
 def _run(step: Callable, plan: Iterator[Any], warmup: int, run: _Run) -> None:
     """Runs the step as the user does: no graph cut of ours between their steps."""
     for batch in itertools.islice(plan, warmup):
         _run_one(step, batch, run.warmup)
-    backend.wait()  # no cut of ours: the first measured step runs as every later one does
+    backend.current().devices.wait()  # no cut of ours: the first measured step runs as every later one does
     backend.clear_counters()
 
     def record(kind: str, op: str) -> None:
         run.syncs[(kind, op, _user_frame())] += 1
 
     try:
-        with _tracing(run), backend.watch_host_syncs(record):
+        with _tracing(run), backend.current().diagnosis.watch_host_syncs(record):
             for batch in plan:
                 _run_one(step, batch, run.measured)
                 for line, indices in run.slicing_now.items():
@@ -480,11 +480,11 @@ def _run(step: Callable, plan: Iterator[Any], warmup: int, run: _Run) -> None:
                 if len(run.measured) >= 2 and len(run.records) >= 3 and _growing([s.pending for s in run.records]):
                     break  # every further step is slower still; the finding is clear
     finally:  # also when the step raised: the findings so far need these
-        run.created = backend.tensors_created()
+        run.created = backend.current().diagnosis.tensors_created()
         run.host_syncs = backend.host_sync_count() + sum(run.syncs.values())
         run.fallbacks = backend.fallback_ops()
     backend.sync()  # runs whatever the last step left pending (not counted as the step's)
-    backend.wait()
+    backend.current().devices.wait()
 
 
 # ---------------------------------------------------------------- analysis
@@ -724,7 +724,7 @@ def _report(run: _Run, mode: Mode, findings: list[Finding | None], notes: list[s
         step_compiles=[] if run.eager else compiles,
         notes=notes + (_eager_notes() if run.eager else []),
         measured_on=backend.current().name,
-        unmeasured=list(backend.unmeasured()),
+        unmeasured=list(backend.current().diagnosis.unmeasured()),
     )
 
 

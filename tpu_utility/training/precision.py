@@ -42,11 +42,11 @@ def check_precision(precision: Any, device: torch.device | None = None) -> None:
     if precision not in get_args(Precision):
         raise ValueError(f"precision must be one of {get_args(Precision)}, but given {precision!r}")
     chosen = backend.current()
-    if precision != "fp16" or chosen.fp16_available():
+    if precision != "fp16" or chosen.compute.fp16_available():
         return
     if device is None and chosen.lazy:
         device = torch.device(chosen.device_type)  # "xla": its hardware is named without starting the runtime
-    hardware = chosen.hardware(device) if device is not None else None
+    hardware = chosen.devices.hardware(device) if device is not None else None
     where = f"XLA:{hardware}" if chosen.lazy and hardware else hardware or chosen.device_type
     raise ValueError(
         f"precision='fp16' (float16 autocast and a GradScaler) has no path on {where} (the {chosen.name} backend): "

@@ -147,7 +147,8 @@ def current_topology(mode: str) -> Topology:
         return Topology("replica", replicas=backend.world_size(), rank=backend.rank())
     if mode in ("spmd", "fsdp"):  # fsdp: the same data layout, the parameters sharded too (strategies.fsdp)
         backend.use_spmd()
-        return Topology("spmd", hosts=backend.process_count(), host=backend.process_index(), devices=backend.global_device_count())
+        mesh = backend.current().sharding
+        return Topology("spmd", hosts=mesh.process_count(), host=mesh.process_index(), devices=mesh.global_device_count())
     if mode == "replica":
         return Topology("replica", replicas=backend.world_size(), rank=backend.rank())
     return Topology("single")
