@@ -1,6 +1,7 @@
 """Which accelerator? One Backend object per process answers every such question.
 
-``current()`` returns it; the functions here delegate to it. Only this package
+``current()`` returns it; it holds five groups (``devices``, ``processes``, ``compute``,
+``diagnosis``, ``sharding``), and the functions here delegate to them. Only this package
 imports torch_xla or torch_tpu. Modules: ``base`` (what a backend answers),
 ``native`` (torch.distributed on CUDA/CPU), ``xla`` (torch_xla), ``tpu``
 (TorchTPU), ``choice`` (the backend a user asked for), ``hardware`` (the PCI
@@ -76,6 +77,7 @@ from .api import (
     TpuHardware,
     transfer_from_device_count,
     use_spmd,
+    wait,
     why,
     world_size,
     XLA_INSTALLED,
@@ -150,6 +152,7 @@ __all__ = [
     "TpuHardware",
     "transfer_from_device_count",
     "use_spmd",
+    "wait",
     "why",
     "world_size",
     "XLA_INSTALLED",

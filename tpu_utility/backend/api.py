@@ -1,4 +1,7 @@
-"""The functions the rest of the package calls; each asks the backend chosen for this process.
+"""The functions the hand-loop kit and the trainer call; each asks a group of the backend chosen for this process.
+
+A caller with a question that has no function here asks the group itself
+(``backend.current().diagnosis.unmeasured()``); the groups are listed in ``base.py``.
 
 ``current()`` picks the backend once per process, in this order: torch_xla when its
 runtime runs or is asked for (a TPU attached, or ``PJRT_DEVICE`` set), TorchTPU when
@@ -271,6 +274,11 @@ def reduce_gradients(optimizer: torch.optim.Optimizer) -> None:
 # -------------------------------------------------------------------- steps
 def sync(wait: bool = False) -> None:
     current().devices.sync(wait)
+
+
+def wait() -> None:
+    """Waits until the device finished every queued operation (a benchmark's clock, doctor's measured step)."""
+    current().devices.wait()
 
 
 def skip_next_loader_sync() -> None:

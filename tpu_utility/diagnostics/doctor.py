@@ -464,7 +464,7 @@ def _run(step: Callable, plan: Iterator[Any], warmup: int, run: _Run) -> None:
     """Runs the step as the user does: no graph cut of ours between their steps."""
     for batch in itertools.islice(plan, warmup):
         _run_one(step, batch, run.warmup)
-    backend.current().devices.wait()  # no cut of ours: the first measured step runs as every later one does
+    backend.wait()  # no cut of ours: the first measured step runs as every later one does
     backend.clear_counters()
 
     def record(kind: str, op: str) -> None:
@@ -484,7 +484,7 @@ def _run(step: Callable, plan: Iterator[Any], warmup: int, run: _Run) -> None:
         run.host_syncs = backend.host_sync_count() + sum(run.syncs.values())
         run.fallbacks = backend.fallback_ops()
     backend.sync()  # runs whatever the last step left pending (not counted as the step's)
-    backend.current().devices.wait()
+    backend.wait()
 
 
 # ---------------------------------------------------------------- analysis
