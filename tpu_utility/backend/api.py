@@ -24,7 +24,7 @@ import contextlib
 import functools
 import os
 import traceback
-from typing import Any, Callable, ContextManager, Iterable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
