@@ -239,7 +239,7 @@ def test_torchtpu_gets_the_same_findings_through_the_native_machinery(tmp_path):
     r = run_python(FAKE_TORCHTPU + STEPS.replace("DEVICE = get_device()", "DEVICE = torch.device('cpu')") + """
 from tpu_utility.backend import TorchTpuBackend
 torch.accelerator.synchronize = lambda device=None: None
-TorchTpuBackend.owns = lambda self, device: True
+TorchTpuBackend.Devices.owns = lambda self, device: True
 print(json.dumps({"backend": repr(backend.current())}))
 model, optimizer = setup(torch.optim.SGD)
 show("clean", doctor(port_step(model, optimizer), batches=batches(), model=model, optimizer=optimizer))
@@ -261,7 +261,7 @@ print(json.dumps({"strict": [c for c in CALLS if c in STRICT]}))
 # ------------------------------------------------------- the backend's watch itself
 def _watched(backend, work):
     seen = []
-    with backend.watch_host_syncs(lambda kind, op: seen.append((kind, op))) as watching:
+    with backend.diagnosis.watch_host_syncs(lambda kind, op: seen.append((kind, op))) as watching:
         work()
     assert watching is True
     return seen

@@ -132,6 +132,7 @@ runpy.run_path({str(tmp_path / "stall.py")!r}, run_name="__main__")
 def test_a_launched_hand_loops_stall_is_named_after_its_replica(monkeypatch):
     # backend.launch hands the backend each replica's fn inside naming_stalls (the backends never import api back)
     import pickle
+    import types
 
     from tpu_utility.backend import api
 
@@ -142,13 +143,14 @@ def test_a_launched_hand_loops_stall_is_named_after_its_replica(monkeypatch):
         def stalled(self, error):
             return f"rank 1 of 2 did not arrive ({error})"
 
-    chosen = Stalls()
+    chosen = types.SimpleNamespace(processes=Stalls())  # a backend whose processes group is the double
     monkeypatch.setattr(api, "current", lambda: chosen)
     api.launch(_stall_in_a_collective, ("my loop",), 2, "spawn")
+    processes = chosen.processes
     with pytest.raises(api.CollectiveTimeout, match=r"^replica 1: rank 1 of 2 did not arrive \(Timed out in my loop"):
-        chosen.fn(1, *chosen.args)  # what the backend's replica runs
+        processes.fn(1, *processes.args)  # what the backend's replica runs
     with pytest.raises(ValueError, match="not a collective"):
-        chosen.fn(0, *chosen.args)  # anything else passes through as it was
+        processes.fn(0, *processes.args)  # anything else passes through as it was
 
 
 def _stall_in_a_collective(index, where):

@@ -76,7 +76,7 @@ print("device:", get_device(), backend.device(), backend.device_count(), backend
 print("bf16:", backend.bf16_autocast_available(), backend.hardware(torch.device("tpu", 0)))
 print("sampler:", make_sampler(torch.utils.data.TensorDataset(torch.zeros(4))))
 launched = []
-NativeBackend.launch = lambda self, fn, args, nprocs, method: launched.append((nprocs, method, list(CALLS)))
+NativeBackend.Processes.launch = lambda self, fn, args, nprocs, method: launched.append((nprocs, method, list(CALLS)))
 backend.launch(print, (), 4, "spawn")
 print("launched:", launched)
 try:

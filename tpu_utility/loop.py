@@ -322,7 +322,7 @@ def launch(fn: Callable[..., Any], args: tuple = (), start_method: StartMethod =
         raise ValueError(f"nprocs must be None or a positive int, but given {nprocs!r}")
     if nprocs is not None and chosen.lazy:
         raise ValueError(f"nprocs={nprocs} cannot be chosen on XLA: torch_xla starts one process per chip; leave it None")
-    processes = nprocs or chosen.device_count()
+    processes = nprocs or chosen.devices.device_count()
     if not chosen.lazy and processes == 1:
         fn(0, *args)
         return

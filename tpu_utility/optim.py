@@ -99,7 +99,8 @@ def _decide_averaging(optimizer: Any, chosen: backend.Backend) -> bool | None:
     Every replica sees the same gathered figures, so every replica decides alike.
     """
     params = [p for p in _parameters(optimizer) if p.requires_grad]
-    rows = chosen.all_gather([_gradient_figures(params, chosen.device()).unsqueeze(0)])[0].cpu().double()
+    figures = _gradient_figures(params, chosen.devices.device()).unsqueeze(0)
+    rows = chosen.processes.all_gather([figures])[0].cpu().double()
     world = len(rows)
     shapes = rows[:, :3]
     if (shapes != shapes[0]).any():
@@ -117,7 +118,7 @@ def _decide_averaging(optimizer: Any, chosen: backend.Backend) -> bool | None:
     same = bool((rows[:, 3] == rows[0, 3]).all()) and torch.allclose(
         figures, figures[:1].expand_as(figures), rtol=_SAME_GRADIENTS_RTOL, atol=0.0
     )
-    if not same and chosen.rank() == 0:
+    if not same and chosen.processes.rank() == 0:
         warnings.warn(
             f"step_optimizer: the {world} processes' gradients differ and nothing averaged them (the model is not "
             f"in DistributedDataParallel), so step_optimizer averages them at every step from now on: the "
@@ -137,14 +138,14 @@ def _averages(optimizer: Any) -> bool:
     One process, or XLA (whose step always averages): False, with no collective.
     """
     chosen = backend.current()
-    if chosen.lazy or chosen.world_size() == 1:
+    if chosen.lazy or chosen.processes.world_size() == 1:
         return False
     layout = _group_layout(optimizer)
     known = _AVERAGING.get(optimizer)
     if known is not None and known[0] == layout:
         return known[1]
     # sharded parameters (FSDP2): their gradients were reduce-scattered to the mean during the backward
-    differ = False if chosen.sharded(_parameters(optimizer)) else _decide_averaging(optimizer, chosen)
+    differ = False if chosen.sharding.sharded(_parameters(optimizer)) else _decide_averaging(optimizer, chosen)
     if differ is None:
         return True
     try:

@@ -213,9 +213,9 @@ def apply_sharding(model: nn.Module, options: FSDP) -> Callable[[], None]:
     classes = block_classes(model, options.wrap)
     blocks = [m for m in model.modules() if isinstance(m, classes)]
     chosen = backend.current()
-    undo = [chosen.shard_parameters(model, blocks)]
+    undo = [chosen.sharding.shard_parameters(model, blocks)]
     if options.checkpoint:  # a block already checkpointed by transformers (gradient_checkpointing_enable) once
-        undo += [chosen.checkpoint_module(b) for b in blocks if not getattr(b, "gradient_checkpointing", False)]
+        undo += [chosen.compute.checkpoint_module(b) for b in blocks if not getattr(b, "gradient_checkpointing", False)]
     if options.shard_output:
         undo.append(model.register_forward_hook(_shard_output, with_kwargs=True).remove)
     config = getattr(model, "config", None)

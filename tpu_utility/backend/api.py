@@ -1,4 +1,7 @@
-"""The functions the rest of the package calls; each asks the backend chosen for this process.
+"""The functions the hand-loop kit and the trainer call; each asks a group of the backend chosen for this process.
+
+A caller with a question that has no function here asks the group itself
+(``backend.current().diagnosis.unmeasured()``); the groups are listed in ``base.py``.
 
 ``current()`` picks the backend once per process, in this order: torch_xla when its
 runtime runs or is asked for (a TPU attached, or ``PJRT_DEVICE`` set), TorchTPU when
@@ -21,7 +24,7 @@ import contextlib
 import functools
 import os
 import traceback
-from typing import Any, Callable, ContextManager, Iterable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
@@ -158,52 +161,52 @@ def why() -> str:
 
 # ------------------------------------------------------------------ devices
 def device(index: int | None = None) -> torch.device:
-    return current().device(index)
+    return current().devices.device(index)
 
 
 def device_count() -> int:
-    return current().device_count()
+    return current().devices.device_count()
 
 
 def owns(dev: torch.device | str) -> bool:
-    return current().owns(dev)
+    return current().devices.owns(dev)
 
 
 def is_lazy(dev: torch.device | str) -> bool:
     """Whether tensors on ``dev`` build graphs that a step boundary runs (XLA)."""
-    return current().is_lazy(dev)
+    return current().devices.is_lazy(dev)
 
 
 def is_accelerated(dev: torch.device | str) -> bool:
     """Whether ``dev`` is the accelerator of this process's backend (not the host CPU)."""
     chosen = current()
-    return chosen.device_type != "cpu" and chosen.owns(dev)
+    return chosen.device_type != "cpu" and chosen.devices.owns(dev)
 
 
 # ----------------------------------------------------------------- replicas
 def world_size() -> int:
-    return current().world_size()
+    return current().processes.world_size()
 
 
 def rank() -> int:
-    return current().rank()
+    return current().processes.rank()
 
 
 def is_master() -> bool:
-    return current().rank() == 0
+    return current().processes.rank() == 0
 
 
 def in_launched_process() -> bool:
-    return current().in_launched_process()
+    return current().processes.in_launched_process()
 
 
 def join_job() -> None:
     """Joins the job of an outside launcher (a ``torchrun`` process group) once; nothing elsewhere."""
-    current().join_job()
+    current().processes.join_job()
 
 
 def launch(fn: Callable[..., Any], args: tuple, nprocs: int, start_method: str) -> None:
-    current().launch(functools.partial(_naming_replica_stalls, fn), args, nprocs, start_method)
+    current().processes.launch(functools.partial(_naming_replica_stalls, fn), args, nprocs, start_method)
 
 
 def _naming_replica_stalls(fn: Callable[..., Any], index: int, *args: Any) -> None:
@@ -216,15 +219,15 @@ def _naming_replica_stalls(fn: Callable[..., Any], index: int, *args: Any) -> No
 
 
 def all_reduce(tensors: list[torch.Tensor], op: ReduceOp = "sum") -> list[torch.Tensor]:
-    return current().all_reduce(tensors, op)
+    return current().processes.all_reduce(tensors, op)
 
 
 def all_gather(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    return current().all_gather(tensors)
+    return current().processes.all_gather(tensors)
 
 
 def barrier(tag: str) -> None:
-    current().barrier(tag)
+    current().processes.barrier(tag)
 
 
 class CollectiveTimeout(RuntimeError):
@@ -245,7 +248,7 @@ def naming_stalls(where: str) -> Iterator[None]:
     except CollectiveTimeout:
         raise
     except RuntimeError as error:
-        report = current().stalled(error)
+        report = current().processes.stalled(error)
         if report is None:
             raise
         raise CollectiveTimeout(f"{where}{_waiting_in(error)}: {report}") from error
@@ -265,92 +268,76 @@ def _waiting_in(error: BaseException) -> str:
 
 
 def reduce_gradients(optimizer: torch.optim.Optimizer) -> None:
-    current().reduce_gradients(optimizer)
-
-
-def metric_sync_fn() -> Callable[..., list[torch.Tensor]] | None:
-    return current().metric_sync_fn()
+    current().processes.reduce_gradients(optimizer)
 
 
 # -------------------------------------------------------------------- steps
 def sync(wait: bool = False) -> None:
-    current().sync(wait)
+    current().devices.sync(wait)
 
 
 def wait() -> None:
-    current().wait()
+    """Waits until the device finished every queued operation (a benchmark's clock, doctor's measured step)."""
+    current().devices.wait()
 
 
 def skip_next_loader_sync() -> None:
-    current().skip_next_loader_sync()
+    current().devices.skip_next_loader_sync()
 
 
 def device_loader(loader: Any, dev: torch.device, spmd_devices: int | None = None, minibatch: bool = False) -> Any:
-    return current().device_loader(loader, dev, spmd_devices, minibatch)
+    return current().devices.device_loader(loader, dev, spmd_devices, minibatch)
 
 
 def to_cpu(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    return current().to_cpu(tensors)
+    return current().devices.to_cpu(tensors)
 
 
 def state_to_cpu(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    return current().state_to_cpu(tensors)
-
-
-def sharded(tensors: Iterable[torch.Tensor]) -> bool:
-    return current().sharded(tensors)
+    return current().devices.state_to_cpu(tensors)
 
 
 def shard_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
-    current().shard_optimizer_state(optimizer)
+    current().sharding.shard_optimizer_state(optimizer)
 
 
 # ---------------------------------------------------- precision, optimizers
 def bf16_autocast_available() -> bool:
-    return current().bf16_autocast_available()
+    return current().compute.bf16_autocast_available()
 
 
 def autocast(dev: torch.device, dtype: torch.dtype) -> Any:
-    return current().autocast(dev, dtype)
-
-
-def device_memory(dev: torch.device) -> int | None:
-    """Bytes of memory of one device (``TPU_UTILITY_DEVICE_MEMORY_GB`` overrides), or None where unknown."""
-    return current().device_memory(dev)
+    return current().compute.autocast(dev, dtype)
 
 
 def shard_batch(tensors: Sequence[torch.Tensor]) -> None:
     """Splits each tensor along dim 0 over the SPMD mesh, as a batch is; nothing outside SPMD."""
-    current().shard_batch(tensors)
+    current().sharding.shard_batch(tensors)
 
 
 def hardware(dev: torch.device) -> str | None:
-    return current().hardware(dev)
+    return current().devices.hardware(dev)
 
 
 def checkpoint_function() -> Callable[..., Any]:
-    return current().checkpoint_function()
-
-
-def fused_optimizer(name: str) -> type | None:
-    return current().fused_optimizer(name)
+    return current().compute.checkpoint_function()
 
 
 def is_fused_optimizer(optimizer: Any) -> bool:
-    return current().is_fused_optimizer(optimizer)
+    return current().compute.is_fused_optimizer(optimizer)
 
 
 def rng_state() -> int:
-    return current().rng_state()
+    return current().devices.rng_state()
 
 
 def set_rng_state(state: int) -> None:
-    current().set_rng_state(state)
+    current().devices.set_rng_state(state)
 
 
 # ----------------------------------------------------------------- counters
 def counters() -> Counters:
-    return current().counters()
+    return current().diagnosis.counters()
 
 
 def compile_count() -> int:
@@ -360,68 +347,42 @@ def compile_count() -> int:
     read, not the four of ``counters()`` (0.1 ms of host time a step, each a copy of
     the metric's samples).
     """
-    return current().compile_count()
+    return current().diagnosis.compile_count()
 
 
 def execute_count() -> int:
-    return current().counters().executions
+    return current().diagnosis.counters().executions
 
 
 def host_sync_count() -> int:
     """Device-to-host reads forced by Python (``.item()``, printing), where counted."""
-    return current().counters().host_syncs
+    return current().diagnosis.counters().host_syncs
 
 
 def transfer_from_device_count() -> int:
-    return current().counters().transfers
+    return current().diagnosis.counters().transfers
 
 
 def fallback_ops() -> list[str]:
-    return current().fallback_ops()
+    return current().diagnosis.fallback_ops()
 
 
 def clear_counters() -> None:
-    current().clear_counters()
-
-
-def watch_host_syncs(on_sync: Callable[[SyncKind, str], None]) -> ContextManager[bool]:
-    """Calls ``on_sync(kind, op)`` at each host sync inside; yields False where the backend's counters count them."""
-    return current().watch_host_syncs(on_sync)
-
-
-def unmeasured() -> tuple[str, ...]:
-    """What this backend cannot count (compiles, host syncs, CPU fallbacks), each as "what: why"."""
-    return current().unmeasured()
-
-
-def pending_ir_nodes() -> int:
-    return current().pending_ir_nodes()
-
-
-def tensors_created() -> int:
-    return current().tensors_created()
+    current().diagnosis.clear_counters()
 
 
 # --------------------------------------------------------------------- SPMD
 def is_spmd() -> bool:
-    return current().is_spmd()
+    return current().sharding.is_spmd()
 
 
 def use_spmd() -> None:
-    current().use_spmd()
-
-
-def process_count() -> int:
-    return current().process_count()
-
-
-def process_index() -> int:
-    return current().process_index()
+    current().sharding.use_spmd()
 
 
 def global_device_count() -> int:
-    return current().global_device_count()
+    return current().sharding.global_device_count()
 
 
 def addressable_device_count() -> int:
-    return current().addressable_device_count()
+    return current().sharding.addressable_device_count()

@@ -1,17 +1,23 @@
-"""The questions every backend answers, and the answers of one eager process.
+"""The questions every backend answers, in the groups a backend holds, and the answers of one eager process.
 
 A ``Backend`` is chosen once per process (``backend.current()``) and every
-"which accelerator?" question in the package goes to it: which device, how many
-replicas, how to reduce across them, where a step ends, how to count compiles
-and host reads. The defaults here are those of a single eager process with no
-collectives (plain CPU); ``native.NativeBackend`` adds ``torch.distributed``,
-``xla.XlaBackend`` torch_xla's lazy graphs, SPMD and counters, and
-``tpu.TorchTpuBackend`` TorchTPU's ``tpu`` device.
+"which accelerator?" question in the package goes to one of its groups:
+``devices`` (which device, moving data there and back, where a step ends),
+``processes`` (how many replicas, launching them, reducing across them),
+``compute`` (autocast, fused optimizers, activation checkpointing),
+``diagnosis`` (compiles and host reads counted, doctor's probes) and
+``sharding`` (SPMD and FSDP). The defaults here are those of a single eager
+process with no collectives (plain CPU); ``native.NativeBackend`` adds
+``torch.distributed``, ``xla.XlaBackend`` torch_xla's lazy graphs, SPMD and
+counters, and ``tpu.TorchTpuBackend`` TorchTPU's ``tpu`` device, each by
+overriding the groups that differ.
 
 Example:
     >>> from tpu_utility import backend
     >>> backend.current().name            # doctest: +SKIP
     'cpu'
+    >>> backend.current().processes.world_size()   # doctest: +SKIP
+    1
 """
 
 from __future__ import annotations
@@ -71,26 +77,20 @@ def move_to_device(batch: Any, device: torch.device) -> Any:
     return pytree.tree_map(lambda t: t.to(device, non_blocking=True) if isinstance(t, torch.Tensor) else t, batch)
 
 
-class Backend:
-    """One accelerator stack, as the rest of the package sees it.
+class Group:
+    """One capability of a backend, held by it; ``self.backend`` answers the others (its name, device
+    type, and sibling groups), so a group asks ``self.backend.processes.world_size()`` rather than
+    inheriting every question."""
 
-    Subclasses override what differs; everything here is the answer of one eager
-    process that runs alone (no replicas, no graphs, no step boundary).
-    """
+    def __init__(self, backend: Backend) -> None:
+        self.backend = backend
 
-    name: str = "cpu"
-    device_type: str = "cpu"
-    lazy: bool = False  # tensors build graphs that run at a step boundary (sync)
-    # which core counts run: "one_or_all" (XLA), "up_to_available" (GPUs), "any" (CPU processes)
-    core_rule: str = "any"
 
-    # ------------------------------------------------------------- devices
-    def started(self) -> bool:
-        """True once this backend's runtime runs here, so the choice can no longer change."""
-        return False
+class Devices(Group):
+    """Devices and placement: which device, moving data to it and back, the step boundary, its memory and rng."""
 
     def device(self, index: int | None = None) -> torch.device:
-        return torch.device(self.device_type)
+        return torch.device(self.backend.device_type)
 
     def device_count(self) -> int:
         """Devices this job could use, counted without starting a runtime."""
@@ -98,13 +98,54 @@ class Backend:
 
     def owns(self, device: torch.device | str) -> bool:
         """Whether tensors on ``device`` belong to this backend's accelerator."""
-        return torch.device(device).type == self.device_type
+        return torch.device(device).type == self.backend.device_type
 
     def is_lazy(self, device: torch.device | str) -> bool:
         """Whether tensors on ``device`` build graphs that a step boundary runs."""
-        return self.lazy and self.owns(device)
+        return self.backend.lazy and self.owns(device)
 
-    # ------------------------------------------------------------ replicas
+    def sync(self, wait: bool = False) -> None:
+        """Ends the step here (runs a lazy graph); nothing on an eager backend."""
+
+    def wait(self) -> None:
+        """Waits until the device finished every queued operation."""
+
+    def skip_next_loader_sync(self) -> None:
+        """Tells the device loader that the step was just cut (lazy backends)."""
+
+    def device_loader(self, loader: Any, device: torch.device, spmd_devices: int | None = None,
+                      minibatch: bool = False) -> Iterator[Any]:  # fmt: skip
+        """Batches of ``loader`` moved to ``device``."""
+        return (move_to_device(batch, device) for batch in loader)
+
+    def to_cpu(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Copies tensors to the host, in one transfer where the backend can."""
+        return [t.detach().cpu() for t in tensors]
+
+    def state_to_cpu(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Copies a model's or an optimizer's state to the host for a checkpoint: as ``to_cpu``, except where a
+        backend shards it over devices, whose shards it puts together on the host (never whole on a device)."""
+        return self.to_cpu(tensors)
+
+    def device_memory(self, device: torch.device) -> int | None:
+        """Bytes of memory of one device (``TPU_UTILITY_DEVICE_MEMORY_GB`` first), or None where unknown (the CPU)."""
+        return memory_override()
+
+    def hardware(self, device: torch.device) -> str | None:
+        """The hardware under ``device`` where it is not the device itself ("TPU" or "CPU" under XLA, "TPU" under TorchTPU), else None."""
+        return None
+
+    def rng_state(self) -> int:
+        """The device generator's state where it is separate from torch's CPU one (XLA), else 0."""
+        return 0
+
+    def set_rng_state(self, state: int) -> None:
+        """Restores (or seeds) the device generator; nothing where torch's own covers it."""
+
+
+class Processes(Group):
+    """Replicas: how many, which one, starting and joining them, and the collectives between them."""
+
     def world_size(self) -> int:
         return 1
 
@@ -119,7 +160,7 @@ class Backend:
         """Joins the multi-process job this process was started in by another launcher (torchrun)."""
 
     def launch(self, fn: Callable[..., Any], args: tuple, nprocs: int, start_method: str) -> None:
-        raise RuntimeError(f"the {self.name} backend cannot launch several processes")
+        raise RuntimeError(f"the {self.backend.name} backend cannot launch several processes")
 
     def all_reduce(self, tensors: list[torch.Tensor], op: ReduceOp = "sum") -> list[torch.Tensor]:
         return tensors
@@ -147,31 +188,10 @@ class Backend:
         """torchmetrics' ``dist_sync_fn`` for this backend; None keeps torchmetrics' own."""
         return None
 
-    # --------------------------------------------------------------- steps
-    def sync(self, wait: bool = False) -> None:
-        """Ends the step here (runs a lazy graph); nothing on an eager backend."""
 
-    def wait(self) -> None:
-        """Waits until the device finished every queued operation."""
+class Compute(Group):
+    """How the math runs here: autocast and the precisions it offers, fused optimizers, activation checkpointing."""
 
-    def skip_next_loader_sync(self) -> None:
-        """Tells the device loader that the step was just cut (lazy backends)."""
-
-    def device_loader(self, loader: Any, device: torch.device, spmd_devices: int | None = None,
-                      minibatch: bool = False) -> Iterator[Any]:  # fmt: skip
-        """Batches of ``loader`` moved to ``device``."""
-        return (move_to_device(batch, device) for batch in loader)
-
-    def to_cpu(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        """Copies tensors to the host, in one transfer where the backend can."""
-        return [t.detach().cpu() for t in tensors]
-
-    def state_to_cpu(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        """Copies a model's or an optimizer's state to the host for a checkpoint: as ``to_cpu``, except where a
-        backend shards it over devices, whose shards it puts together on the host (never whole on a device)."""
-        return self.to_cpu(tensors)
-
-    # ----------------------------------------------------------- precision
     def bf16_autocast_available(self) -> bool:
         return False
 
@@ -179,24 +199,9 @@ class Backend:
         """Whether float16 autocast with torch's ``GradScaler`` runs on this backend's device."""
         return False
 
-    def device_memory(self, device: torch.device) -> int | None:
-        """Bytes of memory of one device (``TPU_UTILITY_DEVICE_MEMORY_GB`` first), or None where unknown (the CPU)."""
-        return memory_override()
-
-    def hardware(self, device: torch.device) -> str | None:
-        """The hardware under ``device`` where it is not the device itself ("TPU" or "CPU" under XLA, "TPU" under TorchTPU), else None."""
-        return None
-
     def autocast(self, device: torch.device, dtype: torch.dtype) -> Any:
         return contextlib.nullcontext()
 
-    def checkpoint_function(self) -> Callable[..., Any]:
-        """The activation-checkpointing function for this backend's tensors: torch's, here."""
-        from torch.utils.checkpoint import checkpoint
-
-        return checkpoint
-
-    # ---------------------------------------------------------- optimizers
     def fused_optimizer(self, name: str) -> type | None:
         """A backend's own optimizer class for ``name`` ("adam", "adamw"), or None."""
         return None
@@ -204,76 +209,18 @@ class Backend:
     def is_fused_optimizer(self, optimizer: Any) -> bool:
         return False
 
-    # ----------------------------------------------------------------- rng
-    def rng_state(self) -> int:
-        """The device generator's state where it is separate from torch's CPU one (XLA), else 0."""
-        return 0
+    def checkpoint_function(self) -> Callable[..., Any]:
+        """The activation-checkpointing function for this backend's tensors: torch's, here."""
+        from torch.utils.checkpoint import checkpoint
 
-    def set_rng_state(self, state: int) -> None:
-        """Restores (or seeds) the device generator; nothing where torch's own covers it."""
-
-    # ------------------------------------------------------------ counters
-    def counters(self) -> Counters:
-        return Counters()
-
-    def compile_count(self) -> int:
-        """Graphs compiled so far in this process (0 where nothing compiles).
-
-        The training loop's compile notice reads it after every step, so a backend
-        whose counters cost more than this one figure answers it alone.
-        """
-        return self.counters().compiles
-
-    def fallback_ops(self) -> list[str]:
-        return []
-
-    def clear_counters(self) -> None:
-        """Starts the counters afresh."""
-
-    def watch_host_syncs(self, on_sync: Callable[[SyncKind, str], None]) -> ContextManager[bool]:
-        """Calls ``on_sync(kind, op)`` at each host sync of the code run inside.
-
-        Yields whether this backend watches that way. Here it does not (nothing is
-        seen); ``NativeBackend`` watches with a dispatch mode, and torch_xla counts
-        host syncs in its own counters (``counters().host_syncs``) instead.
-        """
-        return contextlib.nullcontext(False)
-
-    def unmeasured(self) -> tuple[str, ...]:
-        """What neither ``counters()`` nor ``watch_host_syncs`` sees here, each as "what: why"."""
-        return (
-            "graph compilations: this backend counts none",
-            "host syncs: this backend counts none",
-            "CPU fallbacks: this backend counts none",
-        )
-
-    # ---------------------------------------------------------------- SPMD
-    def is_spmd(self) -> bool:
-        return False
-
-    def shard_batch(self, tensors: Sequence[torch.Tensor]) -> None:
-        """Marks each tensor as split along dim 0 over the SPMD mesh (a cache the size of the batch); nothing elsewhere."""
-
-    def shard_parameters(self, model: torch.nn.Module, blocks: Sequence[torch.nn.Module]) -> Callable[[], None]:
-        """Shards every parameter of ``model`` over all devices, ``blocks`` one at a time (FSDP); returns the
-        function that removes what it added to the model (its hooks)."""
-        raise NotImplementedError(f"strategy='fsdp' is built for XLA (SPMD) and torch.distributed (FSDP2, several "
-                                  f"processes); the {self.name} backend has no sharded strategy: use strategy='auto'")  # fmt: skip
-
-    def sharded(self, tensors: Iterable[torch.Tensor]) -> bool:
-        """Whether any of ``tensors`` is sharded over the job's processes, so reading it whole is a collective
-        every process joins (FSDP2 on the native backend); False here."""
-        return False
-
-    def shard_optimizer_state(self, optimizer: torch.optim.Optimizer) -> None:
-        """Gives loaded (whole) optimizer state the layout of its sharded parameters; nothing where none is."""
+        return checkpoint
 
     def checkpoint_module(self, module: torch.nn.Module) -> Callable[[], None]:
         """Recomputes ``module``'s activations in the backward (gradient checkpointing of one block), in place:
         its ``forward`` runs under ``checkpoint_function()`` when an input needs gradients. Returns the undo.
 
         Example:
-            >>> undo = backend.current().checkpoint_module(model.layers[0])   # doctest: +SKIP
+            >>> undo = backend.current().compute.checkpoint_module(model.layers[0])   # doctest: +SKIP
         """
         function = self.checkpoint_function()
         found = module.__dict__.get("forward")
@@ -299,11 +246,81 @@ class Backend:
 
         return undo
 
+
+class Diagnosis(Group):
+    """Counters and doctor's probes: compiles, executions, host syncs and transfers, CPU fallbacks, live graphs."""
+
+    def counters(self) -> Counters:
+        return Counters()
+
+    def compile_count(self) -> int:
+        """Graphs compiled so far in this process (0 where nothing compiles).
+
+        The training loop's compile notice reads it after every step, so a backend
+        whose counters cost more than this one figure answers it alone.
+        """
+        return self.counters().compiles
+
+    def fallback_ops(self) -> list[str]:
+        return []
+
+    def clear_counters(self) -> None:
+        """Starts the counters afresh."""
+
+    def watch_host_syncs(self, on_sync: Callable[[SyncKind, str], None]) -> ContextManager[bool]:
+        """Calls ``on_sync(kind, op)`` at each host sync of the code run inside.
+
+        Yields whether this backend watches that way. Here it does not (nothing is
+        seen); ``NativeDiagnosis`` watches with a dispatch mode, and torch_xla counts
+        host syncs in its own counters (``counters().host_syncs``) instead.
+        """
+        return contextlib.nullcontext(False)
+
+    def unmeasured(self) -> tuple[str, ...]:
+        """What neither ``counters()`` nor ``watch_host_syncs`` sees here, each as "what: why"."""
+        return (
+            "graph compilations: this backend counts none",
+            "host syncs: this backend counts none",
+            "CPU fallbacks: this backend counts none",
+        )
+
+    def pending_ir_nodes(self) -> int:
+        """IR nodes live tensors still wait to run (lazy backends); 0 where nothing waits."""
+        return 0
+
+    def tensors_created(self) -> int:
+        """Device tensors created so far, where the backend counts them; else 0."""
+        return 0
+
+
+class Sharding(Group):
+    """Sharding: SPMD over a mesh (XLA), parameters sharded over devices or processes (FSDP), the mesh's counts."""
+
+    def is_spmd(self) -> bool:
+        return False
+
     def use_spmd(self) -> None:
         raise ValueError(
-            f"SPMD (one process over a mesh of devices) is a torch_xla feature; the {self.name} backend "
+            f"SPMD (one process over a mesh of devices) is a torch_xla feature; the {self.backend.name} backend "
             f"runs one process per device: use strategy='auto' or 'multiprocess'"
         )
+
+    def shard_batch(self, tensors: Sequence[torch.Tensor]) -> None:
+        """Marks each tensor as split along dim 0 over the SPMD mesh (a cache the size of the batch); nothing elsewhere."""
+
+    def shard_parameters(self, model: torch.nn.Module, blocks: Sequence[torch.nn.Module]) -> Callable[[], None]:
+        """Shards every parameter of ``model`` over all devices, ``blocks`` one at a time (FSDP); returns the
+        function that removes what it added to the model (its hooks)."""
+        raise NotImplementedError(f"strategy='fsdp' is built for XLA (SPMD) and torch.distributed (FSDP2, several "
+                                  f"processes); the {self.backend.name} backend has no sharded strategy: use strategy='auto'")  # fmt: skip
+
+    def sharded(self, tensors: Iterable[torch.Tensor]) -> bool:
+        """Whether any of ``tensors`` is sharded over the job's processes, so reading it whole is a collective
+        every process joins (FSDP2 on the native backend); False here."""
+        return False
+
+    def shard_optimizer_state(self, optimizer: torch.optim.Optimizer) -> None:
+        """Gives loaded (whole) optimizer state the layout of its sharded parameters; nothing where none is."""
 
     def process_count(self) -> int:
         """Processes of one SPMD program (hosts of a pod slice); 1 elsewhere."""
@@ -313,16 +330,43 @@ class Backend:
         return 0
 
     def global_device_count(self) -> int:
-        return self.world_size()
+        return self.backend.processes.world_size()
 
     def addressable_device_count(self) -> int:
         return 1
 
-    # ------------------------------------------------------ doctor's probes
-    def pending_ir_nodes(self) -> int:
-        """IR nodes live tensors still wait to run (lazy backends); 0 where nothing waits."""
-        return 0
 
-    def tensors_created(self) -> int:
-        """Device tensors created so far, where the backend counts them; else 0."""
-        return 0
+class Backend:
+    """One accelerator stack, as the rest of the package sees it: a name and device type, and the capability
+    groups it holds (``devices``, ``processes``, ``compute``, ``diagnosis``, ``sharding``).
+
+    A backend kind overrides a group by naming its own class (``Devices = XlaDevices``); everything here
+    is the answer of one eager process that runs alone (no replicas, no graphs, no step boundary).
+
+    Example:
+        >>> Backend().processes.world_size()
+        1
+    """
+
+    name: str = "cpu"
+    device_type: str = "cpu"
+    lazy: bool = False  # tensors build graphs that run at a step boundary (sync)
+    # which core counts run: "one_or_all" (XLA), "up_to_available" (GPUs), "any" (CPU processes)
+    core_rule: str = "any"
+
+    Devices: type[Devices] = Devices
+    Processes: type[Processes] = Processes
+    Compute: type[Compute] = Compute
+    Diagnosis: type[Diagnosis] = Diagnosis
+    Sharding: type[Sharding] = Sharding
+
+    def __init__(self) -> None:
+        self.devices = self.Devices(self)
+        self.processes = self.Processes(self)
+        self.compute = self.Compute(self)
+        self.diagnosis = self.Diagnosis(self)
+        self.sharding = self.Sharding(self)
+
+    def started(self) -> bool:
+        """True once this backend's runtime runs here, so the choice can no longer change."""
+        return False

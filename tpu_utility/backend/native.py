@@ -9,7 +9,7 @@ that dies or diverges ends the job with an error instead of a hang.
 
 Example:
     >>> from tpu_utility.backend.native import NativeBackend
-    >>> NativeBackend("cpu", "gloo").device()
+    >>> NativeBackend("cpu", "gloo").devices.device()
     device(type='cpu')
 """
 
@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .base import Backend, ReduceOp, SyncKind, patch_tensor_methods
+from .base import Backend, Compute, Devices, Diagnosis, Processes, ReduceOp, Sharding, SyncKind, patch_tensor_methods
 from .hardware import memory_override
 
 # Every collective and the start-up rendezvous give up after this long (seconds): a replica
@@ -159,35 +159,44 @@ def torchrun_env() -> tuple[int, int] | None:
     return None
 
 
-class NativeBackend(Backend):
-    """Eager PyTorch on ``device_type``, several processes through ``torch.distributed``."""
+class NativeDevices(Devices):
+    """The device ``torch.accelerator`` reports (the CPU alone has one), its memory; a sharded tensor read whole."""
 
-    def __init__(self, device_type: str, dist_backend: str) -> None:
-        self.name = self.device_type = device_type
-        self.dist_backend = dist_backend
-        self.core_rule = "any" if device_type == "cpu" else "up_to_available"
-        env = torchrun_env()
-        if env is not None and env[1] > 1:  # a replica that leaves or fails is named to those left waiting
-            _watch_torchrun_job()
-
-    def __repr__(self) -> str:
-        return f"NativeBackend({self.device_type!r}, {self.dist_backend!r})"
-
-    # ------------------------------------------------------------- devices
     def device(self, index: int | None = None) -> torch.device:
-        if self.device_type == "cpu":
+        if self.backend.device_type == "cpu":
             return torch.device("cpu")
         if index is None:
             index = torch.accelerator.current_device_index()
-        return torch.device(self.device_type, index)
+        return torch.device(self.backend.device_type, index)
 
     def device_count(self) -> int:
         """Accelerators on this host; on the CPU 1 (one process already uses every core)."""
-        if self.device_type == "cpu":
+        if self.backend.device_type == "cpu":
             return 1
         return torch.accelerator.device_count()
 
-    # ------------------------------------------------------------ replicas
+    def wait(self) -> None:
+        if self.backend.device_type != "cpu":
+            torch.accelerator.synchronize()
+
+    def to_cpu(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Host copies; a sharded tensor (FSDP2's ``DTensor``) whole: a collective every process joins, one
+        tensor gathered at a time, so the device never holds more than one whole tensor beside its shards."""
+        from torch.distributed.tensor import DTensor
+
+        return [(t.full_tensor() if isinstance(t, DTensor) else t).detach().cpu() for t in tensors]
+
+    def device_memory(self, device: torch.device) -> int | None:
+        """The override, else a GPU's total memory; None on the CPU."""
+        override = memory_override()
+        if override is not None or self.backend.device_type != "cuda":
+            return override
+        return torch.cuda.get_device_properties(device).total_memory
+
+
+class NativeProcesses(Processes):
+    """One process per device under ``torch.distributed``, a timeout on every collective."""
+
     def world_size(self) -> int:
         return dist.get_world_size() if distributed_ready() else 1
 
@@ -209,9 +218,9 @@ class NativeBackend(Backend):
         """
         if distributed_ready() or torchrun_env() is None:
             return
-        if self.device_type != "cpu":
+        if self.backend.device_type != "cpu":
             torch.accelerator.set_device_index(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group(self.dist_backend, timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+        dist.init_process_group(self.backend.dist_backend, timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
         atexit.register(_leave_job)
 
     def launch(self, fn: Callable[..., Any], args: tuple, nprocs: int, start_method: str) -> None:
@@ -221,7 +230,7 @@ class NativeBackend(Backend):
             RuntimeError: a replica failed or died (its exit code or signal named),
                 or fork was asked for after CUDA started in this process.
         """
-        if start_method == "fork" and self.device_type == "cuda" and torch.cuda.is_initialized():
+        if start_method == "fork" and self.backend.device_type == "cuda" and torch.cuda.is_initialized():
             raise RuntimeError(
                 "CUDA is already initialised in this process, and a forked child cannot use it. Restart the "
                 "kernel and launch before touching the GPU (no get_device(), no tensors on 'cuda'), or run "
@@ -229,7 +238,7 @@ class NativeBackend(Backend):
             )
         with tempfile.TemporaryDirectory(prefix="tpu_utility_rdzv_") as folder:
             store = os.path.join(folder, "store")
-            job = (self.device_type, self.dist_backend, nprocs, store)
+            job = (self.backend.device_type, self.backend.dist_backend, nprocs, store)
             try:
                 replicas = torch.multiprocessing.start_processes(
                     _replica_main, args=(job, fn, args), nprocs=nprocs, start_method=start_method, join=False
@@ -339,7 +348,7 @@ class NativeBackend(Backend):
         model as it is (FSDP2 averages its gradients itself)."""
         from torch.nn.parallel import DistributedDataParallel
 
-        if self.sharded(model.parameters()):
+        if self.backend.sharding.sharded(model.parameters()):
             return model
 
         return DistributedDataParallel(model, device_ids=None if device.type == "cpu" else [device.index])
@@ -348,19 +357,73 @@ class NativeBackend(Backend):
         if self.world_size() > 1:
             dist.barrier()
 
-    # --------------------------------------------------------------- steps
-    def wait(self) -> None:
-        if self.device_type != "cpu":
-            torch.accelerator.synchronize()
 
-    def to_cpu(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        """Host copies; a sharded tensor (FSDP2's ``DTensor``) whole: a collective every process joins, one
-        tensor gathered at a time, so the device never holds more than one whole tensor beside its shards."""
-        from torch.distributed.tensor import DTensor
+class NativeCompute(Compute):
+    """torch's own autocast on the device type."""
 
-        return [(t.full_tensor() if isinstance(t, DTensor) else t).detach().cpu() for t in tensors]
+    def bf16_autocast_available(self) -> bool:
+        return self.backend.device_type == "cuda" and torch.cuda.is_bf16_supported()
 
-    # ------------------------------------------------------------ sharding
+    def fp16_available(self) -> bool:
+        """CUDA (the GPUs without bf16, such as Kaggle's T4, need it), and the CPU, where torch runs both
+        float16 autocast and ``GradScaler("cpu")``: slowly, a way to check the machinery, not to train."""
+        return self.backend.device_type in ("cuda", "cpu")
+
+    def autocast(self, device: torch.device, dtype: torch.dtype) -> Any:
+        return torch.autocast(self.backend.device_type, dtype=dtype)
+
+
+class NativeDiagnosis(Diagnosis):
+    """Host syncs watched with a dispatch mode; what an eager backend cannot count, said."""
+
+    @contextlib.contextmanager
+    def watch_host_syncs(self, on_sync: Callable[[SyncKind, str], None]) -> Iterator[bool]:
+        """Calls ``on_sync(kind, op)`` at each op of the code inside that makes the host wait.
+
+        A ``TorchDispatchMode`` sees every aten op: value reads (``aten::_local_scalar_dense``
+        from ``.item()``, ``bool()``, ``if tensor:``), data-dependent shapes (``nonzero``,
+        ``masked_select``, ``unique``, ``x[mask]``) and blocking copies of device data to the
+        host. On the CPU, where the host is the device, nothing waits: ops are reported
+        where they would wait on a GPU or TPU, and ``.cpu()``/``.tolist()`` (which the
+        dispatcher never sees there) are wrapped for the duration. A step under
+        ``torch.compile`` runs uncompiled inside (torch does not compile under a dispatch mode).
+
+        Example:
+            >>> seen = []
+            >>> with NativeBackend("cpu", "gloo").diagnosis.watch_host_syncs(lambda kind, op: seen.append(op)):
+            ...     _ = torch.ones(2).sum().item()
+            >>> seen
+            ['aten::_local_scalar_dense']
+        """
+        host_is_device = self.backend.device_type == "cpu"
+        mode = _HostSyncMode(self.backend.devices.owns, on_sync, host_is_device)
+        with contextlib.ExitStack() as stack:
+            if host_is_device:
+                stack.enter_context(patch_tensor_methods(mode.host_reads()))
+            stack.enter_context(mode)
+            yield True
+
+    def unmeasured(self) -> tuple[str, ...]:
+        compiles = (
+            "graph compilations: an eager backend compiles nothing, and a step under torch.compile runs uncompiled "
+            "while doctor watches it (TORCH_LOGS=recompiles names each recompile of a compiled step and its cause)"
+        )
+        if self.backend.device_type == "cuda":
+            return (compiles,)  # CUDA has no silent CPU fallback: an op without a kernel raises
+        if self.backend.device_type == "cpu":
+            return (
+                compiles,
+                "CPU fallbacks: the CPU runs every op itself; on a TPU with torch_xla, doctor names the ops XLA "
+                "cannot lower",
+                ".to('cpu') copies: on the CPU they cannot be told from moving a batch to the device (.cpu() and "
+                ".tolist() are counted)",
+            )
+        return (compiles, f"ops that fall back to the host CPU: the {self.backend.device_type} backend does not count them")
+
+
+class NativeSharding(Sharding):
+    """FSDP2 over the job's processes."""
+
     def sharded(self, tensors: Iterable[torch.Tensor]) -> bool:
         """Whether any of ``tensors`` is sharded over the job's processes (an FSDP2 ``DTensor``)."""
         from torch.distributed.tensor import DTensor
@@ -388,16 +451,16 @@ class NativeBackend(Backend):
 
         Example:
             >>> # was: for block in model.layers: fully_shard(block); fully_shard(model)
-            >>> undo = backend.current().shard_parameters(model, list(model.layers))   # doctest: +SKIP
+            >>> undo = backend.current().sharding.shard_parameters(model, list(model.layers))   # doctest: +SKIP
         """
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
-        world = self.world_size()
+        world = self.backend.processes.world_size()
         if world < 2:
             raise RuntimeError(f"strategy='fsdp' shards over the processes of a job, but this process runs alone "
                                f"(world size {world}); use cores=N (N >= 2) or run under torchrun")  # fmt: skip
-        mesh = init_device_mesh(self.device_type, (world,))
+        mesh = init_device_mesh(self.backend.device_type, (world,))
         modules = list(model.modules())
         found = _Found(modules)
         for block in blocks:
@@ -425,69 +488,27 @@ class NativeBackend(Backend):
                     state[key] = distribute_tensor(value.to(param.device), param.device_mesh, param.placements,
                                                    src_data_rank=None)  # fmt: skip
 
-    # ------------------------------------------------------------ counters
-    @contextlib.contextmanager
-    def watch_host_syncs(self, on_sync: Callable[[SyncKind, str], None]) -> Iterator[bool]:
-        """Calls ``on_sync(kind, op)`` at each op of the code inside that makes the host wait.
 
-        A ``TorchDispatchMode`` sees every aten op: value reads (``aten::_local_scalar_dense``
-        from ``.item()``, ``bool()``, ``if tensor:``), data-dependent shapes (``nonzero``,
-        ``masked_select``, ``unique``, ``x[mask]``) and blocking copies of device data to the
-        host. On the CPU, where the host is the device, nothing waits: ops are reported
-        where they would wait on a GPU or TPU, and ``.cpu()``/``.tolist()`` (which the
-        dispatcher never sees there) are wrapped for the duration. A step under
-        ``torch.compile`` runs uncompiled inside (torch does not compile under a dispatch mode).
+class NativeBackend(Backend):
+    """Eager PyTorch on ``device_type``, several processes through ``torch.distributed``."""
 
-        Example:
-            >>> seen = []
-            >>> with NativeBackend("cpu", "gloo").watch_host_syncs(lambda kind, op: seen.append(op)):
-            ...     _ = torch.ones(2).sum().item()
-            >>> seen
-            ['aten::_local_scalar_dense']
-        """
-        host_is_device = self.device_type == "cpu"
-        mode = _HostSyncMode(self.owns, on_sync, host_is_device)
-        with contextlib.ExitStack() as stack:
-            if host_is_device:
-                stack.enter_context(patch_tensor_methods(mode.host_reads()))
-            stack.enter_context(mode)
-            yield True
+    Devices = NativeDevices
+    Processes = NativeProcesses
+    Compute = NativeCompute
+    Diagnosis = NativeDiagnosis
+    Sharding = NativeSharding
 
-    def unmeasured(self) -> tuple[str, ...]:
-        compiles = (
-            "graph compilations: an eager backend compiles nothing, and a step under torch.compile runs uncompiled "
-            "while doctor watches it (TORCH_LOGS=recompiles names each recompile of a compiled step and its cause)"
-        )
-        if self.device_type == "cuda":
-            return (compiles,)  # CUDA has no silent CPU fallback: an op without a kernel raises
-        if self.device_type == "cpu":
-            return (
-                compiles,
-                "CPU fallbacks: the CPU runs every op itself; on a TPU with torch_xla, doctor names the ops XLA "
-                "cannot lower",
-                ".to('cpu') copies: on the CPU they cannot be told from moving a batch to the device (.cpu() and "
-                ".tolist() are counted)",
-            )
-        return (compiles, f"ops that fall back to the host CPU: the {self.device_type} backend does not count them")
+    def __init__(self, device_type: str, dist_backend: str) -> None:
+        self.name = self.device_type = device_type
+        self.dist_backend = dist_backend
+        self.core_rule = "any" if device_type == "cpu" else "up_to_available"
+        super().__init__()
+        env = torchrun_env()
+        if env is not None and env[1] > 1:  # a replica that leaves or fails is named to those left waiting
+            _watch_torchrun_job()
 
-    def device_memory(self, device: torch.device) -> int | None:
-        """The override, else a GPU's total memory; None on the CPU."""
-        override = memory_override()
-        if override is not None or self.device_type != "cuda":
-            return override
-        return torch.cuda.get_device_properties(device).total_memory
-
-    # ----------------------------------------------------------- precision
-    def bf16_autocast_available(self) -> bool:
-        return self.device_type == "cuda" and torch.cuda.is_bf16_supported()
-
-    def fp16_available(self) -> bool:
-        """CUDA (the GPUs without bf16, such as Kaggle's T4, need it), and the CPU, where torch runs both
-        float16 autocast and ``GradScaler("cpu")``: slowly, a way to check the machinery, not to train."""
-        return self.device_type in ("cuda", "cpu")
-
-    def autocast(self, device: torch.device, dtype: torch.dtype) -> Any:
-        return torch.autocast(self.device_type, dtype=dtype)
+    def __repr__(self) -> str:
+        return f"NativeBackend({self.device_type!r}, {self.dist_backend!r})"
 
 
 class _Found:

@@ -24,7 +24,7 @@ from typing import Any, Callable
 
 import torch
 
-from .native import NativeBackend
+from .native import NativeBackend, NativeCompute, NativeDevices, NativeDiagnosis, NativeProcesses
 
 # torch.tpu functions that raise from user code on torch >= 2.11 (2.13 adds the rng pair).
 STRICT_INTERNAL = (
@@ -36,17 +36,18 @@ STRICT_INTERNAL = (
 CACHE_VARIABLES = ("TORCH_TPU_TIER3_COMPILATION_CACHE_ROOT",)
 
 
-class TorchTpuBackend(NativeBackend):
-    """TorchTPU: device ``tpu`` (``tpu:0`` in every process), ``tpu_dist``, bf16 autocast."""
-
-    def __init__(self) -> None:
-        super().__init__("tpu", "tpu_dist")
-
-    def __repr__(self) -> str:
-        return "TorchTpuBackend()"
+class TorchTpuDevices(NativeDevices):
+    """``tpu:0`` in every process; a TPU under it."""
 
     def device(self, index: int | None = None) -> torch.device:
         return torch.device("tpu", 0 if index is None else index)
+
+    def hardware(self, device: torch.device) -> str | None:
+        return "TPU" if self.owns(device) else None
+
+
+class TorchTpuProcesses(NativeProcesses):
+    """The launch environment set before the processes spawn; fork refused."""
 
     def launch(self, fn: Callable[..., Any], args: tuple, nprocs: int, start_method: str) -> None:
         if start_method == "fork":
@@ -57,6 +58,10 @@ class TorchTpuBackend(NativeBackend):
         set_launch_env(nprocs)
         super().launch(fn, args, nprocs, "spawn")
 
+
+class TorchTpuCompute(NativeCompute):
+    """bfloat16 autocast on ``tpu`` (a float16 request becomes bfloat16)."""
+
     def bf16_autocast_available(self) -> bool:
         return True
 
@@ -64,11 +69,12 @@ class TorchTpuBackend(NativeBackend):
         """TPUs compute in bfloat16 (its autocast turns a float16 request into bfloat16): no float16 to scale."""
         return False
 
-    def hardware(self, device: torch.device) -> str | None:
-        return "TPU" if self.owns(device) else None
-
     def autocast(self, device: torch.device, dtype: torch.dtype) -> Any:
         return torch.autocast("tpu", dtype=torch.bfloat16 if dtype == torch.float16 else dtype)
+
+
+class TorchTpuDiagnosis(NativeDiagnosis):
+    """Host syncs watched as natively; what TorchTPU does not count, said."""
 
     def unmeasured(self) -> tuple[str, ...]:
         """Host syncs are watched as on every native backend; TorchTPU's compiles and host fallbacks are not."""
@@ -78,6 +84,21 @@ class TorchTpuBackend(NativeBackend):
             "that recompile it are named",
             "ops that fall back to the host CPU: TorchTPU does not count them where Python can read them",
         )
+
+
+class TorchTpuBackend(NativeBackend):
+    """TorchTPU: device ``tpu`` (``tpu:0`` in every process), ``tpu_dist``, bf16 autocast."""
+
+    Devices = TorchTpuDevices
+    Processes = TorchTpuProcesses
+    Compute = TorchTpuCompute
+    Diagnosis = TorchTpuDiagnosis
+
+    def __init__(self) -> None:
+        super().__init__("tpu", "tpu_dist")
+
+    def __repr__(self) -> str:
+        return "TorchTpuBackend()"
 
 
 def set_launch_env(nprocs: int) -> None:

@@ -23,7 +23,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from . import choice
-from .base import Backend, Counters, ReduceOp
+from .base import Backend, Compute, Counters, Devices, Diagnosis, Processes, ReduceOp, Sharding
 from .hardware import detect_tpu, memory_override, pjrt_device, tpu_device_memory
 from .versions import INSTALL_HINT, module_installed, check_versions, installed_version
 
@@ -432,26 +432,12 @@ def _from_shards(t: torch.Tensor) -> torch.Tensor | None:
     return whole if covered == t.numel() else None
 
 
-class XlaBackend(Backend):
-    """torch_xla: lazy graphs cut at each step, SPMD or one process per chip, real counters.
+class XlaDevices(Devices):
+    """The XLA device, the step boundary (``torch_xla.sync``), torch_xla's device loader, one-transfer host copies."""
 
-    Each operation lives in one place: in its method, or, where other functions of this module use it
-    too (``runtime_started``, ``world_size``, ``all_gather``, ``is_spmd``...), in that module function,
-    bound here as the method itself.
-    """
-
-    name = "xla"
-    device_type = "xla"
-    lazy = True
-    core_rule = "one_or_all"
-
-    def __init__(self) -> None:
-        self._hardware: str | None = None
-
-    def __repr__(self) -> str:
-        return "XlaBackend()"
-
-    started = staticmethod(runtime_started)
+    def __init__(self, backend: Backend) -> None:
+        super().__init__(backend)
+        self._hardware: str | None = None  # fixed once the runtime runs
 
     def device(self, index: int | None = None) -> torch.device:
         """The XLA device (this process's, or core ``index``). Starts the runtime.
@@ -472,74 +458,6 @@ class XlaBackend(Backend):
         if kind == "TPU":
             return detect_tpu().devices
         return int(os.environ.get(f"{kind}_NUM_DEVICES", "1"))
-
-    world_size = staticmethod(world_size)
-
-    def rank(self) -> int:
-        """This replica's global rank (xr.global_ordinal); 0 outside a launch."""
-        if xla_loaded() and (runtime_started() or in_launched_process()):
-            import torch_xla.runtime as xr
-
-            return xr.global_ordinal()
-        return 0
-
-    in_launched_process = staticmethod(in_launched_process)
-
-    def launch(self, fn: Callable[..., Any], args: tuple, nprocs: int, start_method: str) -> None:
-        """Runs ``fn(index, *args)`` once per device in fresh processes (torch_xla starts one per chip itself);
-        with one device whose runtime already runs here (``setup_tpu`` started it), this process is the replica.
-
-        Raises:
-            RuntimeError: the runtime already runs here with several devices, so no launch can follow.
-        """
-        if runtime_started() and not is_spmd() and self.addressable_device_count() == 1:
-            fn(0, *args)
-            return
-        torch_xla = require_xla()
-        if runtime_started():
-            raise RuntimeError(
-                "The XLA runtime already started in this process, so a multi-process launch "
-                "cannot follow. Restart the kernel and launch before touching the XLA device "
-                "(no get_device(), no tensors on 'xla'), or use one process for all cores: "
-                "use_all_cores() in a hand-written loop, strategy='spmd' in one_cycle_fit."
-            )
-        if hasattr(torch_xla, "launch"):
-            torch_xla.launch(fn, args=args, start_method=start_method)
-        else:  # torch_xla < 2.5
-            import torch_xla.distributed.xla_multiprocessing as xmp
-
-            xmp.spawn(fn, args=args, start_method=start_method)
-
-    def all_reduce(self, tensors: list[torch.Tensor], op: ReduceOp = "sum") -> list[torch.Tensor]:
-        """Reduces each tensor over replicas ("sum", "min" or "max"); identity on one replica.
-
-        Under SPMD there is one replica: the graph already spans every device.
-        """
-        if world_size() == 1:
-            return tensors
-        import torch_xla.core.xla_model as xm
-
-        reduce_type = {"sum": xm.REDUCE_SUM, "min": xm.REDUCE_MIN, "max": xm.REDUCE_MAX}[op]
-        return [xm.all_reduce(reduce_type, t) for t in tensors]
-
-    all_gather = staticmethod(all_gather)
-
-    def barrier(self, tag: str) -> None:
-        """Waits until every replica gets here (xm.rendezvous)."""
-        if world_size() == 1:
-            return
-        import torch_xla.core.xla_model as xm
-
-        xm.rendezvous(tag)
-
-    def reduce_gradients(self, optimizer: torch.optim.Optimizer) -> None:
-        """All-reduces (averages) gradients across replicas; a no-op on one replica."""
-        import torch_xla.core.xla_model as xm
-
-        xm.reduce_gradients(optimizer)
-
-    def metric_sync_fn(self) -> Callable[..., list[torch.Tensor]] | None:
-        return gather_all_tensors if world_size() > 1 else None
 
     def sync(self, wait: bool = False) -> None:
         """Cuts the lazy graph here and runs it (torch_xla.sync)."""
@@ -617,6 +535,109 @@ class XlaBackend(Backend):
         whole.update(zip(rest, self.to_cpu([tensors[i] for i in rest])))
         return [whole[i] for i in range(len(tensors))]
 
+    def hardware(self, device: torch.device) -> str | None:
+        if not self.owns(device):
+            return None
+        if self._hardware is None:  # fixed once the runtime runs, so asked once, not at every step
+            started = runtime_device_type()
+            if started is None:
+                return pjrt_device() or ("TPU" if detect_tpu().chips else None)
+            self._hardware = started
+        return self._hardware
+
+    def device_memory(self, device: torch.device) -> int | None:
+        """The override, else the TPU table's figure for the chip found on the PCI bus; None on XLA:CPU."""
+        override = memory_override()
+        if override is not None or self.hardware(device) != "TPU":
+            return override
+        return tpu_device_memory(detect_tpu().kind)
+
+    def rng_state(self) -> int:
+        import torch_xla.core.xla_model as xm
+
+        return int(xm.get_rng_state())
+
+    def set_rng_state(self, state: int) -> None:
+        import torch_xla.core.xla_model as xm
+
+        xm.set_rng_state(state)
+
+
+class XlaProcesses(Processes):
+    """One process per chip (``torch_xla.launch``), xla_model's collectives."""
+
+    world_size = staticmethod(world_size)
+
+    def rank(self) -> int:
+        """This replica's global rank (xr.global_ordinal); 0 outside a launch."""
+        if xla_loaded() and (runtime_started() or in_launched_process()):
+            import torch_xla.runtime as xr
+
+            return xr.global_ordinal()
+        return 0
+
+    in_launched_process = staticmethod(in_launched_process)
+
+    def launch(self, fn: Callable[..., Any], args: tuple, nprocs: int, start_method: str) -> None:
+        """Runs ``fn(index, *args)`` once per device in fresh processes (torch_xla starts one per chip itself);
+        with one device whose runtime already runs here (``setup_tpu`` started it), this process is the replica.
+
+        Raises:
+            RuntimeError: the runtime already runs here with several devices, so no launch can follow.
+        """
+        if runtime_started() and not is_spmd() and self.backend.sharding.addressable_device_count() == 1:
+            fn(0, *args)
+            return
+        torch_xla = require_xla()
+        if runtime_started():
+            raise RuntimeError(
+                "The XLA runtime already started in this process, so a multi-process launch "
+                "cannot follow. Restart the kernel and launch before touching the XLA device "
+                "(no get_device(), no tensors on 'xla'), or use one process for all cores: "
+                "use_all_cores() in a hand-written loop, strategy='spmd' in one_cycle_fit."
+            )
+        if hasattr(torch_xla, "launch"):
+            torch_xla.launch(fn, args=args, start_method=start_method)
+        else:  # torch_xla < 2.5
+            import torch_xla.distributed.xla_multiprocessing as xmp
+
+            xmp.spawn(fn, args=args, start_method=start_method)
+
+    def all_reduce(self, tensors: list[torch.Tensor], op: ReduceOp = "sum") -> list[torch.Tensor]:
+        """Reduces each tensor over replicas ("sum", "min" or "max"); identity on one replica.
+
+        Under SPMD there is one replica: the graph already spans every device.
+        """
+        if world_size() == 1:
+            return tensors
+        import torch_xla.core.xla_model as xm
+
+        reduce_type = {"sum": xm.REDUCE_SUM, "min": xm.REDUCE_MIN, "max": xm.REDUCE_MAX}[op]
+        return [xm.all_reduce(reduce_type, t) for t in tensors]
+
+    all_gather = staticmethod(all_gather)
+
+    def barrier(self, tag: str) -> None:
+        """Waits until every replica gets here (xm.rendezvous)."""
+        if world_size() == 1:
+            return
+        import torch_xla.core.xla_model as xm
+
+        xm.rendezvous(tag)
+
+    def reduce_gradients(self, optimizer: torch.optim.Optimizer) -> None:
+        """All-reduces (averages) gradients across replicas; a no-op on one replica."""
+        import torch_xla.core.xla_model as xm
+
+        xm.reduce_gradients(optimizer)
+
+    def metric_sync_fn(self) -> Callable[..., list[torch.Tensor]] | None:
+        return gather_all_tensors if world_size() > 1 else None
+
+
+class XlaCompute(Compute):
+    """torch_xla's autocast (TPU only), its sync-free Adam/AdamW and its activation checkpointing."""
+
     def bf16_autocast_available(self) -> bool:
         """torch_xla's autocast supports TPU (and CUDA builds), but refuses XLA:CPU; False while no runtime runs."""
         return runtime_device_type() == "TPU"
@@ -630,25 +651,8 @@ class XlaBackend(Backend):
 
         return xla_autocast(device, dtype=dtype)
 
-    def hardware(self, device: torch.device) -> str | None:
-        if not self.owns(device):
-            return None
-        if self._hardware is None:  # fixed once the runtime runs, so asked once, not at every step
-            started = runtime_device_type()
-            if started is None:
-                return pjrt_device() or ("TPU" if detect_tpu().chips else None)
-            self._hardware = started
-        return self._hardware
-
     def checkpoint_function(self) -> Callable[..., Any]:
         return checkpoint
-
-    def device_memory(self, device: torch.device) -> int | None:
-        """The override, else the TPU table's figure for the chip found on the PCI bus; None on XLA:CPU."""
-        override = memory_override()
-        if override is not None or self.hardware(device) != "TPU":
-            return override
-        return tpu_device_memory(detect_tpu().kind)
 
     def fused_optimizer(self, name: str) -> type | None:
         """torch_xla's sync-free Adam / AdamW for ``name``, or None.
@@ -668,15 +672,9 @@ class XlaBackend(Backend):
 
         return isinstance(optimizer, (syncfree.Adam, syncfree.AdamW))
 
-    def rng_state(self) -> int:
-        import torch_xla.core.xla_model as xm
 
-        return int(xm.get_rng_state())
-
-    def set_rng_state(self, state: int) -> None:
-        import torch_xla.core.xla_model as xm
-
-        xm.set_rng_state(state)
+class XlaDiagnosis(Diagnosis):
+    """torch_xla's own metrics: compiles, executions, host syncs, transfers, CPU fallbacks, live IR."""
 
     def counters(self) -> Counters:
         return Counters(compile_count(), execute_count(), host_sync_count(), transfer_from_device_count(), True)
@@ -704,6 +702,34 @@ class XlaBackend(Backend):
     def unmeasured(self) -> tuple[str, ...]:
         """Nothing: torch_xla counts compiles, host syncs and CPU fallbacks itself."""
         return ()
+
+    def pending_ir_nodes(self) -> int:
+        """IR nodes that live XLA tensors still wait to run, summed over the tensors; 0 if none.
+
+        After a step that cuts its graph (``torch_xla.sync()``) this stays the same
+        from step to step; a step without a cut leaves a graph that grows with every
+        step. Reads torch_xla's live-tensor report; starts nothing.
+        """
+        if not xla_loaded():
+            return 0
+        import re
+
+        import torch_xla
+
+        report = torch_xla._XLAC._xla_tensors_report(0, "")
+        return sum(int(n) for n in re.findall(r"ir_nodes=(\d+)", report))
+
+    def tensors_created(self) -> int:
+        """XLA tensors created so far in this process (torch_xla's CreateXlaTensor counter)."""
+        if not xla_loaded():
+            return 0
+        import torch_xla.debug.metrics as met
+
+        return int(met.counter_value("CreateXlaTensor") or 0)
+
+
+class XlaSharding(Sharding):
+    """SPMD: batches split over the mesh, FSDPv2 parameters, the devices and hosts of the program."""
 
     is_spmd = staticmethod(is_spmd)
 
@@ -760,26 +786,27 @@ class XlaBackend(Backend):
 
         return xr.addressable_runtime_device_count() if xr.is_spmd() else xr.addressable_device_count()
 
-    def pending_ir_nodes(self) -> int:
-        """IR nodes that live XLA tensors still wait to run, summed over the tensors; 0 if none.
 
-        After a step that cuts its graph (``torch_xla.sync()``) this stays the same
-        from step to step; a step without a cut leaves a graph that grows with every
-        step. Reads torch_xla's live-tensor report; starts nothing.
-        """
-        if not xla_loaded():
-            return 0
-        import re
+class XlaBackend(Backend):
+    """torch_xla: lazy graphs cut at each step, SPMD or one process per chip, real counters.
 
-        import torch_xla
+    Each operation lives in one place: in its group's method, or, where other functions of this module use
+    it too (``runtime_started``, ``world_size``, ``all_gather``, ``is_spmd``...), in that module function,
+    bound in its group as the method itself.
+    """
 
-        report = torch_xla._XLAC._xla_tensors_report(0, "")
-        return sum(int(n) for n in re.findall(r"ir_nodes=(\d+)", report))
+    name = "xla"
+    device_type = "xla"
+    lazy = True
+    core_rule = "one_or_all"
 
-    def tensors_created(self) -> int:
-        """XLA tensors created so far in this process (torch_xla's CreateXlaTensor counter)."""
-        if not xla_loaded():
-            return 0
-        import torch_xla.debug.metrics as met
+    Devices = XlaDevices
+    Processes = XlaProcesses
+    Compute = XlaCompute
+    Diagnosis = XlaDiagnosis
+    Sharding = XlaSharding
 
-        return int(met.counter_value("CreateXlaTensor") or 0)
+    def __repr__(self) -> str:
+        return "XlaBackend()"
+
+    started = staticmethod(runtime_started)

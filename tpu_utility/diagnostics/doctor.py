@@ -460,7 +460,7 @@ def _growing(pending: list[int]) -> bool:
 def _run_one(step: Callable, batch: Any, into: list[_Step]) -> None:
     before = backend.compile_count()
     step(batch)
-    into.append(_Step(_shapes(batch), backend.compile_count() - before, backend.pending_ir_nodes()))
+    into.append(_Step(_shapes(batch), backend.compile_count() - before, backend.current().diagnosis.pending_ir_nodes()))
 
 
 def _run(step: Callable, plan: Iterator[Any], warmup: int, run: _Run) -> None:
@@ -474,7 +474,7 @@ def _run(step: Callable, plan: Iterator[Any], warmup: int, run: _Run) -> None:
         run.syncs[(kind, op, _user_frame())] += 1
 
     try:
-        with _tracing(run), backend.watch_host_syncs(record):
+        with _tracing(run), backend.current().diagnosis.watch_host_syncs(record):
             for batch in plan:
                 _run_one(step, batch, run.measured)
                 for line, indices in run.slicing_now.items():
@@ -483,7 +483,7 @@ def _run(step: Callable, plan: Iterator[Any], warmup: int, run: _Run) -> None:
                 if len(run.measured) >= 2 and len(run.records) >= 3 and _growing([s.pending for s in run.records]):
                     break  # every further step is slower still; the finding is clear
     finally:  # also when the step raised: the findings so far need these
-        run.created = backend.tensors_created()
+        run.created = backend.current().diagnosis.tensors_created()
         run.host_syncs = backend.host_sync_count() + sum(run.syncs.values())
         run.fallbacks = backend.fallback_ops()
     backend.sync()  # runs whatever the last step left pending (not counted as the step's)
@@ -727,7 +727,7 @@ def _report(run: _Run, mode: Mode, findings: list[Finding | None], notes: list[s
         step_compiles=[] if run.eager else compiles,
         notes=notes + (_eager_notes() if run.eager else []),
         measured_on=backend.current().name,
-        unmeasured=list(backend.unmeasured()),
+        unmeasured=list(backend.current().diagnosis.unmeasured()),
     )
 
 

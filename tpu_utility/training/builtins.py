@@ -509,7 +509,7 @@ class Checkpoints(Callback):
 
     def on_epoch_end(self, loop: TrainerLoop, record: Any) -> None:
         # a sharded model's whole state is gathered by every process together (one tensor at a time); the master writes
-        if not (loop.master or backend.sharded(loop.model.parameters())):
+        if not (loop.master or backend.current().sharding.sharded(loop.model.parameters())):
             return
         state = self._state(loop, record.epoch)
         if self.best.improved and self.best.rule.restore_best:

@@ -173,7 +173,7 @@ def kv_cache_bytes(config: Any, rows: int, length: int, dtype: torch.dtype) -> i
 def check_memory(model: nn.Module, rows: int, length: int, device: torch.device) -> None:
     """Refuses, before anything compiles, a KV cache of ``rows`` rows per device that the device cannot hold
     beside the weights, naming the batch size that fits."""
-    memory = backend.device_memory(device)
+    memory = backend.current().devices.device_memory(device)
     if memory is None:  # the CPU: no figure to compare with
         return
     weights = sum(p.numel() * p.element_size() for p in model.parameters())

@@ -469,7 +469,7 @@ def _device_memory(given: int | float | str | None) -> int | None:
                              f"('v5e')")  # fmt: skip
         return int(given)
     chosen = backend.current()
-    return chosen.device_memory(torch.device(chosen.device_type))
+    return chosen.devices.device_memory(torch.device(chosen.device_type))
 
 
 def _largest_block(model: nn.Module) -> list[nn.Parameter]:

@@ -218,7 +218,7 @@ class MetricSet:
         self.device = device
         for metric in self.torchmetrics.values():
             metric.reset()
-            sync_fn = backend.metric_sync_fn()
+            sync_fn = backend.current().processes.metric_sync_fn()
             if sync_fn is not None:  # one process per core on XLA: sync their states over XLA collectives
                 metric.dist_sync_fn = sync_fn
                 metric.distributed_available_fn = lambda: True

@@ -43,11 +43,11 @@ def check_precision(precision: Any, device: torch.device | None = None) -> None:
     """
     Precision.named(precision)
     chosen = backend.current()
-    if precision != "fp16" or chosen.fp16_available():
+    if precision != "fp16" or chosen.compute.fp16_available():
         return
     if device is None and chosen.lazy:
         device = torch.device(chosen.device_type)  # "xla": its hardware is named without starting the runtime
-    hardware = chosen.hardware(device) if device is not None else None
+    hardware = chosen.devices.hardware(device) if device is not None else None
     where = f"XLA:{hardware}" if chosen.lazy and hardware else hardware or chosen.device_type
     raise ValueError(
         f"precision='fp16' (float16 autocast and a GradScaler) has no path on {where} (the {chosen.name} backend): "

@@ -142,7 +142,7 @@ class Runner:
         """The model a training step calls: the backend's replica wrapper (DDP on CUDA/CPU) when replicas train."""
         if self._train_model is None:
             replicas = self.topology.replicas > 1
-            self._train_model = backend.current().wrap_replica(self.model, self.device) if replicas else self.model
+            self._train_model = backend.current().processes.wrap_replica(self.model, self.device) if replicas else self.model
         return self._train_model
 
     def run(self, step: Step, batch: Batch, training: bool = False) -> Any:

@@ -83,3 +83,16 @@ class Topology:
 
     def global_batch(self, per_core: int) -> int:
         return per_core * self.cores
+
+    @classmethod
+    def mesh(cls) -> Topology:
+        """This process's share of one SPMD program over all devices (SPMD switched on first, before the runtime
+        starts)."""
+        backend.use_spmd()
+        mesh = backend.current().sharding
+        return cls(spmd=True, hosts=mesh.process_count(), host=mesh.process_index(), devices=mesh.global_device_count())
+
+    @classmethod
+    def job(cls) -> Topology:
+        """This process as one of a launched job's replicas."""
+        return cls(replicas=backend.world_size(), rank=backend.rank())

@@ -160,7 +160,7 @@ def _optimizer(runner: Runner, plan: FitPlan) -> tuple[torch.optim.Optimizer, bo
     """The run's optimizer, and whether it is torch_xla's fused one."""
     # torch_xla's fused Adam fails to compile for bf16 parameters: cast mode keeps torch's.
     use_fused = runner.lazy and plan.optimizer_name in ("adam", "adamw") and runner.precision.mode != "cast"
-    fused = backend.fused_optimizer(plan.optimizer_name) if use_fused else None
+    fused = backend.current().compute.fused_optimizer(plan.optimizer_name) if use_fused else None
     params = [p for p in runner.model.parameters() if p.requires_grad]
     if not params:
         raise ValueError("the model has no trainable parameters (all have requires_grad=False); unfreeze some layers")

@@ -1,6 +1,6 @@
 """strategy="fsdp": parameters, gradients and optimizer state sharded over all cores, one block gathered at a time.
 
-On XLA the backend applies FSDPv2's steps to the model in place (``backend.shard_parameters``): the model
+On XLA the backend applies FSDPv2's steps to the model in place (its sharding group's ``shard_parameters``): the model
 keeps its own modules and key names, so a checkpoint, ``history.model`` or ``predict`` never asks which
 strategy trained it. Batches are sharded over the same devices as under ``strategy="spmd"``, and the model's
 output on its batch dimension (so the compiler never replicates the logits). Natively (FSDP2 over
@@ -15,7 +15,6 @@ from typing import Callable
 
 from torch import nn
 
-from ... import backend
 from ...sharding import FSDP, apply_sharding, blocks_of
 from ..topology import Topology
 from .base import Strategy
@@ -53,9 +52,7 @@ class Fsdp(Strategy):
         return {**vars(self), "_undo": None}
 
     def topology(self) -> Topology:
-        backend.use_spmd()
-        return Topology(spmd=True, hosts=backend.process_count(), host=backend.process_index(),
-                        devices=backend.global_device_count())  # fmt: skip
+        return Topology.mesh()
 
     def enter(self, model: nn.Module) -> None:
         self._undo = apply_sharding(model, self.options)
@@ -75,7 +72,7 @@ class FsdpProcess(Fsdp):
     in_job = True
 
     def topology(self) -> Topology:
-        return Topology(replicas=backend.world_size(), rank=backend.rank())
+        return Topology.job()
 
 
 class MultiprocessFsdp(Fsdp):

@@ -3,7 +3,6 @@ replica of the model on its own share of the data, gradients averaged every step
 
 from __future__ import annotations
 
-from ... import backend
 from ...sharding import FSDP
 from ..topology import Topology
 from .base import Strategy
@@ -17,7 +16,7 @@ class Replica(Strategy):
     in_job = True
 
     def topology(self) -> Topology:
-        return Topology(replicas=backend.world_size(), rank=backend.rank())
+        return Topology.job()
 
 
 class Multiprocess(Strategy):

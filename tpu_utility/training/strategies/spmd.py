@@ -28,9 +28,7 @@ class Spmd(Strategy):
         return super().choose(cores, native, options)
 
     def topology(self) -> Topology:
-        backend.use_spmd()
-        return Topology(spmd=True, hosts=backend.process_count(), host=backend.process_index(),
-                        devices=backend.global_device_count())  # fmt: skip
+        return Topology.mesh()
 
     def sharded(self, why: str) -> Strategy:
         """The same mesh with the parameters sharded (``strategy="auto"`` when the plan says a replica cannot fit)."""
