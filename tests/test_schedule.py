@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from conftest import flat_digits, small_mlp
 from test_fit import _dropout_mlp, _StopAfter
-from tpu_utility import EMA, Callback, find_lr, one_cycle_fit
+from tpu_utility import EMA, Callback, OneCycle, find_lr, one_cycle_fit
 from tpu_utility.training.schedule import (LrSchedule, constant_with_warmup, cosine_with_warmup, linear_with_warmup,
                                            one_cycle, one_cycle_curve, steps_per_epoch, total_optimizer_steps,
                                            warmup_steps)  # fmt: skip
@@ -145,6 +145,22 @@ def test_one_cycle_fit_carries_its_six_settings_as_one_value_with_the_schedules_
         resolve_schedule("linear", 0, cycle)
 
 
+def test_schedule_takes_the_one_cycle_settings_as_one_value():
+    from tpu_utility.training.fit import resolve_schedule
+
+    separate = OneCycle(3e-3, pct_start=0.3, max_momentum=0.9)
+    given = resolve_schedule(OneCycle(pct_start=0.3, max_momentum=0.9), 0, OneCycle(3e-3))
+    assert given == separate  # the call's max_lr filled in; the same schedule as the separate arguments make
+    assert resolve_schedule(OneCycle(3e-3, scale_lr_by_cores=True), 0, OneCycle(3e-3)).scale_lr_by_cores
+    history = _fit(small_mlp(), flat_digits(320), epochs=2, schedule=OneCycle(pct_start=0.3, max_momentum=0.9))
+    lrs, momenta = separate.curve(len(history.step_lrs))
+    assert history.step_lrs == pytest.approx(lrs, rel=1e-6) and history.step_momenta == pytest.approx(momenta)
+    with pytest.raises(ValueError, match="OneCycle\\(\\) has no max_lr to draw a curve of"):
+        OneCycle(pct_start=0.3).curve(10)
+    with pytest.raises(TypeError, match="scale_lr_by_cores must be True or False, but given 1"):
+        OneCycle(scale_lr_by_cores=1)
+
+
 def test_edge_schedules_stay_finite():
     lr, momentum = one_cycle(2**53 - 1, 2**53, 1e-3, pct_start=0.9999999999999999)
     assert math.isfinite(lr) and 0 < lr <= 1e-3 and 0.85 <= momentum <= 0.95
@@ -197,8 +213,14 @@ def _fit(model, train, **kwargs):
 
 
 BAD_CHOICES = [
-    ({"schedule": "cos"}, ValueError, r"schedule must be one of \('one_cycle', 'linear', 'cosine', 'constant'\), a "
-     r"function \(step, total_steps\) -> multiplier of max_lr, or None, but given 'cos'"),
+    ({"schedule": "cos"}, ValueError, r"schedule must be one of \('one_cycle', 'linear', 'cosine', 'constant'\), "
+     r"OneCycle\(\.\.\.\), a function \(step, total_steps\) -> multiplier of max_lr, or None, but given 'cos'"),
+    ({"schedule": OneCycle(pct_start=0.3), "max_momentum": 0.9}, ValueError,
+     r"max_momentum=0.9 and schedule=OneCycle\(.*pct_start=0.3.*\) both shape the one-cycle schedule; give the "
+     r"settings in OneCycle\(...\) alone"),
+    ({"schedule": OneCycle(1e-2)}, ValueError, r"schedule=OneCycle\(max_lr=0.01\) and max_lr=0.003 disagree; leave "
+     r"max_lr out of OneCycle"),
+    ({"schedule": OneCycle(pct_start=0.3), "warmup": 5}, ValueError, r"warmup=5 shapes .*pct_start of the steps \(now 0.3\)"),
     ({"schedule": 3}, TypeError, r"schedule must be one of .*, or None, but given 3 of type int"),
     ({"schedule": "linear", "warmup": 1.0}, ValueError, r"warmup must be a fraction of the optimizer steps in \[0, 1\) "
      r"\(a float\) or a number of steps \(an int\), but given 1.0"),

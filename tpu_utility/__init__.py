@@ -31,7 +31,7 @@ from .data import (BucketBatchSampler, BucketCollate, CachedDataset, PresizeRepo
 # the trainer: one call that trains, keeps the best epoch and predicts (or generates)
 from .training import (EMA, Callback, CSVLogger, EpochMetric, EpochRecord, GradientCheckpointing, History, Loop,
                        LRFinderResult, MemoryPlan, StopFit, TensorBoardLogger, evaluate, find_lr, generate, memory_plan,
-                       one_cycle, one_cycle_curve, one_cycle_fit, predict)
+                       OneCycle, one_cycle, one_cycle_curve, one_cycle_fit, predict)
 
 # diagnosis: doctor (run time), check (this machine); `python -m tpu_utility.port` (your source)
 from .diagnostics import DoctorError, DoctorReport, doctor
@@ -86,6 +86,7 @@ __all__ = [
     "one_cycle",
     "shard_model",
     "one_cycle_curve",
+    "OneCycle",
     "one_cycle_fit",
     "padding_waste",
     "predict",

@@ -28,7 +28,7 @@ from .inference import evaluate, predict
 from .lr_finder import LRFinderResult, find_lr
 from .memory import MemoryPlan, memory_plan
 from .metrics import EpochMetric
-from .schedule import one_cycle, one_cycle_curve
+from .schedule import OneCycle, one_cycle, one_cycle_curve
 
 __all__ = [
     "Callback",
@@ -48,6 +48,7 @@ __all__ = [
     "MemoryPlan",
     "one_cycle",
     "one_cycle_curve",
+    "OneCycle",
     "one_cycle_fit",
     "predict",
     "StopFit",

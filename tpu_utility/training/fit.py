@@ -25,6 +25,7 @@ What a run does for you, and how:
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 import inspect
 import io
 import math
@@ -202,7 +203,7 @@ def one_cycle_fit(
     metrics: str | Metric | Sequence[str | Metric] | dict[str, Any] | None = None,
     accumulate_steps: int = 1,
     max_grad_norm: float | None = None,
-    schedule: ScheduleName | Callable[[int, int], float] | None = "one_cycle",
+    schedule: ScheduleName | OneCycle | Callable[[int, int], float] | None = "one_cycle",
     warmup: float | int = 0,
     pct_start: float = OneCycle.pct_start,  # the one-cycle defaults are written once, in OneCycle
     div_factor: float = OneCycle.div_factor,
@@ -265,7 +266,8 @@ def one_cycle_fit(
         accumulate_steps: Batches per optimizer step.
         max_grad_norm: Clip the gradient norm (after the all-reduce).
         schedule: The learning rate of every optimizer step: "one_cycle" (it also
-            cycles momentum), "linear" or "cosine" (Hugging Face's ``get_scheduler``
+            cycles momentum), ``OneCycle(pct_start=0.3, ...)`` for its settings (``max_lr``
+            left out: the call's fills it), "linear" or "cosine" (Hugging Face's ``get_scheduler``
             shapes, decaying to 0; the cosine is timm's with ``warmup_prefix=True``),
             "constant", a function ``(step, total_steps) -> multiplier of max_lr``, or
             None: the lr is yours, set by your callbacks or a torch, Hugging Face or timm
@@ -277,7 +279,9 @@ def one_cycle_fit(
             rounded up) or a number of steps (an int), as in Hugging Face's
             ``TrainingArguments(warmup_steps=...)``.
         pct_start, div_factor, final_div_factor, base_momentum, max_momentum:
-            The one-cycle schedule, as in ``torch.optim.lr_scheduler.OneCycleLR``.
+            The one-cycle schedule, as in ``torch.optim.lr_scheduler.OneCycleLR``; kept for
+            calls written before ``schedule=OneCycle(...)``, which says the same in one value
+            (give one or the other).
         scale_lr_by_cores: Multiply ``max_lr`` by the number of cores.
         weight_decay: For the named optimizers (default: theirs).
         checkpoint_dir: Write ``last.pt`` and ``history.csv`` there after every
@@ -348,7 +352,72 @@ def one_cycle_fit(
         >>> history = one_cycle_fit(model, train_ds, epochs=1, max_lr=2e-5,  # doctest: +SKIP
         ...                         cores="all", strategy=FSDP(checkpoint=True))
     """
-    factory = None
+    factory, plan = plan_fit(FitArguments(**locals()))  # every argument checked, before any launch, compile or epoch
+    if not plan.strategy.launches:
+        trained, history = train(model if factory is None else factory(), plan)
+        history.model = trained
+        return history
+    return _fit_multiprocess(model, factory, plan)
+
+
+@dataclass(frozen=True)
+class FitArguments:
+    """``one_cycle_fit``'s arguments as the user gave them (``plan_fit`` checks each once)."""
+
+    model: Any
+    train_data: Any
+    epochs: Any
+    max_lr: Any
+    valid_data: Any
+    loss_fn: Any
+    optimizer: Any
+    batch_size: Any
+    cores: Any
+    strategy: Any
+    precision: Any
+    metrics: Any
+    accumulate_steps: Any
+    max_grad_norm: Any
+    schedule: Any
+    warmup: Any
+    pct_start: Any
+    div_factor: Any
+    final_div_factor: Any
+    base_momentum: Any
+    max_momentum: Any
+    scale_lr_by_cores: Any
+    weight_decay: Any
+    checkpoint_dir: Any
+    resume: Any
+    overwrite: Any
+    monitor: Any
+    mode: Any
+    early_stopping: Any
+    restore_best: Any
+    time_limit: Any
+    train_step: Any
+    eval_step: Any
+    num_workers: Any
+    seed: Any
+    progress: Any
+    callbacks: Any
+
+
+@dataclass(frozen=True)
+class CheckpointSettings:
+    """Where and how a run keeps its checkpoints, and what makes a later call the same run (``identity``:
+    the fingerprint a resume must match, and the config)."""
+
+    folder: str
+    resume: bool
+    identity: dict[str, Any]
+
+
+def plan_fit(a: FitArguments) -> tuple[Callable[[], nn.Module] | None, FitPlan]:
+    """``one_cycle_fit``'s arguments checked once, at the boundary, and made into the run's ``FitPlan`` (and the
+    model factory, when a factory was given), each carried down as a value object (``Precision``, the
+    ``Strategy``, the schedule, ``StopRule``): a bad value is named before any launch, compile or epoch."""
+    model, factory = a.model, None
     if not isinstance(model, nn.Module):
         if not callable(model):
             raise TypeError(f"model must be an nn.Module or a zero-argument factory, but given {model!r}")
@@ -356,11 +425,67 @@ def one_cycle_fit(
         factory = model
     elif not any(p.requires_grad for p in model.parameters()):
         raise ValueError("the model has no trainable parameters (all have requires_grad=False); unfreeze some layers")
-    _positive("epochs", epochs, int)
-    _positive("accumulate_steps", accumulate_steps, int)
-    precision = Precision.of(precision)  # fp16 where the device has no float16 path: refused before any launch or epoch
-    if max_grad_norm is not None:
-        _positive("max_grad_norm", max_grad_norm)
+    _positive("epochs", a.epochs, int)
+    _positive("accumulate_steps", a.accumulate_steps, int)
+    precision = Precision.of(a.precision)  # fp16 where the device has no float16 path: refused before any launch
+    if a.max_grad_norm is not None:
+        _positive("max_grad_norm", a.max_grad_norm)
+    _check_resume(a.checkpoint_dir, a.resume, a.overwrite)
+    cycle = OneCycle(max_lr=a.max_lr, pct_start=a.pct_start, div_factor=a.div_factor, final_div_factor=a.final_div_factor,
+                     base_momentum=a.base_momentum, max_momentum=a.max_momentum, scale_lr_by_cores=a.scale_lr_by_cores)  # fmt: skip
+    lr_schedule = resolve_schedule(a.schedule, a.warmup, cycle)
+    opt_factory, opt_name = resolve_optimizer(a.optimizer)
+    check_loss_fn(a.loss_fn)
+    _check_reduced(a.loss_fn)
+    metric_table = resolve_metrics(a.metrics, a.loss_fn is None)
+    callbacks = check_callbacks(a.callbacks)
+    stop = _stop_rule(a.monitor, a.mode, a.early_stopping, a.restore_best, a.time_limit,
+                      (a.valid_data is not None, metric_table))  # fmt: skip
+    chosen = choose(a.cores, a.strategy)
+    n_cores, processes = chosen.cores, chosen.cores if chosen.launches else 1
+    train_spec, valid_spec = _loader_specs(a.train_data, a.valid_data, a.batch_size, a.num_workers, processes)
+    if factory is None:  # a model that cannot fit: said now, not after minutes of compiling
+        if chosen.may_shard:  # strategy="auto" over a mesh: the plan may choose to shard
+            why = auto_shards(model, n_cores, train_spec.batch_size, a.optimizer, precision)
+            chosen = chosen.sharded(why) if why else chosen
+        refuse_replicating(model, n_cores, train_spec.batch_size, a.optimizer, precision, sharded=chosen.shards)
+        if chosen.shards:  # the host holds it whole before it is sharded, and each save
+            refuse_host_shortage(model, a.optimizer, processes, a.checkpoint_dir is not None)
+    loss = a.loss_fn if a.loss_fn is not None else CrossEntropy()
+    if valid_spec is not None:
+        per_sample_loss(loss)  # fail now, not after the first epoch
+        _check_buckets(valid_spec, "valid_data")  # a long sequence would fail only after an epoch of training
+    _check_checkpoint_dir(a.checkpoint_dir)
+    if a.checkpoint_dir is not None and not (a.resume or a.overwrite):
+        _refuse_another_run(str(a.checkpoint_dir))
+    steps = Steps(loss, train_step=a.train_step, eval_step=a.eval_step, accumulate_steps=a.accumulate_steps,
+                  max_grad_norm=a.max_grad_norm, default_loss=a.loss_fn is None)  # fmt: skip
+    fingerprint = {
+        "schedule": repr(lr_schedule), "optimizer": opt_name, "weight_decay": a.weight_decay,
+        "seed": check_seed(a.seed), "train samples": len(train_spec), "batch_size": train_spec.batch_size,
+        "cores": n_cores, "accumulate_steps": a.accumulate_steps,
+    }  # fmt: skip
+    if train_spec.batch_sampler is not None:
+        fingerprint["batch_sampler"] = train_spec.batch_sampler.fingerprint()
+    if Events(callbacks).keys():  # a resume restores their state: the same ones, or a clear refusal
+        fingerprint["callbacks"] = Events(callbacks).keys()
+    config = {"epochs": a.epochs, "max_lr": a.max_lr, "batch_size": train_spec.batch_size, "cores": n_cores}
+    checkpoints = None if a.checkpoint_dir is None else CheckpointSettings(
+        str(a.checkpoint_dir), a.resume, {"fingerprint": fingerprint, "config": config})  # fmt: skip
+    # what every replica must be given alike (ReplicaAgreement adds the data, the model and the resume point)
+    run_shape = {**config, **{k: v for k, v in fingerprint.items() if k != "train samples"}, "precision": precision.name,
+                 "max_grad_norm": a.max_grad_norm, "stop": repr(stop)}  # fmt: skip
+    plan = FitPlan(
+        epochs=a.epochs, train=train_spec, valid=valid_spec, steps=steps,
+        optimizer=opt_factory, optimizer_name=opt_name, optimizer_args=_optimizer_args(a.optimizer, a.weight_decay),
+        metrics=metric_table, checkpoint_dir=a.checkpoint_dir, overwrite=a.overwrite, precision=precision,
+        seed=a.seed, progress=a.progress, cores=n_cores, strategy=chosen, callbacks=callbacks,
+        builtins=builtin_callbacks(lr_schedule, stop, checkpoints, a.progress, run_shape),
+    )  # fmt: skip
+    return factory, plan
+
+
+def _check_resume(checkpoint_dir: Any, resume: Any, overwrite: Any) -> None:
     if resume and checkpoint_dir is None:
         raise ValueError("resume=True needs checkpoint_dir, the folder holding last.pt")
     for name, flag in (("resume", resume), ("overwrite", overwrite)):
@@ -368,82 +493,31 @@ def one_cycle_fit(
             raise TypeError(f"{name} must be True or False, but given {flag!r}")
     if resume and overwrite:
         raise ValueError("resume=True continues the run in checkpoint_dir and overwrite=True replaces it; give one")
-    cycle = OneCycle(max_lr, pct_start, div_factor, final_div_factor, base_momentum, max_momentum, scale_lr_by_cores)
-    lr_schedule = resolve_schedule(schedule, warmup, cycle)
-    opt_factory, opt_name = resolve_optimizer(optimizer)
-    check_loss_fn(loss_fn)
-    _check_reduced(loss_fn)
-    metric_table = resolve_metrics(metrics, loss_fn is None)
-    callbacks = check_callbacks(callbacks)
-    stop = _stop_rule(monitor, mode, early_stopping, restore_best, time_limit, (valid_data is not None, metric_table))
-    chosen = choose(cores, strategy)
-    n_cores, processes = chosen.cores, chosen.cores if chosen.launches else 1
-    train_spec, valid_spec = _loader_specs(train_data, valid_data, batch_size, num_workers, processes)
-    if factory is None:  # a model that cannot fit: said now, not after minutes of compiling
-        if chosen.may_shard:  # strategy="auto" over a mesh: the plan may choose to shard
-            why = auto_shards(model, n_cores, train_spec.batch_size, optimizer, precision)
-            chosen = chosen.sharded(why) if why else chosen
-        refuse_replicating(model, n_cores, train_spec.batch_size, optimizer, precision, sharded=chosen.shards)
-        if chosen.shards:  # the host holds it whole before it is sharded, and each save
-            refuse_host_shortage(model, optimizer, processes, checkpoint_dir is not None)
-    loss = loss_fn if loss_fn is not None else CrossEntropy()
-    if valid_spec is not None:
-        per_sample_loss(loss)  # fail now, not after the first epoch
-        _check_buckets(valid_spec, "valid_data")  # a long sequence would fail only after an epoch of training
-    _check_checkpoint_dir(checkpoint_dir)
-    if checkpoint_dir is not None and not (resume or overwrite):
-        _refuse_another_run(str(checkpoint_dir))
-    steps = Steps(loss, train_step, eval_step, accumulate_steps, max_grad_norm, default_loss=loss_fn is None)
-    fingerprint = {
-        "schedule": repr(lr_schedule), "optimizer": opt_name, "weight_decay": weight_decay,
-        "seed": check_seed(seed), "train samples": len(train_spec), "batch_size": train_spec.batch_size,
-        "cores": n_cores, "accumulate_steps": accumulate_steps,
-    }  # fmt: skip
-    if train_spec.batch_sampler is not None:
-        fingerprint["batch_sampler"] = train_spec.batch_sampler.fingerprint()
-    if Events(callbacks).keys():  # a resume restores their state: the same ones, or a clear refusal
-        fingerprint["callbacks"] = Events(callbacks).keys()
-    config = {"epochs": epochs, "max_lr": max_lr, "batch_size": train_spec.batch_size, "cores": n_cores}
-    checkpoints = {"folder": checkpoint_dir, "resume": resume, "fingerprint": fingerprint, "config": config}
-    # what every replica must be given alike (ReplicaAgreement adds the data, the model and the resume point)
-    run_shape = {**config, **{k: v for k, v in fingerprint.items() if k != "train samples"}, "precision": precision.name,
-                 "max_grad_norm": max_grad_norm, "stop": repr(stop)}  # fmt: skip
-    plan = FitPlan(
-        epochs=epochs, train=train_spec, valid=valid_spec, steps=steps,
-        optimizer=opt_factory, optimizer_name=opt_name, optimizer_args=_optimizer_args(optimizer, weight_decay),
-        metrics=metric_table, checkpoint_dir=checkpoint_dir, overwrite=overwrite, precision=precision,
-        seed=seed, progress=progress, cores=n_cores, strategy=chosen,
-        callbacks=callbacks,
-        builtins=builtin_callbacks(lr_schedule, stop, checkpoints, progress, run_shape),
-    )  # fmt: skip
-    if not chosen.launches:
-        trained, history = train(model if factory is None else factory(), plan)
-        history.model = trained
-        return history
-    return _fit_multiprocess(model, factory, plan)
 
 
 def resolve_schedule(schedule: Any, warmup: Any, cycle: OneCycle) -> OneCycle | LrSchedule:
     """``schedule=`` and ``warmup=`` checked against each other and the one-cycle arguments, as a value object.
 
-    A one-cycle argument changed from its default while another schedule is asked for
-    would be ignored, so it is an error naming it (as is ``warmup`` with one-cycle).
+    ``cycle`` is made from ``max_lr`` and the separate one-cycle arguments (kept for calls written before
+    ``schedule=OneCycle(...)``). A one-cycle argument changed from its default while another schedule, or a
+    ``OneCycle`` of its own, is given would be ignored, so it is an error naming it (as is ``warmup`` with
+    one-cycle).
     """
     check_warmup(warmup)
-    allowed = f"one of {get_args(ScheduleName)}, a function (step, total_steps) -> multiplier of max_lr, or None"
-    if isinstance(schedule, str) and schedule == "one_cycle":
+    allowed = (f"one of {get_args(ScheduleName)}, OneCycle(...), a function (step, total_steps) -> multiplier of "
+               f"max_lr, or None")  # fmt: skip
+    changed = _changed_cycle_settings(cycle)
+    if isinstance(schedule, OneCycle) or (isinstance(schedule, str) and schedule == "one_cycle"):
         if warmup:  # 0 and 0.0: the default
+            pct_start = schedule.pct_start if isinstance(schedule, OneCycle) else cycle.pct_start
             raise ValueError(f"warmup={warmup!r} shapes schedule='linear', 'cosine' or 'constant'; "
-                             f"schedule='one_cycle' warms up over pct_start of the steps (now {cycle.pct_start!r})")  # fmt: skip
-        return cycle  # checked when made
+                             f"schedule='one_cycle' warms up over pct_start of the steps (now {pct_start!r})")  # fmt: skip
+        return cycle if isinstance(schedule, str) else _given_cycle(schedule, cycle, changed)
     if isinstance(schedule, str) and schedule not in get_args(ScheduleName):
         raise ValueError(f"schedule must be {allowed}, but given {schedule!r}")
     if not (schedule is None or isinstance(schedule, str) or callable(schedule)):
         raise TypeError(f"schedule must be {allowed}, but given {schedule!r} of type {type(schedule).__name__}")
     chosen = LrSchedule(schedule, cycle.max_lr, warmup, cycle.scale_lr_by_cores)
-    defaults = OneCycle(cycle.max_lr)
-    shaping = [f.name for f in dataclasses.fields(OneCycle) if f.name not in ("max_lr", "scale_lr_by_cores")]
-    changed = [f"{n}={getattr(cycle, n)!r}" for n in shaping if getattr(cycle, n) != getattr(defaults, n)]
     if changed:
         given = chosen.name if callable(schedule) else repr(schedule)
         one = len(changed) == 1
@@ -453,7 +527,26 @@ def resolve_schedule(schedule: Any, warmup: Any, cycle: OneCycle) -> OneCycle | 
     return chosen
 
 
-def builtin_callbacks(schedule: OneCycle | LrSchedule, stop: StopRule, checkpoints: dict[str, Any],
+def _changed_cycle_settings(cycle: OneCycle) -> list[str]:
+    """The one-cycle arguments a call changed from their defaults, as ``name=value``."""
+    defaults = OneCycle(cycle.max_lr)
+    shaping = [f.name for f in dataclasses.fields(OneCycle) if f.name not in ("max_lr", "scale_lr_by_cores")]
+    return [f"{n}={getattr(cycle, n)!r}" for n in shaping if getattr(cycle, n) != getattr(defaults, n)]
+
+
+def _given_cycle(given: OneCycle, cycle: OneCycle, changed: list[str]) -> OneCycle:
+    """``schedule=OneCycle(...)`` with the call's ``max_lr`` (and ``scale_lr_by_cores``) filled in."""
+    if changed:
+        raise ValueError(f"{', '.join(changed)} and schedule={given!r} both shape the one-cycle schedule; give "
+                         f"the settings in OneCycle(...) alone")  # fmt: skip
+    if given.max_lr is not None and given.max_lr != cycle.max_lr:
+        raise ValueError(f"schedule=OneCycle(max_lr={given.max_lr!r}) and max_lr={cycle.max_lr!r} disagree; leave "
+                         f"max_lr out of OneCycle(...) (one_cycle_fit's max_lr fills it)")  # fmt: skip
+    return dataclasses.replace(given, max_lr=cycle.max_lr,
+                               scale_lr_by_cores=given.scale_lr_by_cores or cycle.scale_lr_by_cores)  # fmt: skip
+
+
+def builtin_callbacks(schedule: OneCycle | LrSchedule, stop: StopRule, checkpoints: CheckpointSettings | None,
                       progress: bool, run_shape: dict[str, Any]) -> list[Any]:  # fmt: skip
     """The callbacks that do what one_cycle_fit's arguments ask (``builtins.py``), from the checked values;
     ``run_shape``: the arguments every replica must be given alike (``agreement.ReplicaAgreement``)."""
@@ -463,9 +556,8 @@ def builtin_callbacks(schedule: OneCycle | LrSchedule, stop: StopRule, checkpoin
     else:
         lrs = OwnLearningRates(schedule) if schedule.shape is None else MultiplierSchedule(schedule)
     chosen = [lrs, StopOnNaN(), best, ReplicaAgreement(run_shape)]
-    if checkpoints["folder"] is not None:
-        identity = {"fingerprint": checkpoints["fingerprint"], "config": checkpoints["config"]}
-        chosen.append(Checkpoints(str(checkpoints["folder"]), best, checkpoints["resume"], identity))
+    if checkpoints is not None:
+        chosen.append(Checkpoints(checkpoints.folder, best, checkpoints.resume, checkpoints.identity))
     if stop.time_limit is not None:
         chosen.append(TimeLimit(stop.time_limit))
     if progress:

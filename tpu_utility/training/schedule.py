@@ -83,9 +83,10 @@ class OneCycle:
     """The one-cycle policy's settings as one value, checked once when made: the arguments of
     ``torch.optim.lr_scheduler.OneCycleLR``, and whether ``max_lr`` is multiplied by the cores.
 
-    ``one_cycle_fit`` makes it from its arguments and hands it to its schedule callback;
-    ``one_cycle`` and ``one_cycle_curve`` make one from theirs. Its defaults are the only
-    ones written: those functions' signatures read them (``OneCycle.pct_start`` is 0.25).
+    ``one_cycle_fit`` takes one as ``schedule=OneCycle(pct_start=0.3)`` (``max_lr`` left out:
+    the call's ``max_lr`` fills it) and hands it to its schedule callback; ``one_cycle`` and
+    ``one_cycle_curve`` make one from their arguments. Its defaults are the only ones
+    written: those functions' signatures read them (``OneCycle.pct_start`` is 0.25).
 
     Raises:
         ValueError: a setting outside its range (``max_lr``, ``div_factor`` and
@@ -94,12 +95,13 @@ class OneCycle:
 
     Example:
         >>> # was: OneCycleLR(opt, max_lr=3e-3, total_steps=100, pct_start=0.3)
+        >>> # one_cycle_fit(model, train_ds, epochs=5, max_lr=3e-3, schedule=OneCycle(pct_start=0.3))
         >>> lrs, momenta = OneCycle(3e-3, pct_start=0.3).curve(100)
         >>> round(max(lrs), 6), momenta[0]
         (0.003, 0.95)
     """
 
-    max_lr: float
+    max_lr: float | None = None  # None: filled by one_cycle_fit's max_lr
     pct_start: float = 0.25
     div_factor: float = 25.0
     final_div_factor: float = 1e4
@@ -108,13 +110,17 @@ class OneCycle:
     scale_lr_by_cores: bool = False
 
     def __post_init__(self) -> None:
-        _in_range("max_lr", self.max_lr, 0.0, math.inf, "finite and > 0")
         _in_range("pct_start", self.pct_start, 0.0, 1.0, "between 0 and 1 (exclusive)")
         _in_range("div_factor", self.div_factor, 0.0, math.inf, "finite and > 0")
         _in_range("final_div_factor", self.final_div_factor, 0.0, math.inf, "finite and > 0")
         for name in ("base_momentum", "max_momentum"):
             if not 0.0 <= _number(name, getattr(self, name)) < 1.0:
                 raise ValueError(f"{name} must be in [0, 1), but given {getattr(self, name)!r}")
+        if not isinstance(self.scale_lr_by_cores, bool):
+            raise TypeError(f"scale_lr_by_cores must be True or False, but given {self.scale_lr_by_cores!r}")
+        if self.max_lr is None:
+            return
+        _in_range("max_lr", self.max_lr, 0.0, math.inf, "finite and > 0")
         lowest = float(self.max_lr) / float(self.div_factor) / float(self.final_div_factor)
         if not (math.isfinite(float(self.max_lr) / float(self.div_factor)) and lowest > 0.0):
             raise ValueError(
@@ -129,6 +135,9 @@ class OneCycle:
             ValueError: ``total_steps`` not in [1, 2**53]; TypeError: not an int.
         """
         _check_total_steps(total_steps)
+        if self.max_lr is None:
+            raise ValueError("OneCycle() has no max_lr to draw a curve of: give OneCycle(max_lr, ...), or give it as "
+                             "one_cycle_fit's schedule=, whose max_lr fills it")  # fmt: skip
         pairs = [_one_cycle(step, total_steps, self) for step in range(total_steps)]
         return [lr for lr, _ in pairs], [m for _, m in pairs]
 
@@ -164,7 +173,8 @@ def one_cycle(
         (0.00012, 0.95)
     """
     _check_total_steps(total_steps)
-    cycle = OneCycle(max_lr, pct_start, div_factor, final_div_factor, base_momentum, max_momentum)
+    cycle = OneCycle(max_lr=max_lr, pct_start=pct_start, div_factor=div_factor, final_div_factor=final_div_factor,
+                     base_momentum=base_momentum, max_momentum=max_momentum)  # fmt: skip
     if isinstance(step, bool) or not isinstance(step, int):
         raise TypeError(f"step must be an int, but given {step!r} of type {type(step).__name__}")
     if not 0 <= step < total_steps:

@@ -69,3 +69,13 @@ class Strategy:
 
     def leave(self, model: nn.Module) -> None:
         """Called before the model goes back where it was found."""
+
+
+class InJob:
+    """Mixed into a strategy that one process of a launched job runs (ours, or torchrun's): each process its own
+    share of the samples, as one of the job's replicas."""
+
+    in_job = True
+
+    def topology(self) -> Topology:
+        return Topology.job()

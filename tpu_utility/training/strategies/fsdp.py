@@ -17,7 +17,7 @@ from torch import nn
 
 from ...sharding import FSDP, apply_sharding, blocks_of
 from ..topology import Topology
-from .base import Strategy
+from .base import InJob, Strategy
 
 
 class Fsdp(Strategy):
@@ -66,13 +66,8 @@ class Fsdp(Strategy):
         self._undo = None
 
 
-class FsdpProcess(Fsdp):
+class FsdpProcess(InJob, Fsdp):
     """Natively: one process of a job (launched by ``MultiprocessFsdp`` or torchrun), holding its shard."""
-
-    in_job = True
-
-    def topology(self) -> Topology:
-        return Topology.job()
 
 
 class MultiprocessFsdp(Fsdp):

@@ -4,19 +4,14 @@ replica of the model on its own share of the data, gradients averaged every step
 from __future__ import annotations
 
 from ...sharding import FSDP
-from ..topology import Topology
-from .base import Strategy
+from .base import InJob, Strategy
 from .single import Single
 
 
-class Replica(Strategy):
+class Replica(InJob, Strategy):
     """One process of a launched job (ours, or torchrun's): the whole model, its own share of the samples."""
 
     name = "replica"
-    in_job = True
-
-    def topology(self) -> Topology:
-        return Topology.job()
 
 
 class Multiprocess(Strategy):
