@@ -207,13 +207,17 @@ def _full_mask(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[
 
 
 # --------------------------------------------------------------- applying
-def apply_sharding(model: nn.Module, options: FSDP) -> Callable[[], None]:
-    """Shards ``model`` (on its device) as ``options`` say, in place; returns the undo (hooks, checkpointing and
-    ``use_cache`` given back; the parameters stay where they are)."""
+def fsdp_blocks(model: nn.Module, options: FSDP) -> list[nn.Module]:
+    """The modules FSDP gathers one at a time (``block_classes`` of ``options.wrap``), in the model's order."""
     classes = block_classes(model, options.wrap)
-    blocks = [m for m in model.modules() if isinstance(m, classes)]
+    return [m for m in model.modules() if isinstance(m, classes)]
+
+
+def around_blocks(model: nn.Module, blocks: list[nn.Module], options: FSDP) -> list[Callable[[], None]]:
+    """What FSDP does besides sharding the parameters (the backend's sharding group does that): each block
+    checkpointed, the output sharded on its batch dimension, a KV cache switched off; returns the undos, in order."""
     chosen = backend.current()
-    undo = [chosen.sharding.shard_parameters(model, blocks)]
+    undo: list[Callable[[], None]] = []
     if options.checkpoint:  # a block already checkpointed by transformers (gradient_checkpointing_enable) once
         undo += [chosen.compute.checkpoint_module(b) for b in blocks if not getattr(b, "gradient_checkpointing", False)]
     if options.shard_output:
@@ -223,12 +227,7 @@ def apply_sharding(model: nn.Module, options: FSDP) -> Callable[[], None]:
         config.use_cache = False
         undo.append(lambda: setattr(config, "use_cache", True))
         undo.append(model.register_forward_pre_hook(_full_mask, with_kwargs=True).remove)
-
-    def undo_all() -> None:
-        for step in reversed(undo):
-            step()
-
-    return undo_all
+    return undo
 
 
 def blocks_of(model: nn.Module, options: FSDP) -> str:
@@ -301,7 +300,9 @@ def shard_model(model: nn.Module, options: FSDP | None = None, *, optimizer: Any
     device = get_device()
     if any(p.device != device for p in before):
         move_model(model, device)
-    apply_sharding(model, options)
+    blocks = fsdp_blocks(model, options)
+    backend.current().sharding.shard_parameters(model, blocks)
+    around_blocks(model, blocks, options)
     kept = {id(p) for p in model.parameters()}  # natively FSDP2 replaces each parameter by its sharded one
     _REPLACED.update({id(p): p for p in before if id(p) not in kept})
     if optimizer is not None:
@@ -310,4 +311,4 @@ def shard_model(model: nn.Module, options: FSDP | None = None, *, optimizer: Any
 
 
 __all__ = ["FSDP", "shard_model", "block_classes", "repeated_class", "check_batch",
-           "output_scores", "apply_sharding", "refuse_replaced", "blocks_of"]  # fmt: skip
+           "output_scores", "fsdp_blocks", "around_blocks", "refuse_replaced", "blocks_of"]  # fmt: skip

@@ -6,7 +6,7 @@ strategy trained it. Batches are sharded over the same devices as under ``strate
 output on its batch dimension (so the compiler never replicates the logits). Natively (FSDP2 over
 ``torch.distributed``) each process of a job holds one shard: ``one_cycle_fit`` launches them
 (``MultiprocessFsdp``), or torchrun did (``FsdpProcess``). Each block recomputes its activations in the
-backward unless ``FSDP(checkpoint=False)`` (``sharding.apply_sharding``).
+backward unless ``FSDP(checkpoint=False)`` (``sharding.around_blocks``).
 """
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ from typing import Callable
 
 from torch import nn
 
-from ...sharding import FSDP, apply_sharding, blocks_of
+from ... import backend
+from ...sharding import FSDP, around_blocks, blocks_of, fsdp_blocks
 from ..topology import Topology
 from .base import InJob, Strategy
 
@@ -28,7 +29,7 @@ class Fsdp(Strategy):
 
     def __init__(self, cores: int = 1, options: FSDP | None = None, why: str = "") -> None:
         super().__init__(cores, options or FSDP(), why)
-        self._undo: Callable[[], None] | None = None
+        self._undo: list[Callable[[], None]] = []
 
     @classmethod
     def for_job(cls, cores: int, native: bool, options: FSDP | None) -> Strategy | None:
@@ -49,21 +50,22 @@ class Fsdp(Strategy):
         return type(other) is type(self) and (self.cores, self.options, self.why) == (other.cores, other.options, other.why)
 
     def __getstate__(self) -> dict:  # a launched process gets the options, not this process's undo
-        return {**vars(self), "_undo": None}
+        return {**vars(self), "_undo": []}
 
     def topology(self) -> Topology:
         return Topology.mesh()
 
     def enter(self, model: nn.Module) -> None:
-        self._undo = apply_sharding(model, self.options)
+        blocks = fsdp_blocks(model, self.options)
+        self._undo = [backend.current().sharding.shard_parameters(model, blocks), *around_blocks(model, blocks, self.options)]
         checkpointed = ", each checkpointed" if self.options.checkpoint else ""
         self.note = f"fsdp: {blocks_of(model, self.options)} gathered one at a time{checkpointed}"
         self.note += f" ({self.why})" if self.why else ""
 
     def leave(self, model: nn.Module) -> None:
-        if self._undo is not None:
-            self._undo()
-        self._undo = None
+        for step in reversed(self._undo):  # hooks, checkpointing and use_cache given back; the parameters stay
+            step()
+        self._undo = []
 
 
 class FsdpProcess(InJob, Fsdp):
