@@ -311,7 +311,7 @@ def _train_epoch(loop: Trainer, epoch: int) -> tuple[list[torch.Tensor], float]:
     desc, speak = f"epoch {epoch + 1}/{plan.epochs}", plan.progress and loop.master
     bar = progress_bar(loop.batches, desc, enabled=speak)
     # the run's first epoch on XLA compiles: say so before the first batch's compile, not after
-    notice = CompileNotice(bar, desc, backend.compile_count, expect=runner.lazy and epoch == loop.start_epoch, speak=speak)
+    notice = CompileNotice(bar, desc, backend.current().diagnosis.compile_count, expect=runner.lazy and epoch == loop.start_epoch, speak=speak)
     watch = runner.lazy  # only a lazy backend compiles during the steps: an eager one's count never moves
     done = 0
     try:
