@@ -231,8 +231,8 @@ def test_bucket_batch_sampler_made_before_launch_shards_inside_it(monkeypatch):
     assert len(sampler) == 300 // 8
     shares = []
     for rank in range(2):  # what each of 2 launched processes sees
-        monkeypatch.setattr(backend, "world_size", lambda: 2)
-        monkeypatch.setattr(backend, "rank", lambda rank=rank: rank)
+        monkeypatch.setattr(backend.current().processes, "world_size", lambda: 2)
+        monkeypatch.setattr(backend.current().processes, "rank", lambda rank=rank: rank)
         sampler.set_epoch(0)
         shares.append(list(sampler))
         assert list(sampler) == shares[-1]  # with several replicas only set_epoch moves the order on

@@ -13,8 +13,8 @@ def test_one_replica_needs_no_sampler():
 
 
 def test_several_replicas_get_their_shard(monkeypatch):
-    monkeypatch.setattr(backend, "world_size", lambda: 4)
-    monkeypatch.setattr(backend, "rank", lambda: 1)
+    monkeypatch.setattr(backend.current().processes, "world_size", lambda: 4)
+    monkeypatch.setattr(backend.current().processes, "rank", lambda: 1)
     sampler = make_sampler(list(range(10)), shuffle=False)
     assert isinstance(sampler, DistributedSampler)
     assert (sampler.num_replicas, sampler.rank) == (4, 1)

@@ -290,7 +290,7 @@ def hand_loop(model, optimizer):
         loss = nn.functional.cross_entropy(model(x), y)
         loss.backward()
         step_optimizer(optimizer)
-        losses.append(backend.all_reduce([loss.detach()])[0].item() / 2)   # the global batch's mean loss
+        losses.append(backend.current().processes.all_reduce([loss.detach()])[0].item() / 2)   # the global batch's mean loss
     return losses
 
 

@@ -505,3 +505,71 @@ def test_every_backend_holds_its_capabilities_in_small_groups():
 def test_the_group_size_check_sees_a_crowded_group():
     crowded = type("Crowded", (), {f"m{i}": (lambda self: None) for i in range(MOST_METHODS + 1)})
     assert len(_public_methods(crowded)) == MOST_METHODS + 1
+
+
+# api.py's functions, decided one by one (issue 50, item 4). The hand-loop kit's modules (re-exported as the kit by the
+# package) call them; so may users. Outside the kit the package asks the group itself (``backend.current().devices.sync()``).
+KIT_MODULES = ("loop", "device", "optim", "amp", "checkpoint", "sharding", "environment")
+# The rest api.py keeps: which backend (the choice), what spans the backends rather than forwarding to one group, and the
+# counters and clocks that tests/ and bench/ read as the public ``tpu_utility.backend`` API (docs/design.md names them).
+API_PUBLIC = {
+    "accelerator_type", "current", "ask", "why",  # the choice
+    "is_master", "is_accelerated", "naming_stalls", "launch",  # span the backends or the groups
+    "counters", "compile_count", "execute_count", "host_sync_count", "transfer_from_device_count", "fallback_ops",
+    "clear_counters", "wait", "to_cpu",  # what tests and bench measure with
+}  # fmt: skip
+
+
+def _forwards(source):
+    """The functions of a module whose body (docstring aside) is one call ``current().group.method(...)`` of its own
+    parameters, bare or returned (``launch``, which wraps the function it hands on, is no forward)."""
+    found = []
+    for node in ast.parse(source).body:
+        if not isinstance(node, ast.FunctionDef):
+            continue
+        body = node.body[1:] if ast.get_docstring(node) is not None else node.body
+        call = body[0].value if len(body) == 1 and isinstance(body[0], (ast.Return, ast.Expr)) else None
+        inner = getattr(getattr(getattr(call, "func", None), "value", None), "value", None)
+        passed = [getattr(a, "id", None) for a in getattr(call, "args", [])] == [a.arg for a in node.args.args]
+        if isinstance(call, ast.Call) and isinstance(inner, ast.Call) and getattr(inner.func, "id", None) == "current" \
+                and passed:  # fmt: skip
+            found.append(node.name)
+    return found
+
+
+def _backend_names(source):
+    """The names a module reads off the backend package: ``backend.sync``, called or passed (``backends.`` in environment)."""
+    return {node.attr for node in ast.walk(ast.parse(source)) if isinstance(node, ast.Attribute)
+            and isinstance(node.value, ast.Name) and node.value.id in ("backend", "backends")}  # fmt: skip
+
+
+def _read(*parts):
+    with open(os.path.join(PACKAGE, *parts), encoding="utf-8") as f:
+        return f.read()
+
+
+def test_api_keeps_only_the_kits_functions_the_choice_and_the_public_counters():
+    api = ast.parse(_read("backend", "api.py"))
+    functions = {n.name for n in api.body if isinstance(n, ast.FunctionDef) and not n.name.startswith("_")}
+    used_by_kit = set().union(*(_backend_names(_read(f"{name}.py")) for name in KIT_MODULES))
+    unowned = sorted(functions - used_by_kit - API_PUBLIC)
+    assert not unowned, f"api.py functions no kit module calls and not in API_PUBLIC (ask the group instead): {unowned}"
+    assert not API_PUBLIC - functions, f"API_PUBLIC names that api.py no longer has: {sorted(API_PUBLIC - functions)}"
+
+
+def test_outside_the_kit_the_package_asks_the_group_not_a_one_line_forward():
+    forwards = set(_forwards(_read("backend", "api.py")))
+    kit = {os.path.join(PACKAGE, f"{name}.py") for name in KIT_MODULES}
+    found = [
+        f"{os.path.relpath(path, ROOT)}: backend.{name}" for path, _, _ in _modules()
+        if path not in kit and os.sep + "backend" + os.sep not in path
+        for name in sorted(_backend_names(open(path, encoding="utf-8").read()) & forwards)
+    ]  # fmt: skip
+    assert not found, "ask the group (backend.current().devices.sync()):\n" + "\n".join(found)
+    # the check can fail: it sees a forward, and a use of one called or passed
+    sample = "def sync(wait=False):\n    '''Doc.'''\n    current().devices.sync(wait)\n\ndef is_master():\n" \
+             "    return current().processes.rank() == 0\n\ndef rank():\n    return current().processes.rank()\n\n" \
+             "def launch(fn):\n    current().processes.launch(wrap(fn))\n"  # fmt: skip
+    assert _forwards(sample) == ["sync", "rank"]
+    assert _backend_names("backend.sync()\nf(backend.compile_count)\nbackend.current().devices.sync()\n") == {
+        "sync", "compile_count", "current"}  # fmt: skip

@@ -157,8 +157,8 @@ def test_device_loader_and_masked_loader_on_cuda():
 
 def test_each_launched_process_gets_its_own_part(monkeypatch):
     # what make_sampler and masked_loader see inside launch() with 4 processes, as process 2
-    monkeypatch.setattr(backend, "world_size", lambda: 4)
-    monkeypatch.setattr(backend, "rank", lambda: 2)
+    monkeypatch.setattr(backend.current().processes, "world_size", lambda: 4)
+    monkeypatch.setattr(backend.current().processes, "rank", lambda: 2)
     from tpu_utility import make_sampler
 
     ds = TensorDataset(torch.arange(10.0), torch.arange(10))

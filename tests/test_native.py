@@ -370,7 +370,7 @@ def test_native_backend_is_chosen_without_xla_and_refuses_spmd():
     r = run_python(WARM + """
 from tpu_utility import backend, one_cycle_fit
 import torch
-print("chosen:", backend.current(), backend.device_count(), backend.world_size())
+print("chosen:", backend.current(), backend.current().devices.device_count(), backend.world_size())
 try:
     one_cycle_fit(torch.nn.Linear(2, 2), torch.utils.data.TensorDataset(torch.zeros(8, 2), torch.zeros(8).long()),
                   epochs=1, max_lr=1e-3, cores=2, strategy="spmd")

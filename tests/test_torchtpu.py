@@ -72,8 +72,8 @@ from tpu_utility.backend.native import NativeBackend
 
 chosen = backend.current()
 print("chosen:", chosen, chosen.dist_backend)
-print("device:", get_device(), backend.device(), backend.device_count(), backend.world_size(), backend.rank())
-print("bf16:", backend.bf16_autocast_available(), backend.hardware(torch.device("tpu", 0)))
+print("device:", get_device(), backend.device(), backend.current().devices.device_count(), backend.world_size(), backend.rank())
+print("bf16:", backend.current().compute.bf16_autocast_available(), backend.hardware(torch.device("tpu", 0)))
 print("sampler:", make_sampler(torch.utils.data.TensorDataset(torch.zeros(4))))
 launched = []
 NativeBackend.Processes.launch = lambda self, fn, args, nprocs, method: launched.append((nprocs, method, list(CALLS)))

@@ -40,7 +40,7 @@ def cpu_copy(model: nn.Module) -> nn.Module:
     found: dict[int, torch.Tensor] = {}
     for _, tensor in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
         found.setdefault(id(tensor), tensor)
-    on_cpu = backend.state_to_cpu([t.detach() for t in found.values()])
+    on_cpu = backend.current().devices.state_to_cpu([t.detach() for t in found.values()])
     memo: dict[int, Any] = {}
     for tensor, host in zip(found.values(), on_cpu):
         host = host.clone() if host.data_ptr() == tensor.data_ptr() else host  # on the CPU already: a copy of its own

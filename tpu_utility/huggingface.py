@@ -91,7 +91,7 @@ def use_checkpoint_function(model: nn.Module, function: Any) -> list[tuple[nn.Mo
     in place of torch's ``checkpoint``, its keyword arguments kept; returns what to give back.
 
     Example:
-        >>> found = use_checkpoint_function(model, backend.checkpoint_function())   # doctest: +SKIP
+        >>> found = use_checkpoint_function(model, backend.current().compute.checkpoint_function())   # doctest: +SKIP
     """
     found = []
     for module in model.modules():
@@ -128,7 +128,7 @@ class SavedThroughCpu:
             from . import backend
 
             state = self.model.state_dict()
-            kwargs["state_dict"] = dict(zip(state, backend.state_to_cpu(list(state.values()))))
+            kwargs["state_dict"] = dict(zip(state, backend.current().devices.state_to_cpu(list(state.values()))))
         return self.save(*args, **kwargs)
 
 

@@ -1,7 +1,13 @@
-"""The functions the hand-loop kit and the trainer call; each asks a group of the backend chosen for this process.
+"""The choice of backend, and the functions the hand-loop kit calls; each asks a group of the backend chosen for this process.
 
-A caller with a question that has no function here asks the group itself
-(``backend.current().diagnosis.unmeasured()``); the groups are listed in ``base.py``.
+The rule for what is here: a function stays only when (1) a module of the hand-loop kit (``loop``, ``device``,
+``optim``, ``amp``, ``checkpoint``, ``sharding``, ``environment``) calls it, or (2) it chooses the backend
+(``current``, ``ask``, ``why``) or spans the backends or groups (``is_master``, ``is_accelerated``,
+``naming_stalls``, ``launch``), or (3) it is a counter or clock that tests/ and bench/ read as the public
+``tpu_utility.backend`` API (``compile_count``, ``counters``, ``wait``, ``to_cpu``, ...). Every other caller,
+the trainer, diagnostics, data and the exporters included, asks the group itself
+(``backend.current().devices.sync()``, or ``chosen = backend.current()`` for several questions); the groups are
+listed in ``base.py``. ``tests/test_layout.py`` holds the list (``API_PUBLIC``) and checks both halves.
 
 ``current()`` picks the backend once per process, in this order: torch_xla when its
 runtime runs or is asked for (a TPU attached, or ``PJRT_DEVICE`` set), TorchTPU when
@@ -164,14 +170,6 @@ def device(index: int | None = None) -> torch.device:
     return current().devices.device(index)
 
 
-def device_count() -> int:
-    return current().devices.device_count()
-
-
-def owns(dev: torch.device | str) -> bool:
-    return current().devices.owns(dev)
-
-
 def is_lazy(dev: torch.device | str) -> bool:
     """Whether tensors on ``dev`` build graphs that a step boundary runs (XLA)."""
     return current().devices.is_lazy(dev)
@@ -216,14 +214,6 @@ def _naming_replica_stalls(fn: Callable[..., Any], index: int, *args: Any) -> No
     """
     with naming_stalls(f"replica {index}"):
         fn(index, *args)
-
-
-def all_reduce(tensors: list[torch.Tensor], op: ReduceOp = "sum") -> list[torch.Tensor]:
-    return current().processes.all_reduce(tensors, op)
-
-
-def all_gather(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    return current().processes.all_gather(tensors)
 
 
 def barrier(tag: str) -> None:
@@ -302,10 +292,6 @@ def shard_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
 
 
 # ---------------------------------------------------- precision, optimizers
-def bf16_autocast_available() -> bool:
-    return current().compute.bf16_autocast_available()
-
-
 def autocast(dev: torch.device, dtype: torch.dtype) -> Any:
     return current().compute.autocast(dev, dtype)
 
@@ -319,20 +305,8 @@ def hardware(dev: torch.device) -> str | None:
     return current().devices.hardware(dev)
 
 
-def checkpoint_function() -> Callable[..., Any]:
-    return current().compute.checkpoint_function()
-
-
 def is_fused_optimizer(optimizer: Any) -> bool:
     return current().compute.is_fused_optimizer(optimizer)
-
-
-def rng_state() -> int:
-    return current().devices.rng_state()
-
-
-def set_rng_state(state: int) -> None:
-    current().devices.set_rng_state(state)
 
 
 # ----------------------------------------------------------------- counters

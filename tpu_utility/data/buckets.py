@@ -275,8 +275,8 @@ class BucketBatchSampler(Sampler[list[int]]):
 
     def _share(self) -> tuple[int, int]:
         """(replicas, rank): as given, else those running now; checked against the data."""
-        replicas = backend.world_size() if self.num_replicas is None else self.num_replicas
-        rank = backend.rank() if self.rank is None else self.rank
+        replicas = backend.current().processes.world_size() if self.num_replicas is None else self.num_replicas
+        rank = backend.current().processes.rank() if self.rank is None else self.rank
         if rank >= replicas:
             raise ValueError(f"rank must be in [0, {replicas}) for num_replicas={replicas}, but given {rank}")
         if replicas > 1 and not self.drop_last:

@@ -85,11 +85,12 @@ def make_sampler(
         ...         sampler.set_epoch(epoch)
     """
     _check_sized(dataset)
-    replicas = backend.world_size()
+    processes = backend.current().processes
+    replicas = processes.world_size()
     if replicas == 1:
         return None
     return DistributedSampler(
-        dataset, num_replicas=replicas, rank=backend.rank(), shuffle=shuffle, seed=seed, drop_last=drop_last
+        dataset, num_replicas=replicas, rank=processes.rank(), shuffle=shuffle, seed=seed, drop_last=drop_last
     )
 
 

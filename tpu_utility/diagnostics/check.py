@@ -105,7 +105,7 @@ def _fit(cores: int | str, precision: str = "fp32", epochs: int = EPOCHS) -> tup
                f"{last.metrics['accuracy']:.3f}, {h.steps_per_epoch} steps/epoch")  # fmt: skip
     if not last.train_loss < first.train_loss:
         raise CheckFailed(f"the loss did not fall: {figures}")
-    if backend.counters().measured:  # XLA counts compiles and host syncs; eager backends do not
+    if backend.current().diagnosis.counters().measured:  # XLA counts compiles and host syncs; eager backends do not
         compiles, syncs = [r.compiles for r in h.records], [r.host_syncs for r in h.records]
         figures += f"; compiles so far after each epoch {compiles}, host syncs in each epoch {syncs}"
         if len(set(compiles[1:])) > 1:
@@ -186,7 +186,7 @@ from tpu_utility import setup_tpu, backend
 setup_tpu(cache_dir={folder!r}, compile_cache=True, verbose=False)
 from tpu_utility.diagnostics.check import _fit
 _fit(1, epochs=1)
-print("compiles", backend.compile_count(), "seconds", time.perf_counter() - t0)
+print("compiles", backend.current().diagnosis.compile_count(), "seconds", time.perf_counter() - t0)
 """
 
 

@@ -192,7 +192,7 @@ def check_xla(model: nn.Module | None) -> Finding | None:
             fix = f"call setup_tpu() in the first cell (PJRT_DEVICE=CPU tries XLA on the host), then {fix}"
         return Finding("not_on_xla", f"{why}: nothing runs on XLA, so doctor measured nothing", fix)
     devices = sorted({p.device.type for p in model.parameters()}) if model is not None else []
-    if devices and not any(backend.is_lazy(d) for d in devices):
+    if devices and not any(backend.current().devices.is_lazy(d) for d in devices):
         return Finding(
             "not_on_xla",
             f"the model's parameters are on {', '.join(devices)}, not on the XLA device: the step runs on the "
@@ -205,12 +205,12 @@ def check_xla(model: nn.Module | None) -> Finding | None:
 def check_device(model: nn.Module | None) -> Finding | None:
     """On an eager backend: the model must be on the backend's device (on the CPU backend it always is)."""
     devices = sorted({str(p.device) for p in model.parameters()}) if model is not None else []
-    if not devices or any(backend.owns(d) for d in devices):
+    if not devices or any(backend.current().devices.owns(d) for d in devices):
         return None
     return Finding(
         "not_on_device",
         f"the model's parameters are on {', '.join(devices)}, not on the {backend.current().name} device "
-        f"({backend.device()}): the step runs on the host CPU, so doctor measured nothing",
+        f"({backend.current().devices.device()}): the step runs on the host CPU, so doctor measured nothing",
         RULES["not_on_device"].fix,
     )
 
@@ -315,7 +315,7 @@ def _read_tracer(calls: Counter, state: threading.local) -> Callable[[str], Call
     def make(name: str) -> Callable[[Callable], Callable]:
         def wrap(original: Callable) -> Callable:
             def traced(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-                if backend.is_lazy(self.device) and not getattr(state, "inside", False):
+                if backend.current().devices.is_lazy(self.device) and not getattr(state, "inside", False):
                     calls[(name, _user_frame())] += 1
                     state.inside = True
                     try:
@@ -365,7 +365,7 @@ def _slice_tracer(now: dict[str, list[tuple]]) -> dict[str, Callable[[Callable],
 
     def getitem(original: Callable) -> Callable:
         def traced(self: torch.Tensor, index: Any) -> Any:
-            if backend.is_lazy(self.device):
+            if backend.current().devices.is_lazy(self.device):
                 record(_python_ints(index))
             return original(self, index)
 
@@ -373,7 +373,7 @@ def _slice_tracer(now: dict[str, list[tuple]]) -> dict[str, Callable[[Callable],
 
     def narrow(original: Callable) -> Callable:
         def traced(self: torch.Tensor, dim: int, start: Any, length: int) -> Any:
-            if backend.is_lazy(self.device) and isinstance(start, int) and isinstance(length, int):
+            if backend.current().devices.is_lazy(self.device) and isinstance(start, int) and isinstance(length, int):
                 record((None,) * dim + ((start, start + length, None),))
             return original(self, dim, start, length)
 
@@ -415,7 +415,7 @@ def _default_step(model: nn.Module, optimizer: torch.optim.Optimizer | None, los
         with torch.no_grad():
             loss = step_loss(model, batch)
         total[:] = [total[0] + loss if total else loss]  # accumulated on the device
-        backend.sync()  # what device_loader does at each batch
+        backend.current().devices.sync()  # what device_loader does at each batch
 
     return train_step if mode == "train" else eval_step
 
@@ -458,17 +458,18 @@ def _growing(pending: list[int]) -> bool:
 
 
 def _run_one(step: Callable, batch: Any, into: list[_Step]) -> None:
-    before = backend.compile_count()
+    diagnosis = backend.current().diagnosis
+    before = diagnosis.compile_count()
     step(batch)
-    into.append(_Step(_shapes(batch), backend.compile_count() - before, backend.current().diagnosis.pending_ir_nodes()))
+    into.append(_Step(_shapes(batch), diagnosis.compile_count() - before, diagnosis.pending_ir_nodes()))
 
 
 def _run(step: Callable, plan: Iterator[Any], warmup: int, run: _Run) -> None:
     """Runs the step as the user does: no graph cut of ours between their steps."""
     for batch in itertools.islice(plan, warmup):
         _run_one(step, batch, run.warmup)
-    backend.wait()  # no cut of ours: the first measured step runs as every later one does
-    backend.clear_counters()
+    backend.current().devices.wait()  # no cut of ours: the first measured step runs as every later one does
+    backend.current().diagnosis.clear_counters()
 
     def record(kind: str, op: str) -> None:
         run.syncs[(kind, op, _user_frame())] += 1
@@ -485,9 +486,9 @@ def _run(step: Callable, plan: Iterator[Any], warmup: int, run: _Run) -> None:
     finally:  # also when the step raised: the findings so far need these
         run.created = backend.current().diagnosis.tensors_created()
         run.host_syncs = backend.host_sync_count() + sum(run.syncs.values())
-        run.fallbacks = backend.fallback_ops()
-    backend.sync()  # runs whatever the last step left pending (not counted as the step's)
-    backend.wait()
+        run.fallbacks = backend.current().diagnosis.fallback_ops()
+    backend.current().devices.sync()  # runs whatever the last step left pending (not counted as the step's)
+    backend.current().devices.wait()
 
 
 # ---------------------------------------------------------------- analysis
@@ -698,7 +699,7 @@ def _eager_notes() -> list[str]:
     """How doctor measured on an eager backend, where a reader could take it for something else."""
     name = backend.current().name
     notes = []
-    if not backend.is_accelerated(backend.device()):
+    if not backend.is_accelerated(backend.current().devices.device()):
         notes.append("on the CPU nothing waits for a host sync: doctor counts the ops that would make a GPU or "
                      "TPU wait")  # fmt: skip
     wanted = backend.pjrt_device()
@@ -831,13 +832,14 @@ def doctor(
     """
     _check_arguments(steps, warmup, mode, batch, batches)
     step, model = _as_step(step, model, optimizer, loss_fn, mode)
-    run = _Run(eager=not backend.counters().measured)  # eager: the backend counts nothing, doctor watches
+    run = _Run(eager=not backend.current().diagnosis.counters().measured)  # eager: the backend counts nothing, doctor watches
     findings, measurable = _static_findings(run, model, optimizer)
     if not measurable:  # not on the device: nothing to measure
         return _report(run, mode, findings, [])
     plan, first = _first_batch(_plan(batch, batches, steps, warmup))
     if cores is None:
-        cores = backend.global_device_count() if backend.is_spmd() else backend.world_size()
+        chosen = backend.current()
+        cores = chosen.sharding.global_device_count() if chosen.sharding.is_spmd() else chosen.processes.world_size()
     findings.append(check_batch_split(first, cores))
     try:
         _run(step, plan, warmup, run)

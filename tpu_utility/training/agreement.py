@@ -202,7 +202,8 @@ def gather(values: dict[str, Any], device: torch.device) -> list[dict[str, Any]]
         raise ValueError(f"the replica description is {len(text)} bytes, over {CAPACITY}: {text[:200]!r}...")
     buffer = torch.zeros(1, CAPACITY, dtype=torch.int32)
     buffer[0, : len(text)] = torch.frombuffer(bytearray(text), dtype=torch.uint8).to(torch.int32)
-    gathered = backend.to_cpu(backend.all_gather([buffer.to(device)]))[0]
+    chosen = backend.current()
+    gathered = chosen.devices.to_cpu(chosen.processes.all_gather([buffer.to(device)]))[0]
     out = []
     for row in gathered:
         raw = bytes(row.to(torch.uint8).tolist()).rstrip(b"\0")
@@ -219,7 +220,7 @@ def check(values: dict[str, Any], device: torch.device, what: str) -> None:
 
 def data_differences(dataset: Any, device: torch.device) -> list[str]:
     """Every replica's data (its length and sampled digest) where they differ, else ``[]`` (and with one replica)."""
-    if backend.world_size() == 1:
+    if backend.current().processes.world_size() == 1:
         return []
     data = describe_data(dataset)
     described = f"{data['samples']} samples, sampled digest {data['digest']}"

@@ -90,10 +90,11 @@ class _Driver:
         self.ratios = loop.lr_ratios
         self.total, self.step_index = len(self.lrs), loop.step
         self.written: list[tuple[Any, int]] | None = None  # each group's lr as last written, and its version
-        self.floats = unround if backend.is_lazy(device) else float
+        chosen = backend.current()
+        self.floats = unround if chosen.devices.is_lazy(device) else float
         self.on_device = (
-            backend.is_lazy(device)
-            and not backend.is_fused_optimizer(opt)  # they take Python floats without syncing or recompiling
+            chosen.devices.is_lazy(device)
+            and not chosen.compute.is_fused_optimizer(opt)  # they take Python floats without syncing or recompiling
             and all("betas" in g and "capturable" in g for g in opt.param_groups)
         )
         if self.on_device:
@@ -528,13 +529,13 @@ class Checkpoints(Callback):
             raise WriteError(error.errno, message if then in message else f"{message}; {then}") from error
 
     def _state(self, loop: TrainerLoop, epoch: int) -> dict[str, Any]:
-        rule = self.best.rule
+        rule, devices = self.best.rule, backend.current().devices
         state = {
             "format": 1, "epoch": epoch, "step": loop.step, "total_steps": loop.total_steps,
             "model": loop.model.state_dict(), "optimizer": loop.optimizer.state_dict(),
             "optimizer_class": class_name(loop.optimizer), **loop.runner.precision.state_dict(),
             "rng": {"torch": torch.get_rng_state(), "python": random.getstate(),
-                    "xla": backend.rng_state() if backend.is_lazy(loop.device) else 0},
+                    "xla": devices.rng_state() if devices.is_lazy(loop.device) else 0},
             "history": loop.history.to_dicts(),
             "monitor": {**self.best.watch.as_dict(), "name": rule.monitor, "mode": rule.mode},
             "run": self.run_id, "callbacks": loop.events.state_dict(), "versions": _versions(),
@@ -552,14 +553,15 @@ class Checkpoints(Callback):
         if changed and loop.master:
             warnings.warn(changed, stacklevel=2)
         loop.events.load_state_dict(state.get("callbacks", {}), path)
-        if backend.is_lazy(loop.device):  # the restored tensors become device data, not part of epoch 1's first graph;
-            backend.sync()  # before the random state is restored: a sync advances torch_xla's seed
+        devices = backend.current().devices
+        if devices.is_lazy(loop.device):  # the restored tensors become device data, not part of epoch 1's first graph;
+            devices.sync()  # before the random state is restored: a sync advances torch_xla's seed
         rng = state["rng"]
         torch.set_rng_state(rng["torch"])
         version, internal, gauss = rng["python"]
         random.setstate((version, tuple(internal), gauss))
-        if backend.is_lazy(loop.device):
-            backend.set_rng_state(int(rng["xla"]))
+        if backend.current().devices.is_lazy(loop.device):
+            backend.current().devices.set_rng_state(int(rng["xla"]))
         loop.start_epoch = loop.saved_epoch = int(state["epoch"])
         loop.step = int(state["step"])
         loop.history.records = History.from_dicts(state["history"]).records

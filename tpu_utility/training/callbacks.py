@@ -101,7 +101,7 @@ class EMA(Callback):
 
     def on_fit_start(self, loop: Loop) -> None:
         self.model, self.since = loop.model, 0
-        self.lazy = any(backend.is_lazy(p.device) for p in self.model.parameters())
+        self.lazy = any(backend.current().devices.is_lazy(p.device) for p in self.model.parameters())
         self._averaged = AveragedModel(self.model, multi_avg_fn=get_ema_multi_avg_fn(self.decay), use_buffers=True)
         # AveragedModel tests `n_averaged == 0` in Python at every update: kept on the device, that
         # test would wait for the device every step. On the host it costs nothing.
@@ -253,7 +253,7 @@ class GradientCheckpointing(Callback):
             enable(**kwargs)
             self._switched_on = True
         if loop.runner.lazy:
-            self._found = use_checkpoint_function(model, backend.checkpoint_function())
+            self._found = use_checkpoint_function(model, backend.current().compute.checkpoint_function())
 
     def on_fit_end(self, loop: Loop) -> None:
         if self._switched_on:

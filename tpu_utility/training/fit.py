@@ -619,7 +619,7 @@ def _loader_specs(train_data: Any, valid_data: Any, batch_size: int | None, num_
 
 def _fit_multiprocess(model: Any, factory: Any, plan: FitPlan) -> History:
     """Launches one process per chip; the master sends back weights and history."""
-    if backend.is_spmd():
+    if backend.current().sharding.is_spmd():
         raise RuntimeError(
             "strategy='multiprocess' cannot run in a process already switched to SPMD (setup_tpu does "
             "that when several XLA devices are visible). Call setup_tpu(spmd=False) first thing, or use "
@@ -657,4 +657,4 @@ def _mp_worker(index: int, model: Any, plan: FitPlan, result: str) -> None:
              "momentum_name": history.momentum_name},
             result,
         )  # fmt: skip
-    backend.barrier("tpu_utility.fit.done")
+    backend.current().processes.barrier("tpu_utility.fit.done")

@@ -405,11 +405,11 @@ class Decoder:
         slots = torch.arange(batch["input_ids"].shape[1], device=index.device)
         logits = self.forward(batch["input_ids"], batch, batch["position_ids"], cache, slots)
         slot = slots[-1:] + 1
-        backend.shard_batch([t for layer in cache.layers for t in (layer.keys, layer.values)])
+        backend.current().sharding.shard_batch([t for layer in cache.layers for t in (layer.keys, layer.values)])
         token, done = self.choose(logits, index, position, index < 0)
         pending, read = [token], []
         for _ in range(1, max_new_tokens):
-            backend.sync()
+            backend.current().devices.sync()
             if len(pending) == self.read_every:
                 if self._read(pending, done, read, on_read):
                     break
@@ -418,14 +418,14 @@ class Decoder:
             position, slot = position + 1, slot + 1
             token, done = self.choose(logits, index, position, done)
             pending.append(token)
-        backend.sync()
+        backend.current().devices.sync()
         if pending:
             self._read(pending, done, read, on_read)
         return self._rows(torch.cat(read, 1), rows)
 
     def _read(self, pending: list[torch.Tensor], done: torch.Tensor, read: list[torch.Tensor], on_read: Any) -> bool:
         """One transfer of the pending tokens and the stop flags; True when every row has stopped."""
-        *tokens, stopped = backend.to_cpu([*pending, done])
+        *tokens, stopped = backend.current().devices.to_cpu([*pending, done])
         read.append(torch.stack(tokens, 1))
         on_read(len(tokens))
         return self.stops is not None and bool(stopped.all())
@@ -555,7 +555,7 @@ def _check_positions(model: nn.Module, plan: GenerationPlan) -> None:
 def _same_prompts_everywhere(prompts: list[list[int]]) -> bool:
     """Whether every replica of the job was given these prompts (a digest of all of them, one all-gather)."""
     digest = hashlib.blake2b(json.dumps(prompts).encode(), digest_size=8).hexdigest()
-    return not agreement.differences(agreement.gather({"prompts": f"{len(prompts)}:{digest}"}, backend.device()))
+    return not agreement.differences(agreement.gather({"prompts": f"{len(prompts)}:{digest}"}, backend.current().devices.device()))
 
 
 def replica_share(batches: list[list[int]], replicas: int, rank: int) -> list[list[int]]:
@@ -596,5 +596,6 @@ def _gathered(found: dict[int, list[int]], n: int, max_new_tokens: int, device: 
     table = torch.full((n, max_new_tokens), -1, dtype=torch.int32)
     for i, tokens in found.items():
         table[i, : len(tokens)] = torch.tensor(tokens, dtype=torch.int32)
-    (table,) = backend.to_cpu(backend.all_reduce([table.to(device)], "max"))
+    chosen = backend.current()
+    (table,) = chosen.devices.to_cpu(chosen.processes.all_reduce([table.to(device)], "max"))
     return {i: [t for t in row if t >= 0] for i, row in enumerate(table.tolist())}

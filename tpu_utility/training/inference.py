@@ -42,8 +42,8 @@ def _runner(model: nn.Module, precision: str, spec: LoaderSpec, what: str, chose
     alone (``predict``: each gets its own rows) or are refused (``evaluate``: no one figure is asked for; and
     ``strategy="fsdp"``: each batch runs through every process's shard of the model)."""
     # several processes of a job only (on XLA, "fsdp" is one process, whose runtime must not start before SPMD is on)
-    several = chosen.in_job and backend.world_size() > 1
-    differ = agreement.data_differences(spec.dataset, backend.device()) if several else []
+    several = chosen.in_job and backend.current().processes.world_size() > 1
+    differ = agreement.data_differences(spec.dataset, backend.current().devices.device()) if several else []
     if differ and chosen.shards:
         raise agreement.ReplicaMismatch(
             f"{what} with strategy='fsdp' runs one model sharded over the {len(differ)} processes, each batch "
@@ -79,7 +79,7 @@ def _sharded_worker(index: int, what: str, model: nn.Module, data: Any, options:
     answer = (predict if what == "predict" else evaluate)(model, data, **options)
     if backend.is_master():
         save_atomic({"result": answer}, result)
-    backend.barrier(f"tpu_utility.{what}.done")
+    backend.current().processes.barrier(f"tpu_utility.{what}.done")
 
 
 def predict(
@@ -244,8 +244,8 @@ def evaluate(
         runner.check_eval(loader, metric_set, step)
         refuse_uncounted(loader)  # figures of 0/0: refused before the pass
         sums, computed = runner.eval_sums(loader, metric_set, step)
-        sums = backend.all_reduce([torch.stack(sums)], "sum")[0]
-        sum_values, computed_values = backend.to_cpu([sums, torch.stack(computed) if computed else sums[:0]])
+        sums = backend.current().processes.all_reduce([torch.stack(sums)], "sum")[0]
+        sum_values, computed_values = backend.current().devices.to_cpu([sums, torch.stack(computed) if computed else sums[:0]])
         loss, values = metric_set.values(sum_values.tolist(), computed_values.tolist())
     finally:
         runner.restore_model()

@@ -167,7 +167,7 @@ def find_lr(
         cores=chosen.cores, strategy=chosen,
     )  # fmt: skip
     found, saved = Placement.of(model), {k: v.detach().clone() for k, v in model.state_dict().items()}
-    python_state, xla_state = random.getstate(), backend.rng_state() if backend.current().lazy else None
+    python_state, xla_state = random.getstate(), backend.current().devices.rng_state() if backend.current().lazy else None
     cuda = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
     with torch.random.fork_rng(devices=cuda):  # the loop seeds torch (every device) with `seed`
         try:
@@ -175,12 +175,12 @@ def find_lr(
         finally:
             # the sweep stops inside a step, so its last update is still a pending graph; run it whole now,
             # or moving each parameter back compiles a graph of its own (about one per parameter: 40 for BERT)
-            backend.sync()
+            backend.current().devices.sync()
             found.restore(model)
             model.load_state_dict(saved)
             random.setstate(python_state)
             if xla_state is not None:
-                backend.set_rng_state(xla_state)
+                backend.current().devices.set_rng_state(xla_state)
     if not sweep.result.losses and sweep.smoother.not_finite is not None:
         lr, loss = sweep.smoother.not_finite
         raise ValueError(
@@ -226,7 +226,7 @@ class _Sweep(LearningRates):
         self.pending.append((loop.lr, loop.loss))
         done = loop.step >= self.args.num_steps
         if len(self.pending) == self.args.read_every or done:
-            values = backend.to_cpu([torch.stack([loss for _, loss in self.pending])])[0].tolist()
+            values = backend.current().devices.to_cpu([torch.stack([loss for _, loss in self.pending])])[0].tolist()
             self.result.diverged = self.smoother.add(self.result, [lr for lr, _ in self.pending], values)
             self.pending.clear()
         if self.result.diverged:

@@ -435,7 +435,7 @@ def refuse_host_shortage(model: nn.Module, optimizer: Any, processes: int, check
 
 def _check_cores(cores: Any) -> int:
     if cores == "all":
-        return backend.device_count()
+        return backend.current().devices.device_count()
     if isinstance(cores, bool) or not isinstance(cores, int) or cores < 1:
         raise ValueError(f"cores must be 'all' or an int >= 1, but given {cores!r}")
     return cores

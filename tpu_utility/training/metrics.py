@@ -332,7 +332,7 @@ class MetricSet:
 def _try_on_host(metric: EpochMetric, output: torch.Tensor, target: Any) -> None:
     if not isinstance(target, torch.Tensor) or target.dim() == 0 or target.shape[0] != output.shape[0]:
         raise TypeError(f"an EpochMetric needs a batch-first tensor target, but the target is {_describe(target)}")
-    cpu_output, cpu_target = backend.to_cpu([output, target])
+    cpu_output, cpu_target = backend.current().devices.to_cpu([output, target])
     metric(cpu_output, cpu_target)
 
 

@@ -102,8 +102,8 @@ class Precision:
         the model and its inputs (XLA:CPU refuses autocast)."""
         if self.name != "bf16":
             return PrecisionMode(self.name, device)
-        if backend.is_lazy(device):  # XLA: its autocast on TPUs, else cast (XLA:CPU refuses autocast)
-            return PrecisionMode("autocast" if backend.bf16_autocast_available() else "cast", device)
+        if backend.current().devices.is_lazy(device):  # XLA: its autocast on TPUs, else cast (XLA:CPU refuses autocast)
+            return PrecisionMode("autocast" if backend.current().compute.bf16_autocast_available() else "cast", device)
         return PrecisionMode("autocast", device)
 
 
@@ -139,8 +139,8 @@ class PrecisionMode:
         if self.mode not in ("autocast", "fp16"):
             return nullcontext()
         dtype = torch.float16 if self.mode == "fp16" else torch.bfloat16
-        if backend.owns(self.device):
-            return backend.autocast(self.device, dtype)
+        if backend.current().devices.owns(self.device):
+            return backend.current().compute.autocast(self.device, dtype)
         return torch.autocast(self.device.type, dtype=dtype)
 
     def inputs(self, batch: Batch) -> Batch:

@@ -98,12 +98,12 @@ class Runner:
         # a transformers model's masks built on the device: no host read per forward on XLA (given back after)
         self.found_attention = static_masks(model) if self.lazy else None
         # gradient_checkpointing_enable()'s torch checkpoint fails on XLA: torch_xla's in its place (given back after)
-        self.found_checkpointing = use_checkpoint_function(model, backend.checkpoint_function()) if self.lazy else []
+        self.found_checkpointing = use_checkpoint_function(model, backend.current().compute.checkpoint_function()) if self.lazy else []
 
     @property
     def lazy(self) -> bool:
         """Whether the model's device builds graphs that a step boundary runs (XLA)."""
-        return backend.is_lazy(self.device)
+        return backend.current().devices.is_lazy(self.device)
 
     def restore_model(self) -> None:
         """Puts the model back on the device, dtype and mode it was found in."""
@@ -128,7 +128,7 @@ class Runner:
         if self.lazy:
             spmd = self.topology.spmd
             devices = self.topology.devices if spmd else None
-            return backend.device_loader(loader, self.device, devices, minibatch=spmd and self.topology.hosts > 1)
+            return backend.current().devices.device_loader(loader, self.device, devices, minibatch=spmd and self.topology.hosts > 1)
         if self.device.type == "cpu":  # the loader's batches are where the model is: nothing to move
             return iter(loader)
         return (move_to_device(b, self.device) for b in loader)
@@ -166,7 +166,7 @@ class Runner:
                 metrics.update(output.float(), target, index, real)
         if metrics.whole:  # every output and target, gathered to the host in one transfer
             if self.lazy:
-                backend.sync()  # the last batch's graph runs as every other batch's did (no new compile)
+                backend.current().devices.sync()  # the last batch's graph runs as every other batch's did (no new compile)
             parts, metrics.outputs = self._to_host(metrics.outputs), []
             metrics.finish(*_in_order(parts, sum(int((index >= 0).sum()) for _, index in parts)))
         return metrics.figures()
@@ -208,7 +208,7 @@ class Runner:
                     on_host += self._to_host(previous)  # computed already: the device goes on with `current`
                     previous, current = current, []
             if self.lazy:
-                backend.sync()  # the last batch's graph runs as every other batch's did (no new compile)
+                backend.current().devices.sync()  # the last batch's graph runs as every other batch's did (no new compile)
             on_host += self._to_host(previous + current)
         bar.close()
         return pytree.tree_unflatten(_in_order(on_host, loader.dataset.n), spec)
@@ -225,8 +225,8 @@ class Runner:
             return []
         flat = [t for leaves, index in pending for t in (*leaves, index)]
         if self.topology.replicas > 1:  # one replica of several, each with its share of the samples
-            flat = backend.all_gather(flat)
-        moved = iter(backend.to_cpu(flat))
+            flat = backend.current().processes.all_gather(flat)
+        moved = iter(backend.current().devices.to_cpu(flat))
         width = len(pending[0][0])
         result = []
         for _ in pending:

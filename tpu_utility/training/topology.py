@@ -40,7 +40,7 @@ def resolve_cores(cores: int | str, available: int, rule: CoreRule = "one_or_all
 
 def available_cores() -> int:
     """Devices this job could use, counted without starting a runtime."""
-    return backend.device_count()
+    return backend.current().devices.device_count()
 
 
 @dataclass(frozen=True)
@@ -88,11 +88,12 @@ class Topology:
     def mesh(cls) -> Topology:
         """This process's share of one SPMD program over all devices (SPMD switched on first, before the runtime
         starts)."""
-        backend.use_spmd()
+        backend.current().sharding.use_spmd()
         mesh = backend.current().sharding
         return cls(spmd=True, hosts=mesh.process_count(), host=mesh.process_index(), devices=mesh.global_device_count())
 
     @classmethod
     def job(cls) -> Topology:
         """This process as one of a launched job's replicas."""
-        return cls(replicas=backend.world_size(), rank=backend.rank())
+        processes = backend.current().processes
+        return cls(replicas=processes.world_size(), rank=processes.rank())

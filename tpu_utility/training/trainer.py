@@ -97,13 +97,13 @@ class Trainer:
         random.seed(plan.seed)
         self.runner = runner = Runner(model, plan.precision, plan.strategy)
         if runner.lazy:
-            backend.set_rng_state(plan.seed)
+            backend.current().devices.set_rng_state(plan.seed)
         self.model, self.device = runner.model, runner.device
         self.master, self.cores = runner.topology.master, runner.topology.cores
         self.optimizer, self.fused = _optimizer(runner, plan)
         # take_step's `reduce`, asked once (on_xla checks the optimizer's parameters are on the device): True on
         # XLA, False for a process that trains alone, None to average where other processes' gradients differ
-        self.reduce = True if on_xla(self.optimizer) else (False if backend.world_size() == 1 else None)
+        self.reduce = True if on_xla(self.optimizer) else (False if backend.current().processes.world_size() == 1 else None)
         self.lr_ratios = peak_ratios([float(g["lr"]) for g in self.optimizer.param_groups], lr_of(self.optimizer))
         # torch_xla's sync-free optimizers skip the step when found_inf is 1 (never, here)
         self.step_args = {"found_inf": _device_values(runner.device, 0.0)[0]} if self.fused else {}
@@ -228,7 +228,7 @@ def _locked_train(model: nn.Module, plan: FitPlan) -> tuple[nn.Module, History]:
             result = _train(model, plan)
     # the master's last writes are on disk before any replica returns: a resume that follows at once
     # (the next call, on every replica) must read the same last.pt everywhere
-    backend.barrier("tpu_utility.train.saved")
+    backend.current().processes.barrier("tpu_utility.train.saved")
     return result
 
 
@@ -249,9 +249,9 @@ def _run(loop: Trainer, model: nn.Module, plan: FitPlan) -> tuple[nn.Module, His
     try:
         loop.events.fire("on_fit_start", loop)  # a resume happens here (Checkpoints)
         if loop.runner.lazy:  # set-up tensors become device data, not part of epoch 1's first graph; a sync
-            seed = backend.rng_state()  # advances torch_xla's seed, so the seed is kept as it was
-            backend.sync()
-            backend.set_rng_state(seed)
+            seed = backend.current().devices.rng_state()  # advances torch_xla's seed, so the seed is kept as it was
+            backend.current().devices.sync()
+            backend.current().devices.set_rng_state(seed)
         started = _clock()
         for epoch in range(loop.start_epoch, plan.epochs):
             history.records.append(_epoch(loop, epoch, started))
@@ -278,10 +278,10 @@ def _epoch(loop: Trainer, epoch: int, started: float) -> EpochRecord:
     syncs0, transfers0 = backend.host_sync_count(), backend.transfer_from_device_count()
     t0 = time.perf_counter()
     train_sums, compile_seconds = _train_epoch(loop, epoch)
-    graphs, t1 = backend.compile_count(), time.perf_counter()
+    graphs, t1 = backend.current().diagnosis.compile_count(), time.perf_counter()
     sums, computed = runner.eval_sums(loop.valid_loader, loop.metrics, loop.eval_step) if loop.valid_loader else ([], [])
     values, synced, bad_step = _read_epoch(runner.device, train_sums, sums, [*computed, torch.tensor(_clock() - started)])
-    if backend.compile_count() > graphs:  # the first validation pass and read compile their graphs: counted as compiling
+    if backend.current().diagnosis.compile_count() > graphs:  # the first validation pass and read compile their graphs: counted as compiling
         compile_seconds += time.perf_counter() - t1
     del train_sums, sums, computed  # lazy views kept alive would run as a graph of their own at the next sync
     loop.first_bad_step = int(bad_step) if bad_step < _NO_BAD_STEP else None
@@ -294,7 +294,7 @@ def _epoch(loop: Trainer, epoch: int, started: float) -> EpochRecord:
     )  # fmt: skip
     if loop.metrics is not None:
         record.valid_loss, record.metrics = loop.metrics.values(values[2:], synced[:-1])
-    record.compiles = backend.compile_count()
+    record.compiles = backend.current().diagnosis.compile_count()
     record.host_syncs = backend.host_sync_count() - syncs0
     record.transfers = backend.transfer_from_device_count() - transfers0
     return record
@@ -311,7 +311,7 @@ def _train_epoch(loop: Trainer, epoch: int) -> tuple[list[torch.Tensor], float]:
     desc, speak = f"epoch {epoch + 1}/{plan.epochs}", plan.progress and loop.master
     bar = progress_bar(loop.batches, desc, enabled=speak)
     # the run's first epoch on XLA compiles: say so before the first batch's compile, not after
-    notice = CompileNotice(bar, desc, backend.compile_count, expect=runner.lazy and epoch == loop.start_epoch, speak=speak)
+    notice = CompileNotice(bar, desc, backend.current().diagnosis.compile_count, expect=runner.lazy and epoch == loop.start_epoch, speak=speak)
     watch = runner.lazy  # only a lazy backend compiles during the steps: an eager one's count never moves
     done = 0
     try:
@@ -353,7 +353,7 @@ class LossTally:
         if len(self.kept) == self.every:
             self._add_up()
             if self.lazy:
-                backend.sync()
+                backend.current().devices.sync()
 
     def keep(self, loss: torch.Tensor) -> None:
         self.kept.append(loss)
@@ -410,8 +410,8 @@ def _device_values(device: torch.device, *values: Any) -> list[torch.Tensor]:
     own; run now, they are plain device data in every epoch.
     """
     tensors = [torch.tensor(v, dtype=torch.float32).to(device) for v in values]
-    if backend.is_lazy(device):
-        backend.sync()
+    if backend.current().devices.is_lazy(device):
+        backend.current().devices.sync()
     return tensors
 
 
@@ -423,9 +423,10 @@ def _read_epoch(device: torch.device, train_sums: list[torch.Tensor], eval_sums:
     bad_step = torch.where(torch.isfinite(loss_sum), _NO_BAD_STEP, finite + 1)  # the first non-finite batch, 1-based
     summed = torch.stack([t.float().reshape(()).to(device) for t in [loss_sum, n_batches, *eval_sums]])
     synced = torch.stack([t.float().reshape(()).to(device) for t in same])
-    summed, synced = backend.all_reduce([summed], "sum")[0], backend.all_reduce([synced], "max")[0]
-    bad_step = backend.all_reduce([bad_step.reshape(1)], "min")[0]
-    values, synced_values, (first_bad,) = (t.tolist() for t in backend.to_cpu([summed, synced, bad_step]))
+    chosen = backend.current()
+    summed, synced = chosen.processes.all_reduce([summed], "sum")[0], chosen.processes.all_reduce([synced], "max")[0]
+    bad_step = chosen.processes.all_reduce([bad_step.reshape(1)], "min")[0]
+    values, synced_values, (first_bad,) = (t.tolist() for t in chosen.devices.to_cpu([summed, synced, bad_step]))
     return values, synced_values, first_bad
 
 
@@ -441,7 +442,7 @@ def _interrupted(loop: Trainer, epoch: int) -> str:
 
 def _summary(loop: Trainer) -> str:
     plan, runner = loop.plan, loop.runner
-    kind = backend.hardware(loop.device) or loop.device.type
+    kind = backend.current().devices.hardware(loop.device) or loop.device.type
     workers = plan.train.num_workers or 0
     dropped = dropped_per_epoch(loop.train_loader)
     loaders = runner.topology.loaders[0]

@@ -38,7 +38,7 @@ def hook(optimizer, args, kwargs):
     seen["steps"] += 1
     params = [p for group in optimizer.param_groups for p in group["params"]]
     seen["devices"].update(p.device.type for p in params)
-    seen["on_xla"] = seen["on_xla"] and all(backend.is_lazy(p.device) for p in params)
+    seen["on_xla"] = seen["on_xla"] and all(backend.current().devices.is_lazy(p.device) for p in params)
     if seen["steps"] >= limit:
         raise StepLimit
 
@@ -53,11 +53,11 @@ except SystemExit as stop:
     ended, error = ("finished", "") if stop.code in (None, 0) else ("exit", str(stop.code))
 except BaseException:
     ended, error = "raised", traceback.format_exc()[-2000:]
-if backend.is_lazy(get_device()):
-    backend.sync(wait=True)  # the last step's graph
+if backend.current().devices.is_lazy(get_device()):
+    backend.current().devices.sync(wait=True)  # the last step's graph
 print(%r + json.dumps({"ended": ended, "error": error, "steps": seen["steps"], "devices": sorted(seen["devices"]),
                         "on_xla": seen["on_xla"], "executed": backend.execute_count(), "device": get_device().type,
-                        "lazy": backend.is_lazy(get_device())}), flush=True)
+                        "lazy": backend.current().devices.is_lazy(get_device())}), flush=True)
 """ % _MARK
 
 

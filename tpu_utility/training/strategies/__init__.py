@@ -81,10 +81,11 @@ def choose(cores: int | str, strategy: Any = "auto", *, allowed: tuple[str, ...]
         raise ValueError(f"strategy must be one of {allowed} or FSDP(...), but given {strategy!r}")
     if auto_alone and word == "auto":
         return Single()
-    backend.join_job()  # inside torchrun: this process is one replica of its job
+    backend.current().processes.join_job()  # inside torchrun: this process is one replica of its job
     chosen = backend.current()
     n_cores = resolve_cores(cores, available_cores(), chosen.core_rule)
-    in_launch = backend.in_launched_process() and backend.world_size() > 1
+    processes = backend.current().processes
+    in_launch = processes.in_launched_process() and processes.world_size() > 1
     return choose_strategy(word, n_cores, in_launch, native=not chosen.lazy, options=options)
 
 
