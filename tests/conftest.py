@@ -101,6 +101,13 @@ def run_python(code: str, env: dict | None = None, timeout: int = SUBPROCESS_TIM
     _timed_out(timeout, *said)
 
 
+def child_result(code: str, env: dict | None = None, timeout: int = 600) -> object:
+    """What a child script printed as ``RESULT <json>``, after checking that it exited cleanly."""
+    r = run_python(code, env=env, timeout=timeout)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(r.stdout.split("RESULT ")[1].splitlines()[0])
+
+
 def _timed_out(timeout: int, stdout: str, stderr: str) -> None:
     pytest.fail(
         f"the test's subprocess was still running after {timeout} s and was killed (a hang, or a "

@@ -6,14 +6,13 @@ strategy="fsdp" (in one child): reloaded with ``from_pretrained`` on the CPU, th
 converts to the same folder after the fact; bf16 weights stay bf16.
 """
 
-import json
 import os
 
 import pytest
 import torch
 from torch import nn
 
-from conftest import run_python
+from conftest import child_result
 from llm_models import BATCH_KEYS, adamw, causal_lm, counting, lora, prompt_tuning
 from one_thread import one_torch_thread  # noqa: F401
 from tpu_utility import export_pretrained, one_cycle_fit, predict
@@ -125,9 +124,7 @@ print("RESULT", json.dumps(out))
 
 @pytest.mark.multidevice
 def test_on_four_devices_and_under_fsdp_each_export_reloads_with_predicts_logits():
-    r = run_python(CHILD, env={"CPU_NUM_DEVICES": "4"}, timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
-    runs = json.loads(r.stdout.split("RESULT ")[1])
+    runs = child_result(CHILD, env={"CPU_NUM_DEVICES": "4"})
     assert "fsdp" in runs["fsdp-full"]["summary"] and "spmd on 4" in runs["spmd-full"]["summary"], runs
     gaps = {f"{run}.{k}": v for run, got in runs.items() for k, v in got.items() if k != "summary"}
     assert len(gaps) == 6 and all(v < 1e-5 for v in gaps.values()), gaps

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from conftest import run_python
+from conftest import child_result, run_python
 from llm_models import (VOCAB, Tagger, adamw, causal_lm, counting, lora, own_loss_mean, padded, plain_cpu_losses,
                         prompt_tuning, tags)
 from one_thread import one_torch_thread  # noqa: F401
@@ -270,11 +270,7 @@ print("RESULT", json.dumps(out))
 
 
 def _child(env, cores, per_core, global_batch):
-    r = run_python(CHILD.format(cores=cores, per_core=per_core, global_batch=global_batch), env=env, timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
-    import json
-
-    return json.loads(r.stdout.split("RESULT ")[1])
+    return child_result(CHILD.format(cores=cores, per_core=per_core, global_batch=global_batch), env=env)
 
 
 def _check(runs, where):
@@ -305,11 +301,7 @@ print("RESULT", json.dumps(out))
 
 @pytest.mark.multidevice
 def test_on_four_devices_and_under_fsdp_lora_models_with_padded_masks_read_nothing_on_the_host():
-    r = run_python(PEFT_CHILD, env={"CPU_NUM_DEVICES": "4"}, timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
-    import json
-
-    runs = json.loads(r.stdout.split("RESULT ")[1])
+    runs = child_result(PEFT_CHILD, env={"CPU_NUM_DEVICES": "4"})
     assert len(runs) == 6 and all(syncs == 0 for syncs, _ in runs.values()), runs
     assert all(("fsdp" in summary) == name.endswith("fsdp") for name, (_, summary) in runs.items()), runs
 
