@@ -1,19 +1,23 @@
 # Two commands for a new user: `make demo` and `make test`. CI runs `make test-all`.
 #
 #   make test       the pinned stack (.venv): builds it if needed, runs the whole suite (three pytest
-#                   workers), the strict docs build among its tests. 481 s from a fresh clone here.
+#                   workers), the strict docs build among its tests. 500 s from a fresh clone here.
 #   make test-all   CI's matrix: `make test`, then one lane per other stack, each running only what
-#                   can differ there (below). 1,228 s from a fresh clone here; each part's time printed.
+#                   can differ there (below). 1,342 s from a fresh clone here; each part's time printed.
 #
 # The stacks, each in its own venv, built the same way:
 #   .venv           pinned: Python 3.11, torch/torch_xla 2.9.0, torchvision 0.24.0 (requirements.txt)
-#   .venv-kaggle    Kaggle's TPU image: Python 3.12, torch/torch_xla 2.8.0, torchvision 0.23.0
+#   .venv-kaggle    Kaggle's TPU image: Python 3.12, torch/torch_xla 2.8.0, torchvision 0.23.0, and
+#                   transformers 5.0.0, the oldest supported
 #                   (requirements-kaggle.txt)
-#   .venv-colab     Colab's TPU runtime: Python 3.13, torch/torch_xla 2.9.0, torchvision 0.24.0
+#   .venv-colab     Colab's TPU runtime: Python 3.13, torch/torch_xla 2.9.0, torchvision 0.24.0,
+#                   transformers 5.15.0, accelerate 1.14.0, datasets 4.8.5 as Colab ships them
 #                   (requirements-colab.txt)
 #   .venv-torchtpu  TorchTPU: Python 3.11, torch 2.13 + torch-tpu 0.2.0 + libtpu, no torch_xla
 #                   (requirements-torchtpu.txt)
 # What each lane runs, and why (the files and a reason for each are listed in tests/conftest.py):
+#   both lanes      also -m hf_release: the Hugging Face files (masks, LLM losses and peft, generate's
+#                   cache, export, meta models, HF ports) on their lane's transformers
 #   test-kaggle     -m torch_release: torch/torch_xla 2.8, so every test whose result can move with the
 #                   release: the backend and setup, compile counts and host syncs, SPMD and launch,
 #                   autocast, checkpoint formats, transformers' torch-version branches, the README/docs
