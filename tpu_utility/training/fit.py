@@ -439,18 +439,21 @@ def plan_fit(a: FitArguments) -> tuple[Callable[[], nn.Module] | None, FitPlan]:
     _check_reduced(a.loss_fn)
     metric_table = resolve_metrics(a.metrics, a.loss_fn is None)
     callbacks = check_callbacks(a.callbacks)
-    stop = _stop_rule(a.monitor, a.mode, a.early_stopping, a.restore_best, a.time_limit,
-                      (a.valid_data is not None, metric_table))  # fmt: skip
+    stop = _stop_rule(monitor=a.monitor, mode=a.mode, patience=a.early_stopping, restore_best=a.restore_best,
+                      time_limit=a.time_limit, figures=(a.valid_data is not None, metric_table))  # fmt: skip
     chosen = choose(a.cores, a.strategy)
     n_cores, processes = chosen.cores, chosen.cores if chosen.launches else 1
-    train_spec, valid_spec = _loader_specs(a.train_data, a.valid_data, a.batch_size, a.num_workers, processes)
+    train_spec, valid_spec = _loader_specs(a.train_data, a.valid_data, batch_size=a.batch_size,
+                                           num_workers=a.num_workers, processes=processes)  # fmt: skip
     if factory is None:  # a model that cannot fit: said now, not after minutes of compiling
         if chosen.may_shard:  # strategy="auto" over a mesh: the plan may choose to shard
-            why = auto_shards(model, n_cores, train_spec.batch_size, a.optimizer, precision)
+            why = auto_shards(model, cores=n_cores, batch_size=train_spec.batch_size, optimizer=a.optimizer,
+                              precision=precision)  # fmt: skip
             chosen = chosen.sharded(why) if why else chosen
-        refuse_replicating(model, n_cores, train_spec.batch_size, a.optimizer, precision, sharded=chosen.shards)
+        refuse_replicating(model, cores=n_cores, batch_size=train_spec.batch_size, optimizer=a.optimizer,
+                           precision=precision, sharded=chosen.shards)  # fmt: skip
         if chosen.shards:  # the host holds it whole before it is sharded, and each save
-            refuse_host_shortage(model, a.optimizer, processes, a.checkpoint_dir is not None)
+            refuse_host_shortage(model, a.optimizer, processes=processes, checkpoints=a.checkpoint_dir is not None)
     loss = a.loss_fn if a.loss_fn is not None else CrossEntropy()
     if valid_spec is not None:
         per_sample_loss(loss)  # fail now, not after the first epoch
@@ -480,7 +483,7 @@ def plan_fit(a: FitArguments) -> tuple[Callable[[], nn.Module] | None, FitPlan]:
         optimizer=opt_factory, optimizer_name=opt_name, optimizer_args=_optimizer_args(a.optimizer, a.weight_decay),
         metrics=metric_table, checkpoint_dir=a.checkpoint_dir, overwrite=a.overwrite, precision=precision,
         seed=a.seed, progress=a.progress, cores=n_cores, strategy=chosen, callbacks=callbacks,
-        builtins=builtin_callbacks(lr_schedule, stop, checkpoints, a.progress, run_shape),
+        builtins=builtin_callbacks(lr_schedule, stop, checkpoints=checkpoints, progress=a.progress, run_shape=run_shape),
     )  # fmt: skip
     return factory, plan
 
