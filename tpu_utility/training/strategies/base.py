@@ -38,7 +38,7 @@ class Strategy:
     def __repr__(self) -> str:
         return f"{type(self).__name__}(cores={self.cores})"
 
-    def __eq__(self, other: object) -> bool:  # a plan's strategy is compared by what it does (replica agreement)
+    def __eq__(self, other: object) -> bool:  # the same kind of strategy with the same settings
         return type(other) is type(self) and vars(other) == vars(self)
 
     @classmethod
