@@ -154,9 +154,9 @@ def test_spawn_nprocs_goes():
     _unchanged("import torch_xla.distributed.xla_multiprocessing as xmp\nxmp.spawn(fn, args=())\n")
 
 
-def test_torch_compile_is_dropped():
-    new, changed, _ = _port("import torch\nmodel = torch.compile(model)\n")
-    assert "torch.compile" not in new.replace("pass  # tpu_utility.port: torch.compile(model) dropped", "")
+def test_torch_compile_becomes_compile_model():
+    new, changed, _ = _port("import torch\nmodel = torch.compile(model, mode='reduce-overhead')\n")
+    assert "model = compile_model(model, mode='reduce-overhead')" in new and "torch.compile" not in new, new
     assert changed == {"torch_compile"}
 
 

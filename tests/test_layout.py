@@ -20,7 +20,7 @@ LAYERS = [
     {"backend", "diagnostics.rules"},
     {"arguments", "remote", "files", "progress", "device", "environment", "diagnostics.port", "diagnostics.fixers",
      "huggingface"},
-    {"optim", "sharding", "amp", "checkpoint", "export", "data.buckets", "data.cache", "data.presize", "training.schedule",
+    {"optim", "sharding", "amp", "checkpoint", "compiler", "export", "data.buckets", "data.cache", "data.presize", "training.schedule",
      "training.topology", "training.precision",
      "training.monitor", "training.history", "training.events", "training.strategies"},
     {"training.memory"},

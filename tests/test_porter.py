@@ -58,8 +58,7 @@ CHANGES = [
     ("xla_device", "import torch_xla.core.xla_model as xm\ndevice = xm.xla_device()\n", "device = torch_xla.device()"),
     ("mark_step", "import torch_xla.core.xla_model as xm\nxm.mark_step()\n", "torch_xla.sync()"),
     ("cuda_flag", "if opt.cuda:\n    netD.cuda()\n", 'if get_device().type != "cpu":'),
-    ("torch_compile", "model = torch.compile(model)\n",
-     "pass  # tpu_utility.port: torch.compile(model) dropped: torch_xla compiles the step itself"),
+    ("torch_compile", "model = torch.compile(model)\n", "model = compile_model(model)"),
     ("tied_weights", "model = GPT(config)\nmodel.to(device)\nmodel.train()\n", "move_model(model, device)"),
     ("transformers_adamw", "from transformers import AdamW\nopt = AdamW(model.parameters(), lr=1e-3)\n",
      "opt = AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)"),
@@ -403,16 +402,20 @@ def test_3_the_gpu_chosen_by_a_flag_becomes_the_accelerator_by_default_and_the_f
     assert [(i.rule, i.where) for i in report.left] == [("cuda_flag_settings", "line 1")], report.text()
 
 
-def test_4_torch_compile_is_dropped_and_the_report_says_so():
+def test_4_torch_compile_becomes_the_kit_call_with_its_options_and_the_report_says_so():
     new, report = port("""\
         if compile:
             unoptimized_model = model
             model = torch.compile(model)  # requires PyTorch 2.0
-        fast = torch.compile(net, mode="max-autotune")
+        fast = torch.compile(net, mode="max-autotune", fullgraph=True, dynamic=False)
+        odd = torch.compile(net, options={"trace.enabled": True})
         """)
-    assert "torch.compile" not in new.replace("# tpu_utility.port: torch.compile(model) dropped", ""), new
-    assert "fast = net" in new
-    assert [c.where for c in report.changes if c.rule == "torch_compile"] == ["line 3", "line 4"], report.text()
+    assert "torch.compile" not in new, new
+    assert "model = compile_model(model)" in new and "from tpu_utility import" in new and "compile_model" in new
+    assert 'fast = compile_model(net, mode="max-autotune", fullgraph=True, dynamic=False)' in new
+    assert "odd = net" in new  # an option compile_model has not: the call dropped, as XLA needs none
+    assert [c.where for c in report.changes if c.rule == "torch_compile"] == ["line 3", "line 4", "line 5"], report.text()
+    assert "compile_model" in report.text()
     compile(new, "<ported>", "exec")
 
 

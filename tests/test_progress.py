@@ -92,12 +92,12 @@ def test_the_first_steps_say_they_are_compiling(live, capsys):
     notice.close()
     lines = capsys.readouterr().out.splitlines()
     if live:
-        assert bar.labels == ["epoch 1/3 compiling XLA graphs", "epoch 1/3 compiling XLA graphs (1 graph so far)",
-                              "epoch 1/3 compiling XLA graphs (2 graphs so far)", "epoch 1/3"]  # fmt: skip
+        assert bar.labels == ["epoch 1/3 compiling graphs", "epoch 1/3 compiling graphs (1 graph so far)",
+                              "epoch 1/3 compiling graphs (2 graphs so far)", "epoch 1/3"]  # fmt: skip
         assert lines == []  # the bar says it; no line to break it
     else:
         assert bar.labels == []
-        assert lines[0] == "epoch 1/3: compiling XLA graphs for the first steps (slow once; later steps reuse them)"
+        assert lines[0] == "epoch 1/3: compiling graphs for the first steps (slow once; later steps reuse them)"
         assert re.fullmatch(r"epoch 1/3: compiled 2 graph\(s\) in \d+s; training at full speed", lines[1]), lines
         assert len(lines) == 2
     assert notice.compile_seconds > 0
@@ -111,7 +111,7 @@ def test_a_later_epoch_is_quiet_unless_it_compiles(capsys):
     bar = _Bar(True)
     shape = CompileNotice(bar, "epoch 3/3", lambda: graphs[0], expect=False, speak=True)
     _steps(shape, [7, 8, 8], graphs)  # a new batch shape: one more graph
-    assert bar.labels == ["epoch 3/3 compiling XLA graphs (1 graph so far)", "epoch 3/3"]
+    assert bar.labels == ["epoch 3/3 compiling graphs (1 graph so far)", "epoch 3/3"]
     silent = CompileNotice(_Bar(False), "epoch 1/3", lambda: graphs[0], expect=True, speak=False)  # progress=False
     _steps(silent, [8, 9, 9], graphs)
     assert capsys.readouterr().out == ""
@@ -143,7 +143,7 @@ EPOCH_LINE = re.compile(r"epoch (\d)/3  train_loss .*  lr \S+  ([\d.]+)s  ([\d,]
 def _check_first_epoch_text(lines, told=True):
     """The lines that stay: where compiling starts and ends (told: no live bar says it), then
     epoch lines with the compile time and the run's ETA."""
-    starts = [i for i, line in enumerate(lines) if line.startswith("epoch 1/3: compiling XLA graphs")]
+    starts = [i for i, line in enumerate(lines) if line.startswith("epoch 1/3: compiling graphs")]
     ends = [i for i, line in enumerate(lines) if re.match(r"epoch 1/3: compiled \d+ graph\(s\) in \d+s", line)]
     epochs = [(i, EPOCH_LINE.fullmatch(line)) for i, line in enumerate(lines) if EPOCH_LINE.fullmatch(line)]
     assert len(starts) == len(ends) == int(told) and len(epochs) == 3, lines
@@ -183,7 +183,7 @@ def test_a_terminal_bar_says_it_is_compiling():
     assert p.wait(timeout=300) == 0, b"".join(chunks)[-3000:]
     frames = [re.sub(r"\x1b\[[0-9;]*[A-Za-z]", "", f).strip() for f in re.split(r"[\r\n]", b"".join(chunks).decode())]
     labels = [f.split(":")[0] for f in frames if "batch/s" in f or "s/batch" in f]
-    assert "epoch 1/3 compiling XLA graphs" in labels and "epoch 1/3 compiling XLA graphs (1 graph so far)" in labels
+    assert "epoch 1/3 compiling graphs" in labels and "epoch 1/3 compiling graphs (1 graph so far)" in labels
     assert labels[-1] == "epoch 3/3" and not [label for label in labels if label.startswith(("epoch 2/3 ", "epoch 3/3 "))]
     _check_first_epoch_text([f for f in frames if f and "batch/s" not in f and "s/batch" not in f], told=False)
 

@@ -16,6 +16,7 @@ from importlib.metadata import version as _version
 # the hand-loop kit: the lines that replace CUDA's in a loop you keep
 from .amp import autocast, grad_scaler
 from .checkpoint import load_checkpoint, save_checkpoint
+from .compiler import Compile, compile_model
 from .device import device_type, get_device, move_model
 from .environment import TpuInfo, setup_tpu
 from .loop import device_loader, inference_mode, launch, masked_loader, use_all_cores
@@ -51,6 +52,8 @@ __all__ = [
     "BucketBatchSampler",
     "BucketCollate",
     "cache_dataset",
+    "compile_model",
+    "Compile",
     "CachedDataset",
     "check",
     "choose_buckets",

@@ -14,7 +14,7 @@ without ipywidgets and warn "IProgress not found"; this module never does.
     bar.close()
     write_line("epoch 1/5: train_loss 0.41 ...")   # stays, above any live bar
 
-XLA compiles a graph the first time it meets it, so an epoch's first steps can take
+XLA (and torch.compile) compiles a graph the first time it meets it, so an epoch's first steps can take
 half a minute each. ``CompileNotice`` says so while it happens: on the live bar's
 label (``epoch 1/5 compiling (2 graphs so far)``), or, where there is no live bar, as
 a line when compilation starts and one when it ends.
@@ -134,7 +134,7 @@ def run_eta(epoch_seconds: list[float], epochs_left: int) -> float:
 
 
 class CompileNotice:
-    """Tells the user that XLA is compiling, while it is, instead of a bar that looks hung.
+    """Tells the user that XLA or torch.compile is compiling, while it is, instead of a bar that looks hung.
 
     Call ``after_step()`` once per batch. A batch during which the compile count rose
     was compiling: the live bar's label says so, with the graphs compiled so far; with
@@ -198,13 +198,13 @@ class CompileNotice:
     def _start(self) -> None:
         self.compiling = True
         if self.speak and self.bar.disable:
-            write_line(f"{self.desc}: compiling XLA graphs for the first steps (slow once; later steps reuse them)")
+            write_line(f"{self.desc}: compiling graphs for the first steps (slow once; later steps reuse them)")
         self._show()
 
     def _show(self) -> None:
         if self.speak and not self.bar.disable:
             so_far = f" ({self.graphs} graph{'s' if self.graphs != 1 else ''} so far)" if self.graphs else ""
-            self.bar.set_description_str(f"{self.desc} compiling XLA graphs{so_far}", refresh=True)
+            self.bar.set_description_str(f"{self.desc} compiling graphs{so_far}", refresh=True)
 
     def _end(self) -> None:
         self.compiling = False

@@ -209,6 +209,32 @@ class Compute(Group):
     def is_fused_optimizer(self, optimizer: Any) -> bool:
         return False
 
+    # torch.compile's backend for this device: inductor (CPU and GPU kernels); TorchTPU names its own
+    compile_backend: str = "inductor"
+
+    def graph_compiler(self) -> str | None:
+        """The compiler that runs every step as a graph whatever the user asks ("XLA" under torch_xla), or None
+        where steps run eagerly, op by op, unless ``compile_model`` compiles them."""
+        return None
+
+    def compile_model(self, model: torch.nn.Module, options: dict[str, Any]) -> torch.nn.Module:
+        """``torch.compile(model, **options)`` with this backend's compiler (``compile_backend`` unless
+        ``options`` names one): a wrapper whose calls run compiled graphs; the model itself is unchanged (its
+        class, its state-dict keys). A backend whose ``graph_compiler`` compiles every step returns the model.
+
+        Example:
+            >>> # was: model = torch.compile(model)
+            >>> compiled = backend.current().compute.compile_model(model, {})   # doctest: +SKIP
+        """
+        if self.graph_compiler() is not None:
+            return model
+        return torch.compile(model, **{"backend": self.compile_backend, **options})
+
+    def compile_pays(self, steps: int) -> bool:
+        """Whether compiling a run of ``steps`` steps pays for its compile time (``compile="auto"``): never on the
+        CPU, where inductor's compile takes minutes on a small host and the step gains little."""
+        return False
+
     def checkpoint_function(self) -> Callable[..., Any]:
         """The activation-checkpointing function for this backend's tensors: torch's, here."""
         from torch.utils.checkpoint import checkpoint
@@ -263,6 +289,11 @@ class Diagnosis(Group):
 
     def fallback_ops(self) -> list[str]:
         return []
+
+    def recompile_causes(self) -> dict[str, str]:
+        """Why each graph recompiled so far in this process (``{compile id: the guard that failed}``), where the
+        compiler says (torch.compile's dynamo); empty where it does not (XLA: ``doctor`` names the causes)."""
+        return {}
 
     def clear_counters(self) -> None:
         """Starts the counters afresh."""

@@ -69,8 +69,15 @@ class TorchTpuCompute(NativeCompute):
         """TPUs compute in bfloat16 (its autocast turns a float16 request into bfloat16): no float16 to scale."""
         return False
 
+    compile_backend = "tpu"  # TorchTPU's graph mode
+
     def autocast(self, device: torch.device, dtype: torch.dtype) -> Any:
         return torch.autocast("tpu", dtype=torch.bfloat16 if dtype == torch.float16 else dtype)
+
+    def compile_model(self, model: torch.nn.Module, options: dict[str, Any]) -> torch.nn.Module:
+        """``torch.compile(model, backend="tpu", dynamic=False)``: TorchTPU compiles static shapes (a new shape is
+        a new graph, as on XLA; buckets keep them few)."""
+        return super().compile_model(model, {"dynamic": False, **options})
 
 
 class TorchTpuDiagnosis(NativeDiagnosis):
@@ -79,9 +86,9 @@ class TorchTpuDiagnosis(NativeDiagnosis):
     def unmeasured(self) -> tuple[str, ...]:
         """Host syncs are watched as on every native backend; TorchTPU's compiles and host fallbacks are not."""
         return (
-            "graph compilations: TorchTPU runs eagerly unless the step is compiled (torch.compile(backend='tpu', "
-            "dynamic=False)), and a compiled step runs uncompiled while doctor watches it; the input shape changes "
-            "that recompile it are named",
+            "graph compilations while doctor watches: TorchTPU runs eagerly unless the step is compiled "
+            "(one_cycle_fit's compile=, compile_model), and a compiled step runs uncompiled inside doctor's dispatch "
+            "mode; the input shape changes that would recompile it are named",
             "ops that fall back to the host CPU: TorchTPU does not count them where Python can read them",
         )
 

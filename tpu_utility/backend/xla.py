@@ -651,6 +651,10 @@ class XlaCompute(Compute):
 
         return xla_autocast(device, dtype=dtype)
 
+    def graph_compiler(self) -> str | None:
+        """XLA: torch_xla traces every step into a graph and compiles it (inductor does not target XLA)."""
+        return "XLA"
+
     def checkpoint_function(self) -> Callable[..., Any]:
         return checkpoint
 

@@ -218,8 +218,9 @@ RULES_LIST: tuple[Rule, ...] = (
          "(acc1 = float(acc1)), and keep the bookkeeping in Python numbers", replaces="best = max(acc, best)",
          tools=_PORT),
     Rule("torch_compile", "torch.compile's default backend (inductor) does not compile for XLA: InductorError",
-         "nothing: torch_xla traces and compiles the step itself; torch.compile(model, backend=\"openxla\") is an "
-         "option for inference", replaces="model = torch.compile(model)", tools=_PORT),
+         "compile_model(model, mode=..., fullgraph=..., dynamic=...): the model itself on torch_xla, which traces "
+         "and compiles the step on its own, and torch.compile on CUDA, TorchTPU and the CPU (a ported script keeps "
+         "its compiled speed on a GPU)", replaces="model = torch.compile(model)", tools=_PORT),
     Rule("colab_tpu_addr", "COLAB_TPU_ADDR was set by the 2020-era Colab TPU (a remote TPU node) only: a KeyError "
          "anywhere else, today's Colab and Kaggle TPU VMs included",
          "delete it: on a TPU VM torch_xla finds the chips itself (tpu_utility.setup_tpu() checks them)",

@@ -19,6 +19,7 @@ callback                  order  from
 ``ReplicaAgreement``        15   always (``agreement.py``): with several replicas, one
                                  all-gather before the first step compares what each was given
 ``TimeLimit``               20   ``time_limit``
+``RecompileNotice``         25   always: a graph compiled after the first epoch, with its cause
 ``ProgressLine``            30   ``progress``: the summary, a line per epoch, why it stopped
 ``RestoreBest``             50   ``restore_best``: keeps the best weights (where no checkpoint
                                  does), loads them after every other ``on_fit_end``
@@ -31,6 +32,7 @@ import dataclasses
 import hashlib
 import math
 import random
+import re
 import secrets
 import warnings
 from typing import Any
@@ -432,6 +434,40 @@ class TimeLimit(Callback):
             else:
                 reason += "; no checkpoint_dir was given, so this run cannot be resumed"
             loop.stop(reason)
+
+
+# ------------------------------------------------------------- recompiles
+class RecompileNotice(Callback):
+    """A graph compiled after the run's first epoch, said with the compiler's own reason (torch.compile's failed
+    guard: a shape, a dtype, a Python value) where it gives one, once per new reason (the master only).
+
+    Epoch 1 compiles the training and evaluation graphs; every later epoch should reuse them, so a new graph
+    there is a recompile that comes back whenever its cause does. On XLA, whose compiler gives no reason,
+    ``doctor`` names the cause.
+    """
+
+    order = 25
+
+    def on_fit_start(self, loop: TrainerLoop) -> None:
+        self.seen = set(backend.current().diagnosis.recompile_causes())
+        self.compiles: int | None = None
+
+    def on_epoch_end(self, loop: TrainerLoop, record: Any) -> None:
+        before, self.compiles = self.compiles, record.compiles
+        if before is None or record.compiles <= before:
+            return
+        causes = backend.current().diagnosis.recompile_causes()
+        new = [cause for key, cause in causes.items() if key not in self.seen]
+        self.seen.update(causes)
+        if new and loop.master:
+            reasons = "; ".join(dict.fromkeys(re.sub(r"^\d+/\d+: ", "", " ".join(cause.split())) for cause in new))
+            warnings.warn(
+                f"one_cycle_fit: epoch {record.epoch} compiled {record.compiles - before} new graph(s) after the "
+                f"first epoch: the compiled step recompiled because {reasons}. Each new shape or Python value "
+                f"compiles again: keep batches one shape (drop_last, BucketCollate for lengths) and pass changing "
+                f"values as tensors",
+                stacklevel=2,
+            )
 
 
 # ------------------------------------------------------------------ the line

@@ -32,7 +32,7 @@ import math
 import os
 import tempfile
 from functools import partial
-from typing import Any, Callable, Sequence, get_args
+from typing import Any, Callable, Literal, Sequence, get_args
 
 import torch
 from torch import nn
@@ -40,11 +40,12 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from .. import backend, remote
 from ..checkpoint import save_atomic, to_cpu
+from ..compiler import Compile
 from ..data.loaders import LoaderSpec, unpack_loader
 from ..environment import choose_start_method, is_interactive
 from ..files import exists, join
 from .builtins import (BestEpoch, Checkpoints, MultiplierSchedule, OneCycleSchedule, OwnLearningRates, ProgressLine,
-                       RestoreBest, StopOnNaN, TimeLimit)  # fmt: skip
+                       RecompileNotice, RestoreBest, StopOnNaN, TimeLimit)  # fmt: skip
 from .agreement import ReplicaAgreement
 from .events import Events, check_callbacks
 from .history import History
@@ -200,6 +201,7 @@ def one_cycle_fit(
     cores: int | str = 1,
     strategy: StrategyName | FSDP = "auto",
     precision: PrecisionName = "fp32",
+    compile: bool | Literal["auto"] | Compile = "auto",
     metrics: str | Metric | Sequence[str | Metric] | dict[str, Any] | None = None,
     accumulate_steps: int = 1,
     max_grad_norm: float | None = None,
@@ -260,6 +262,12 @@ def one_cycle_fit(
             step with inf/NaN gradients skipped; its state kept in ``last.pt``). For CUDA
             GPUs without bf16 (Kaggle's T4); on the CPU it runs slowly, to check a run;
             refused on TPUs (torch_xla, TorchTPU), which compute in bf16.
+        compile: Whether the step is compiled with ``torch.compile`` on the native backend: "auto" (on CUDA and
+            TorchTPU for a run of 300 steps or more, never on the CPU), True, False, or
+            ``Compile(mode=..., fullgraph=..., dynamic=...)``; said on the summary line, its first epoch's
+            line says how long it compiled. The model is left as it is (checkpoints keep its own keys); a
+            ``torch.compile(model)`` given is trained as it is. Under torch_xla every step is compiled by XLA
+            whatever this says (docs/training.md).
         metrics: Names ("accuracy"), functions ``(output, target) -> values`` (one
             per sample, or a per-batch mean), torchmetrics ``Metric`` objects, or a
             dict naming them. Default "accuracy" when ``loss_fn`` is the default.
@@ -375,6 +383,7 @@ class FitArguments:
     cores: Any
     strategy: Any
     precision: Any
+    compile: Any
     metrics: Any
     accumulate_steps: Any
     max_grad_norm: Any
@@ -428,6 +437,7 @@ def plan_fit(a: FitArguments) -> tuple[Callable[[], nn.Module] | None, FitPlan]:
     _positive("epochs", a.epochs, int)
     _positive("accumulate_steps", a.accumulate_steps, int)
     precision = Precision.of(a.precision)  # fp16 where the device has no float16 path: refused before any launch
+    compiling = Compile.of(a.compile)
     if a.max_grad_norm is not None:
         _positive("max_grad_norm", a.max_grad_norm)
     _check_resume(a.checkpoint_dir, a.resume, a.overwrite)
@@ -482,7 +492,7 @@ def plan_fit(a: FitArguments) -> tuple[Callable[[], nn.Module] | None, FitPlan]:
         epochs=a.epochs, train=train_spec, valid=valid_spec, steps=steps,
         optimizer=opt_factory, optimizer_name=opt_name, optimizer_args=_optimizer_args(a.optimizer, a.weight_decay),
         metrics=metric_table, checkpoint_dir=a.checkpoint_dir, overwrite=a.overwrite, precision=precision,
-        seed=a.seed, progress=a.progress, cores=n_cores, strategy=chosen, callbacks=callbacks,
+        seed=a.seed, progress=a.progress, cores=n_cores, strategy=chosen, compile=compiling, callbacks=callbacks,
         builtins=builtin_callbacks(lr_schedule, stop, checkpoints=checkpoints, progress=a.progress, run_shape=run_shape),
     )  # fmt: skip
     return factory, plan
@@ -558,7 +568,7 @@ def builtin_callbacks(schedule: OneCycle | LrSchedule, stop: StopRule, checkpoin
         lrs = OneCycleSchedule(schedule)
     else:
         lrs = OwnLearningRates(schedule) if schedule.shape is None else MultiplierSchedule(schedule)
-    chosen = [lrs, StopOnNaN(), best, ReplicaAgreement(run_shape)]
+    chosen = [lrs, StopOnNaN(), best, ReplicaAgreement(run_shape), RecompileNotice()]
     if checkpoints is not None:
         chosen.append(Checkpoints(checkpoints.folder, best, checkpoints.resume, checkpoints.identity))
     if stop.time_limit is not None:

@@ -9,13 +9,14 @@ from __future__ import annotations
 import dataclasses
 import os
 import tempfile
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Literal, Sequence
 
 import torch
 from torch import nn
 
 from .. import backend
 from ..checkpoint import save_atomic
+from ..compiler import Compile
 from ..environment import choose_start_method, is_interactive
 from . import agreement
 from ..data.loaders import LabelCheck, LoaderSpec, refuse_uncounted, unpack_loader
@@ -37,7 +38,7 @@ def _strategy(model: nn.Module, cores: int | str, strategy: Any) -> Strategy:
     return choose(cores, strategy)
 
 
-def _runner(model: nn.Module, precision: str, spec: LoaderSpec, what: str, chosen: Strategy) -> Runner:
+def _runner(model: nn.Module, precision: str, spec: LoaderSpec, what: str, chosen: Strategy, compiling: Compile) -> Runner:
     """The Runner for ``predict`` or ``evaluate`` under ``chosen``; the replicas of a job given different data each run
     alone (``predict``: each gets its own rows) or are refused (``evaluate``: no one figure is asked for; and
     ``strategy="fsdp"``: each batch runs through every process's shard of the model)."""
@@ -60,7 +61,7 @@ def _runner(model: nn.Module, precision: str, spec: LoaderSpec, what: str, chose
             )
         chosen = Single()  # each replica predicts its own data, every row of it, alone
     # natively, processes the caller would launch for replicas: inference runs in this one (FSDP's launch: above)
-    return Runner(model, precision, Single() if chosen.launches else chosen)
+    return Runner(model, precision, Single() if chosen.launches else chosen, compiling)
 
 
 def _in_sharded_processes(what: str, model: nn.Module, data: Any, options: dict[str, Any], cores: int) -> Any:
@@ -90,6 +91,7 @@ def predict(
     batch_size: int | None = None,
     precision: PrecisionName = "fp32",
     strategy: StrategyName | FSDP = "auto",
+    compile: bool | Literal["auto"] | Compile = "auto",
     predict_step: Callable[[nn.Module, Any], Any] | None = None,
     tta: Sequence[Callable[[Any], Any]] | None = None,
     progress: bool = True,
@@ -131,6 +133,8 @@ def predict(
             the parameters sharded over the cores, for a model that one chip cannot hold; the rows are the same.
             Natively (CUDA, the CPU) ``cores=N`` launches N processes that hold the shards (FSDP2), as
             ``one_cycle_fit`` does, and inside a ``torchrun`` job the job's processes shard together.
+        compile: As ``one_cycle_fit`` takes it ("auto": torch.compile on CUDA and TorchTPU for 300 batches or more,
+            never on the CPU; True; False; ``Compile(...)``); XLA compiles every batch's graph itself.
         predict_step: ``(model, batch) -> output`` replacing ``model(x)``.
         tta: Batch transforms whose outputs are averaged on the device (include
             ``lambda b: b`` to keep the plain prediction among them). Each gets
@@ -160,14 +164,17 @@ def predict(
     if tta is not None and (isinstance(tta, (str, bytes)) or not all(callable(t) for t in tta)):
         raise TypeError(f"tta must be a list of batch transforms (callables), but given {tta!r}")
     spec = _every_sample_once(unpack_loader(data, batch_size, "data"))
+    compiling = Compile.of(compile)
     chosen = _strategy(model, cores, strategy)
     if chosen.launches and chosen.shards:  # natively: processes launched to hold the shards, as one_cycle_fit's
-        options = dict(cores=cores, batch_size=batch_size, precision=precision, strategy=strategy,
+        options = dict(cores=cores, batch_size=batch_size, precision=precision, strategy=strategy, compile=compiling,
                        predict_step=predict_step, tta=tta, progress=progress)  # fmt: skip
         return _in_sharded_processes("predict", model, data, options, chosen.cores)
-    runner = _runner(model, precision, spec, "predict", chosen)
+    runner = _runner(model, precision, spec, "predict", chosen, compiling)
     try:
-        return runner.predict(runner.eval_loader(spec), predict_step or default_predict_step, tta, progress)
+        loader = runner.eval_loader(spec)
+        runner.compile_for(len(loader))
+        return runner.predict(loader, predict_step or default_predict_step, tta, progress)
     finally:
         runner.restore_model()
 
@@ -198,6 +205,7 @@ def evaluate(
     batch_size: int | None = None,
     precision: PrecisionName = "fp32",
     strategy: StrategyName | FSDP = "auto",
+    compile: bool | Literal["auto"] | Compile = "auto",
     eval_step: Callable[[nn.Module, Any], Any] | None = None,
 ) -> dict[str, float]:
     """Exact loss and metrics over every sample (each counted once on any number of cores).
@@ -214,7 +222,7 @@ def evaluate(
             naming them. Default "accuracy" with the default loss.
         loss_fn: Default ``nn.CrossEntropyLoss()`` over the class dimension (the last for ``(N, T, C)``
             scores against ``(N, T)`` targets); targets of -100 count in no figure.
-        cores, batch_size, precision, strategy: As for ``predict``.
+        cores, batch_size, precision, strategy, compile: As for ``predict``.
         eval_step: ``(model, batch) -> (output, target)``.
 
     Returns:
@@ -228,15 +236,17 @@ def evaluate(
     check_loss_fn(loss_fn)
     spec = unpack_loader(data, batch_size, "data")
     table = resolve_metrics(metrics, loss_fn is None)
+    compiling = Compile.of(compile)
     chosen = _strategy(model, cores, strategy)
     if chosen.launches and chosen.shards:  # natively: processes launched to hold the shards, as one_cycle_fit's
         options = dict(metrics=metrics, loss_fn=loss_fn, cores=cores, batch_size=batch_size, precision=precision,
-                       strategy=strategy, eval_step=eval_step)  # fmt: skip
+                       strategy=strategy, compile=compiling, eval_step=eval_step)  # fmt: skip
         return _in_sharded_processes("evaluate", model, data, options, chosen.cores)
-    runner = _runner(model, precision, spec, "evaluate", chosen)
+    runner = _runner(model, precision, spec, "evaluate", chosen, compiling)
     try:
         metric_set = MetricSet(table, loss_fn or CrossEntropy(), runner.device)
         loader, step = runner.eval_loader(spec), eval_step or default_eval_step
+        runner.compile_for(len(loader))
         if loss_fn is None and eval_step is None:  # on XLA an out-of-range label would not raise: check on the host
             causal = is_causal_lm(model)  # and a causal LM's scores and labels paired as its own loss pairs them
             labels = LabelCheck(causal=causal)

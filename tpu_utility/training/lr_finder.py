@@ -8,15 +8,17 @@ is a peak for any ``schedule=`` of one_cycle_fit."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Literal
 
 import torch
 from torch import nn
 
 from .. import backend
+from ..compiler import Compile
 from ..data.loaders import unpack_loader
 from ..files import check_file_path
 from .builtins import LearningRates
@@ -124,6 +126,7 @@ def find_lr(
     read_every: int = 10,
     seed: int = 0,
     strategy: str | FSDP = "auto",
+    compile: bool | Literal["auto"] | Compile = "auto",
 ) -> LRFinderResult:
     """Sweeps the learning rate from ``start_lr`` to ``end_lr`` exponentially.
 
@@ -136,6 +139,9 @@ def find_lr(
 
     ``strategy``: "auto" sweeps on one core; "spmd", "fsdp" or ``FSDP(...)`` (as ``one_cycle_fit`` takes
     them) on all cores, "fsdp" with the parameters sharded, for a model that one chip cannot hold.
+
+    ``compile``: as ``one_cycle_fit`` takes it; "auto" compiles a sweep of ``num_steps`` steps where a run that
+    long would compile (never on the CPU).
 
     Returns:
         LRFinderResult with ``lrs``, smoothed ``losses``, ``suggested_lr`` and ``plot()``.
@@ -157,6 +163,9 @@ def find_lr(
     if isinstance(read_every, bool) or not isinstance(read_every, int) or read_every < 1:
         raise ValueError(f"read_every must be a positive int, but given {read_every!r}")
     make_opt, name = resolve_optimizer(optimizer)
+    compiling = Compile.of(compile)
+    if compiling.enabled == "auto":  # the plan's steps are num_steps epochs': the sweep's length decides
+        compiling = dataclasses.replace(compiling, enabled=backend.current().compute.compile_pays(num_steps))
     sweep = _Sweep(_SweepArgs(start_lr, end_lr, num_steps, smooth, diverge_factor, read_every))
     # the one_cycle_fit loop with the sweep as its schedule; a dict batch with labels and the default
     # loss trains on a Hugging Face model's own output.loss
@@ -164,7 +173,7 @@ def find_lr(
         epochs=num_steps, train=unpack_loader(train_data, batch_size, "train_data"), valid=None,
         steps=Steps(loss_fn or CrossEntropy(), default_loss=loss_fn is None), optimizer=make_opt,
         optimizer_name=name, optimizer_args={}, metrics={}, seed=check_seed(seed), progress=False, builtins=[sweep],
-        cores=chosen.cores, strategy=chosen,
+        cores=chosen.cores, strategy=chosen, compile=compiling,
     )  # fmt: skip
     found, saved = Placement.of(model), {k: v.detach().clone() for k, v in model.state_dict().items()}
     python_state, xla_state = random.getstate(), backend.current().devices.rng_state() if backend.current().lazy else None

@@ -13,6 +13,7 @@ simulated process counts; the runner only asks torch_xla for the numbers.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
 
@@ -21,6 +22,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from .. import backend
+from ..compiler import EAGER, Compile, Compiling, compiled_parts
 from ..data.loaders import LoaderSpec, eval_loader, real_counts, train_loader
 from ..device import get_device, move_model, move_to_device
 from ..huggingface import (base_model, check_transformers, give_back_checkpoint_functions, is_transformers_model,
@@ -76,11 +78,16 @@ class Runner:
         >>> for batch, index in runner.batches(loader): ...          # doctest: +SKIP
     """
 
-    def __init__(self, model: nn.Module, precision: Precision | str = "fp32", strategy: Strategy | None = None) -> None:
+    def __init__(self, model: nn.Module, precision: Precision | str = "fp32", strategy: Strategy | None = None,
+                 compile: Compile | None = None) -> None:  # fmt: skip
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be an nn.Module, but given {model!r}")
+        model, self.own_compiled = _own_compiled(model, compile)
         if is_transformers_model(base_model(model)):
             check_transformers()
+        self.compile = compile if compile is not None else EAGER
+        self.compiling = Compiling(False, "")  # decided for the run's length (compile_for)
+        self._compiled_model: nn.Module | None = None
         self.found = Placement.of(model)
         self.strategy = strategy if strategy is not None else Single()
         self.topology = self.strategy.topology()
@@ -137,17 +144,52 @@ class Runner:
         """The loader's first batch on the device, for checks before a run (traced, not run)."""
         return move_to_device(next(iter(loader)), self.device)
 
+    def compile_for(self, steps: int) -> str:
+        """Decides whether the steps of a run of ``steps`` steps are compiled (``compile=``; a model the caller
+        compiled is trained as it is) before the first; returns the summary line's words for it."""
+        if self.own_compiled is not None:
+            self.compiling = Compiling(True, "compiled by the caller (torch.compile(model)): trained as it is")
+        else:
+            self.compiling = self.compile.decide(steps)
+        self._train_model = self._compiled_model = None
+        return self.compiling.words
+
+    @property
+    def compiles(self) -> bool:
+        """Whether the steps compile graphs as they run: XLA's lazy graphs, or torch.compile's."""
+        return self.lazy or self.compiling.on
+
     @property
     def train_model(self) -> nn.Module:
-        """The model a training step calls: the backend's replica wrapper (DDP on CUDA/CPU) when replicas train."""
+        """The model a training step calls: the backend's replica wrapper (DDP on CUDA/CPU) when replicas train,
+        compiled where the run compiles (the wrapper around the model, which is left as it is)."""
         if self._train_model is None:
-            replicas = self.topology.replicas > 1
-            self._train_model = backend.current().processes.wrap_replica(self.model, self.device) if replicas else self.model
+            own = self.compiling.on and self.own_compiled is not None
+            called = self.own_compiled if own else self.model
+            if self.topology.replicas > 1:  # DDP; a model FSDP2 shards averages its gradients itself: as it is
+                called = backend.current().processes.wrap_replica(called, self.device)
+            ours = self.compiling.on and not own  # torch.compile of DDP splits its graphs at the gradient buckets
+            self._train_model = self._compile(_Training(called)) if ours else called
         return self._train_model
 
+    @property
+    def step_model(self) -> nn.Module:
+        """The model an evaluation or prediction step calls: compiled where the run compiles."""
+        if not self.compiling.on:
+            return self.model
+        if self.own_compiled is not None:
+            return self.own_compiled
+        if self._compiled_model is None:
+            self._compiled_model = self._compile(_Evaluation(self.model))
+        return self._compiled_model
+
+    def _compile(self, model: nn.Module) -> nn.Module:
+        return backend.current().compute.compile_model(model, self.compile.options)
+
     def run(self, step: Step, batch: Batch, training: bool = False) -> Any:
-        """``step(model, batch)`` under this precision (the replica wrapper when ``training``)."""
-        model = self.train_model if training else self.model
+        """``step(model, batch)`` under this precision (the replica wrapper when ``training``), compiled where the
+        run compiles."""
+        model = self.train_model if training else self.step_model
         if self.precision.mode == "fp32":  # nothing to cast or enter
             return step(model, batch)
         batch = self.precision.inputs(batch)
@@ -233,6 +275,50 @@ class Runner:
             leaves = [next(moved) for _ in range(width)]
             result.append((leaves, next(moved)))
         return result
+
+
+class _Called(nn.Module):
+    """The model as a compiled step calls it; its attributes are the model's (a ``train_step`` may read them). One
+    class per kind of step, so that torch.compile keeps training and evaluation apart (one frame each) and a
+    recompile's reason is the failed guard of its own kind, not the other kind's grad mode."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.module = model
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self.module, name)
+
+
+class _Training(_Called):
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
+
+
+class _Evaluation(_Called):
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
+
+
+def _own_compiled(model: nn.Module, compile: Compile | None) -> tuple[nn.Module, nn.Module | None]:
+    """(the module to train and save, the caller's compiled form of it or None). ``torch.compile(model)`` given: the
+    module inside is trained (its own state-dict keys) through the caller's compiled wrapper; on XLA, which compiles
+    every step itself and where inductor does not compile, the module alone, said once."""
+    inner, own = compiled_parts(model)
+    if own is None:
+        return model, None
+    own_compiler = backend.current().compute.graph_compiler()
+    if own_compiler is not None:
+        warnings.warn(f"the model given is compiled by torch.compile, which does not target {own_compiler}: "
+                      f"{type(inner).__name__} itself is run, and {own_compiler} compiles every step's graph", stacklevel=4)  # fmt: skip
+        return inner, None
+    if compile is not None and compile.enabled is False:
+        raise ValueError(f"compile=False, but the model given is torch.compile'd ({type(inner).__name__} inside): "
+                         f"give the module itself (model._orig_mod) to run eagerly, or leave compile as it is")  # fmt: skip
+    return inner, own
 
 
 def batch_first_leaves(output: Any, batch: int) -> tuple[list[torch.Tensor], Any]:

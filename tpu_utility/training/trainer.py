@@ -29,6 +29,7 @@ from torch import nn
 
 from .. import backend
 from ..checkpoint import CHECKPOINT_NAME
+from ..compiler import EAGER, Compile
 from ..data.loaders import LabelCheck, LoaderSpec, dropped_per_epoch, refuse_uncounted, set_epoch
 from ..files import folder_lock, join, remove, remove_stale_temporaries
 from ..huggingface import is_causal_lm, restore_masks
@@ -83,6 +84,7 @@ class FitPlan:
     progress: bool = True
     cores: int = 1
     strategy: Strategy = field(default_factory=Single)  # how the model spreads over the cores (``strategies/``)
+    compile: Compile = EAGER  # whether the step is torch.compile'd (natively)
     callbacks: list[Any] = field(default_factory=list)
     builtins: list[Any] = field(default_factory=list)
 
@@ -95,7 +97,7 @@ class Trainer:
         self.plan, self.epochs = plan, plan.epochs
         torch.manual_seed(plan.seed)
         random.seed(plan.seed)
-        self.runner = runner = Runner(model, plan.precision, plan.strategy)
+        self.runner = runner = Runner(model, plan.precision, plan.strategy, plan.compile)
         if runner.lazy:
             backend.current().devices.set_rng_state(plan.seed)
         self.model, self.device = runner.model, runner.device
@@ -117,6 +119,7 @@ class Trainer:
                 f"accumulate_steps={plan.steps.accumulate_steps} exceeds the {self.batches} batches per epoch on each core"
             )
         self.total_steps = total_optimizer_steps(self.batches, plan.epochs, plan.steps.accumulate_steps)
+        runner.compile_for(self.total_steps)
         self.events = Events([*plan.builtins, *plan.callbacks])
         self.history = History(steps_per_epoch=per_epoch)
         self.history.summary = _summary(self)
@@ -311,8 +314,8 @@ def _train_epoch(loop: Trainer, epoch: int) -> tuple[list[torch.Tensor], float]:
     desc, speak = f"epoch {epoch + 1}/{plan.epochs}", plan.progress and loop.master
     bar = progress_bar(loop.batches, desc, enabled=speak)
     # the run's first epoch on XLA compiles: say so before the first batch's compile, not after
-    notice = CompileNotice(bar, desc, backend.current().diagnosis.compile_count, expect=runner.lazy and epoch == loop.start_epoch, speak=speak)
-    watch = runner.lazy  # only a lazy backend compiles during the steps: an eager one's count never moves
+    notice = CompileNotice(bar, desc, backend.current().diagnosis.compile_count, expect=runner.compiles and epoch == loop.start_epoch, speak=speak)
+    watch = runner.compiles  # XLA's or torch.compile's graphs: an eager step's count never moves
     done = 0
     try:
         for i, batch in enumerate(runner.batches(loop.train_loader)):
@@ -455,6 +458,7 @@ def _summary(loop: Trainer) -> str:
         f"x {plan.epochs} epochs = {loop.total_steps} optimizer steps | "
         + (f"{runner.strategy.note} | " if runner.strategy.note else "")
         + "".join(f"{part} | " for part in schedule)
+        + (f"{runner.compiling.words} | " if runner.compiling.words else "")
         + f"{runner.precision.label} | {plan.optimizer_name}{' (torch_xla sync-free, fused)' if loop.fused else ''}"
         + (f" | peak lr per param group x{[round(r, 6) for r in loop.lr_ratios]}" if set(loop.lr_ratios) != {1.0} else "")
         + (f" | callbacks {', '.join(map(_named, users))}" if users else "")
