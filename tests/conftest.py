@@ -219,6 +219,7 @@ TORCH_RELEASE = {  # code whose behaviour moved between torch/torch_xla 2.8 and 
     "test_amp.py": "autocast and GradScaler",
     "test_fp16.py": "float16 autocast and torch's GradScaler in one_cycle_fit, their checkpoint state",
     "test_fit.py": "compile counts flat from epoch 2, no host syncs, the fused sync-free optimizer",
+    "test_compile.py": "torch.compile's dynamo (its counters and recompile reasons), inductor and AOTAutograd",
     "test_predict.py": "SPMD gathers and transfers in dataset order",
     "test_multicore.py": "the SPMD mesh and the multi-process launch",
     "test_doctor.py": "torch_xla's counter and metric names",
@@ -262,7 +263,7 @@ HF_RELEASE = {  # code whose behaviour moved between transformers releases, or p
 # Files whose tests train real models or start interpreters and processes (20-80 s each with two
 # workers), slowest first: scheduled before the rest, so that a run ends on short tests, not with one
 # worker still on a long one while the others idle. Order within a file is kept.
-LONG_FIRST = ["test_notebook.py", "test_huggingface.py", "test_porter.py", "test_ports.py", "test_readme.py", "test_user_input.py",
+LONG_FIRST = ["test_notebook.py", "test_compile.py", "test_huggingface.py", "test_porter.py", "test_ports.py", "test_readme.py", "test_user_input.py",
               "test_native.py", "test_replicas.py", "test_resume_safety.py", "test_multicore.py", "test_check.py", "test_predict.py"]  # fmt: skip
 
 
