@@ -160,6 +160,7 @@ bench: venv
 	$(PINNED)/bin/python bench/run.py
 	$(PINNED)/bin/python bench/host_bench.py
 	$(PINNED)/bin/python bench/native_bench.py
+	$(PINNED)/bin/python bench/compile_bench.py
 	$(PINNED)/bin/python bench/instructions.py xla
 	$(PINNED)/bin/python bench/instructions.py native
 	$(PINNED)/bin/python bench/resnet_bench.py

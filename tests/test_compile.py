@@ -204,3 +204,30 @@ def test_on_cuda_a_compiled_run_trains_as_eager_with_flat_compiles():
     assert compiled["losses"] == pytest.approx(eager["losses"], rel=2e-2)  # bf16 kernels differ
     assert compiled["losses"][-1] < compiled["losses"][0]
     assert compiled["compiles"][0] > 0 and len(set(compiled["compiles"])) == 1
+
+
+PROCESSES = """
+import json, sys
+sys.path.insert(0, "tests")
+from llm_models import causal_lm, counting
+from tpu_utility import Compile, one_cycle_fit
+
+if __name__ == "__main__":
+    out = {}
+    for strategy in ("auto", "fsdp"):  # DDP over 2 gloo processes; FSDP2 over them
+        for compile in (False, Compile(backend="aot_eager")):
+            h = one_cycle_fit(causal_lm("llama"), counting(64, 0), epochs=2, max_lr=3e-3, batch_size=8, cores=2,
+                              strategy=strategy, compile=compile, progress=False)
+            out[f"{strategy} {bool(compile)}"] = {"losses": [r.train_loss for r in h.records], "summary": h.summary}
+    print("RESULT " + json.dumps(out))
+"""
+
+
+@pytest.mark.multidevice
+def test_compiled_ddp_and_fsdp2_replicas_train_as_eager_ones():
+    out = child_result(PROCESSES, env=NATIVE_CPU)
+    for strategy in ("auto", "fsdp"):
+        eager, compiled = out[f"{strategy} False"], out[f"{strategy} True"]
+        assert "compiled (torch.compile, aot_eager)" in compiled["summary"], compiled["summary"]
+        assert compiled["losses"] == pytest.approx(eager["losses"], rel=1e-4), strategy
+        assert compiled["losses"][1] < compiled["losses"][0]
