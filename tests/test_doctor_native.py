@@ -153,7 +153,7 @@ def test_a_clean_step_is_clean_of_host_syncs_and_says_what_it_could_not_measure(
     assert "clean of what doctor sees on this backend: no host syncs, no input shape changes" in text
     assert "clean: no recompiles" not in text  # compiles and fallbacks were not measured: not called clean
     assert "compiles and CPU fallbacks not measured" in text
-    assert "not measured: graph compilations: an eager backend compiles nothing" in text
+    assert "not measured: graph compilations while doctor watches: a step under torch.compile runs uncompiled" in text
     assert "not measured: CPU fallbacks: the CPU runs every op itself" in text
     assert "note: on the CPU nothing waits for a host sync: doctor counts the ops that would make a GPU" in text
     assert reports["model_form_eval"]["clean"], reports["model_form_eval"]["text"]
