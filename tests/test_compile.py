@@ -201,6 +201,7 @@ def test_on_cuda_a_compiled_run_trains_as_eager_with_flat_compiles():
     out = child_result(CUDA_RUN, env={"TPU_UTILITY_BACKEND": "native"})
     eager, compiled = out["False"], out["True"]
     assert "compiled (torch.compile, inductor)" in compiled["summary"] and "cuda" in compiled["summary"]
+    assert "adamw (fused)" in compiled["summary"] and "(fused)" not in eager["summary"]
     assert compiled["losses"] == pytest.approx(eager["losses"], rel=2e-2)  # bf16 kernels differ
     assert compiled["losses"][-1] < compiled["losses"][0]
     assert compiled["compiles"][0] > 0 and len(set(compiled["compiles"])) == 1
@@ -231,3 +232,35 @@ def test_compiled_ddp_and_fsdp2_replicas_train_as_eager_ones():
         assert "compiled (torch.compile, aot_eager)" in compiled["summary"], compiled["summary"]
         assert compiled["losses"] == pytest.approx(eager["losses"], rel=1e-4), strategy
         assert compiled["losses"][1] < compiled["losses"][0]
+
+
+GENERATE = """
+import json, sys
+sys.path.insert(0, "tests")
+from llm_models import causal_lm, counting
+from tpu_utility import Compile, generate
+
+model = causal_lm("llama")
+prompts = [s["input_ids"][: 5 + i % 7] for i, s in enumerate(counting(12, 3))]  # two buckets
+runs = [generate(model, prompts, max_new_tokens=10, batch_size=4, compile=c, progress=False)
+        for c in (False, Compile(backend="aot_eager"))]
+import torch._dynamo.utils
+print("RESULT " + json.dumps({"eager": runs[0], "compiled": runs[1],
+                              "graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"]}))
+"""
+
+
+def test_generate_compiled_gives_the_eager_tokens():
+    out = child_result(GENERATE, env=NATIVE_CPU)
+    assert out["compiled"] == out["eager"] and len(out["eager"]) == 12 and all(1 <= len(t) <= 10 for t in out["eager"])
+    assert out["graphs"] > 0  # the prefills and the decode step did compile
+
+
+def test_a_compiled_cuda_run_steps_one_cycle_fits_adam_fused_and_the_cpu_keeps_torchs_default():
+    from tpu_utility.backend.native import NativeBackend
+
+    assert NativeBackend("cuda", "nccl").compute.compiled_optimizer_options("adamw") == {"fused": True}
+    assert NativeBackend("cuda", "nccl").compute.compiled_optimizer_options("sgd") == {}
+    assert NativeBackend("cpu", "gloo").compute.compiled_optimizer_options("adamw") == {}
+    assert not NativeBackend("cpu", "gloo").compute.compile_pays(10**6)  # "auto" never compiles on the CPU
+    assert NativeBackend("cuda", "nccl").compute.compile_pays(300) and not NativeBackend("cuda", "nccl").compute.compile_pays(299)

@@ -230,6 +230,11 @@ class Compute(Group):
             return model
         return torch.compile(model, **{"backend": self.compile_backend, **options})
 
+    def compiled_optimizer_options(self, name: str) -> dict[str, Any]:
+        """Options for one_cycle_fit's own optimizer ``name`` ("adam", "adamw", "sgd") in a compiled run, where
+        they pay here (CUDA: ``fused=True``, one kernel for every parameter, as a compiled hand loop uses it)."""
+        return {}
+
     def compile_pays(self, steps: int) -> bool:
         """Whether compiling a run of ``steps`` steps pays for its compile time (``compile="auto"``): never on the
         CPU, where inductor's compile takes minutes on a small host and the step gains little."""

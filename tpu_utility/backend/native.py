@@ -376,6 +376,10 @@ class NativeCompute(Compute):
     def autocast(self, device: torch.device, dtype: torch.dtype) -> Any:
         return torch.autocast(self.backend.device_type, dtype=dtype)
 
+    def compiled_optimizer_options(self, name: str) -> dict[str, Any]:
+        """CUDA: ``fused=True`` for Adam and AdamW (torch's fused kernels: the whole update in one launch)."""
+        return {"fused": True} if self.backend.device_type == "cuda" and name in ("adam", "adamw") else {}
+
     def compile_pays(self, steps: int) -> bool:
         """On an accelerator, from ``COMPILE_MIN_STEPS`` steps on; never on the CPU (minutes of inductor compiles
         on a small host, little gained per step)."""

@@ -30,13 +30,14 @@ import json
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Literal, Sequence
 
 import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
 from .. import backend
+from ..compiler import Compile
 from . import agreement
 from ..data.buckets import _check_buckets, choose_buckets, group_batches
 from ..huggingface import base_model, is_transformers_model
@@ -384,8 +385,8 @@ class Decoder:
     def forward(self, ids: torch.Tensor, batch: dict[str, torch.Tensor], positions: torch.Tensor, cache: Any,
                 slots: torch.Tensor) -> torch.Tensor:  # fmt: skip
         where = {self.cache_argument: cache, **({"cache_position": slots} if self.give_slots else {})}
-        out = self.model(input_ids=ids, attention_mask=batch["attention_mask"], position_ids=positions,
-                         use_cache=True, **where, **self.keep_last)  # fmt: skip
+        out = self.runner.step_model(input_ids=ids, attention_mask=batch["attention_mask"], position_ids=positions,
+                                     use_cache=True, **where, **self.keep_last)  # fmt: skip
         return out.logits[:, -1].float()
 
     def choose(self, logits: torch.Tensor, index: torch.Tensor, position: torch.Tensor,
@@ -460,6 +461,7 @@ def generate(
     buckets: Sequence[int] | None = None,
     read_every: int = 8,
     progress: bool = True,
+    compile: bool | Literal["auto"] | Compile = "auto",
 ) -> list[list[int]]:
     """Each prompt's new tokens, in dataset order: a causal LM's batched generation with static shapes.
 
@@ -495,6 +497,9 @@ def generate(
         buckets: Prompt lengths to pad to (increasing); None chooses up to 4 from the data.
         read_every: Tokens generated between two reads of the tokens and stop flags.
         progress: A progress bar counting new tokens (its rate: tokens per second).
+        compile: As ``one_cycle_fit`` takes it: the prefill and decode steps compiled with torch.compile on the
+            native backend ("auto": on CUDA and TorchTPU for 300 decode steps or more, never on the CPU); XLA
+            compiles them itself.
 
     Returns:
         One list of token ids per prompt, in dataset order: its new tokens, up to and
@@ -518,6 +523,7 @@ def generate(
     _check_count("batch_size", batch_size)
     _check_count("read_every", read_every)
     sampling = check_sampling(do_sample, temperature, top_k, top_p, seed)
+    compiling = Compile.of(compile)
     if not isinstance(progress, bool):
         raise TypeError(f"progress must be True or False, but given {progress!r}")
     inner = causal_lm(model)
@@ -531,11 +537,12 @@ def generate(
                          f"asks the {backend.current().name} backend for {chosen.cores} processes: use cores=1")  # fmt: skip
     if chosen.in_job and not _same_prompts_everywhere(prompts):
         chosen = Single()  # each replica given prompts of its own generates them all, alone
-    runner = Runner(inner, "fp32", chosen)
+    runner = Runner(inner, "fp32", chosen, compiling)
     try:
         # the rows of a batch: the global batch of one program over the mesh, else this process's own
         rows = runner.topology.global_batch(batch_size) if runner.topology.spmd else batch_size
         plan = GenerationPlan.of(lengths, buckets, rows, max_new_tokens)
+        runner.compile_for(len(plan.batches) * max_new_tokens)
         _check_positions(inner, plan)
         check_memory(inner, batch_size, plan.cache_length, runner.device)
         return _generate(runner, plan, prompts, Decoder(runner, plan, stops, sampling, read_every), (max_new_tokens, progress))

@@ -169,7 +169,9 @@ def _optimizer(runner: Runner, plan: FitPlan) -> tuple[torch.optim.Optimizer, bo
         raise ValueError("the model has no trainable parameters (all have requires_grad=False); unfreeze some layers")
     if fused:
         return fused(params, **plan.optimizer_args), True
-    return build_optimizer(plan.optimizer, runner.model, plan.optimizer_args), False
+    own = runner.compiling.on and plan.optimizer_name in ("adam", "adamw", "sgd")  # one_cycle_fit's own, by name
+    extra = backend.current().compute.compiled_optimizer_options(plan.optimizer_name) if own else {}
+    return build_optimizer(plan.optimizer, runner.model, {**plan.optimizer_args, **extra}), False
 
 
 # A factory whose first parameter has one of these names is given the model (it builds its own
@@ -460,6 +462,7 @@ def _summary(loop: Trainer) -> str:
         + "".join(f"{part} | " for part in schedule)
         + (f"{runner.compiling.words} | " if runner.compiling.words else "")
         + f"{runner.precision.label} | {plan.optimizer_name}{' (torch_xla sync-free, fused)' if loop.fused else ''}"
+        + (" (fused)" if loop.optimizer.defaults.get("fused") else "")
         + (f" | peak lr per param group x{[round(r, 6) for r in loop.lr_ratios]}" if set(loop.lr_ratios) != {1.0} else "")
         + (f" | callbacks {', '.join(map(_named, users))}" if users else "")
         + f" | {workers} loader worker(s)"
