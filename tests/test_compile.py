@@ -264,3 +264,29 @@ def test_a_compiled_cuda_run_steps_one_cycle_fits_adam_fused_and_the_cpu_keeps_t
     assert NativeBackend("cpu", "gloo").compute.compiled_optimizer_options("adamw") == {}
     assert not NativeBackend("cpu", "gloo").compute.compile_pays(10**6)  # "auto" never compiles on the CPU
     assert NativeBackend("cuda", "nccl").compute.compile_pays(300) and not NativeBackend("cuda", "nccl").compute.compile_pays(299)
+
+
+BUCKETS = """
+import json
+import torch
+from torch.utils.data import DataLoader
+from tpu_utility import BucketCollate, Compile, one_cycle_fit
+from tpu_utility.demo import MarkerClassifier, marker_sequences
+
+train, valid = marker_sequences(512, 0), marker_sequences(128, 1)
+out = {}
+for compile in (False, Compile(backend="aot_eager")):
+    torch.manual_seed(0)
+    h = one_cycle_fit(MarkerClassifier(), DataLoader(train, batch_size=32, shuffle=True, drop_last=True,
+                                                     collate_fn=BucketCollate([16, 40, 120])),
+                      valid_data=DataLoader(valid, batch_size=32, collate_fn=BucketCollate([16, 40, 120])),
+                      epochs=3, max_lr=1e-2, compile=compile, progress=False)
+    out[str(bool(compile))] = {"losses": [r.train_loss for r in h.records], "compiles": [r.compiles for r in h.records]}
+print("RESULT " + json.dumps(out))
+"""
+
+
+def test_variable_lengths_through_buckets_compile_in_epoch_1_only():
+    out = child_result(BUCKETS, env=NATIVE_CPU)
+    assert out["True"]["losses"] == pytest.approx(out["False"]["losses"], rel=1e-4)
+    assert out["True"]["compiles"][0] > 0 and len(set(out["True"]["compiles"])) == 1, out["True"]["compiles"]
