@@ -290,3 +290,16 @@ def test_variable_lengths_through_buckets_compile_in_epoch_1_only():
     out = child_result(BUCKETS, env=NATIVE_CPU)
     assert out["True"]["losses"] == pytest.approx(out["False"]["losses"], rel=1e-4)
     assert out["True"]["compiles"][0] > 0 and len(set(out["True"]["compiles"])) == 1, out["True"]["compiles"]
+
+
+def test_on_xla_a_torch_compiled_model_trains_its_module_and_says_so(tmp_path):
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    data = torch.utils.data.TensorDataset(torch.randn(64, 4), torch.arange(64) % 2)
+    with pytest.warns(UserWarning, match="compiled by torch.compile, which does not target XLA: Sequential itself is run"):
+        h = one_cycle_fit(torch.compile(net), data, epochs=2, max_lr=1e-2, batch_size=16, progress=False,
+                          checkpoint_dir=str(tmp_path))  # fmt: skip
+    from tpu_utility import load_checkpoint
+
+    assert sorted(load_checkpoint(str(tmp_path / "last.pt"))["model"]) == sorted(net.state_dict())  # no _orig_mod.
+    assert h.records[-1].train_loss < h.records[0].train_loss
