@@ -164,6 +164,8 @@ def _cases():
          "if __name__ == '__main__':\n    " + block("launch(train)").splitlines()[-1].split("#")[0].strip(), 1),
         ("checkpoint", ON_DEVICE + "optimizer = torch.optim.AdamW(model.parameters()); epoch = 3\n"
          + block("save_checkpoint(") + "\nassert state['epoch'] == 3\n", 1),
+        ("compile_model", "given = model\n" + block("model = compile_model(model)   # was")
+         + "\nassert model is given  # on XLA: the model itself, XLA compiles the step\n", 1),
         ("torch.accelerator", "import argparse; args = argparse.Namespace(no_accel=False)\n"
          + block("use_accel = device.type") + "\nassert device.type == 'xla' and use_accel\n", 1),
         ("BucketCollate", TEXT + block("num_buckets=4, batch_size=32)").rstrip() + TEXT_STEP, 1),
