@@ -2,6 +2,7 @@
 the real 7B/8B configs on the meta device (no download, no RAM), and one_cycle_fit's refusal before a compile."""
 
 import functools
+import re
 
 import pytest
 import torch
@@ -163,23 +164,24 @@ def test_one_cycle_fit_refuses_a_model_that_cannot_be_replicated_before_any_comp
         assert part in message, (part, message)
     assert backend.compile_count() == compiles  # refused before the first graph
     monkeypatch.setenv("TPU_UTILITY_DEVICE_MEMORY_GB", "0.1")  # room: the same check lets it through
-    refuse_replicating(model, 1, 4, "adamw", "fp32")
+    refuse_replicating(model, memory_plan(model, cores=1, batch_size=4), batch_size=4)
 
 
 def test_auto_shards_only_between_the_two_figures_and_a_sharded_run_that_cannot_fit_is_refused(monkeypatch):
     model = nn.Sequential(*[nn.Linear(500, 500) for _ in range(8)])  # 32.06 MB per chip replicated with AdamW
     monkeypatch.delenv("TPU_UTILITY_DEVICE_MEMORY_GB", raising=False)
-    assert auto_shards(model, 4, 4, "adamw", "fp32") == ""  # the CPU: no chip memory, replicated as today
+    plan = lambda: memory_plan(model, cores=4, batch_size=4)  # noqa: E731
+    assert auto_shards(plan()) == ""  # the CPU: no chip memory, replicated as today
     monkeypatch.setenv("TPU_UTILITY_DEVICE_MEMORY_GB", "0.1")
-    assert auto_shards(model, 4, 4, "adamw", "fp32") == ""  # one replica fits: nothing changes
+    assert auto_shards(plan()) == ""  # one replica fits: nothing changes
     monkeypatch.setenv("TPU_UTILITY_DEVICE_MEMORY_GB", "0.02")  # 21.5 MB: a replica cannot fit, a quarter can
-    why = auto_shards(model, 4, 4, "adamw", "fp32")
+    why = auto_shards(plan())
     assert "strategy='auto' chose fsdp" in why and "32.06 MB per chip" in why and "sharded over 4" in why, why
-    refuse_replicating(model, 4, 4, "adamw", "fp32", sharded=True)  # fits sharded: no refusal
+    refuse_replicating(model, plan(), batch_size=4, sharded=True)  # fits sharded: no refusal
     monkeypatch.setenv("TPU_UTILITY_DEVICE_MEMORY_GB", "0.005")  # 5.4 MB: not even a quarter and one block
-    assert auto_shards(model, 4, 4, "adamw", "fp32") == ""
+    assert auto_shards(plan()) == ""
     with pytest.raises(ValueError, match=r"does not fit the chips even sharded.*over 4 cores.*mostly optimizer state"):
-        refuse_replicating(model, 4, 4, "adamw", "fp32", sharded=True)
+        refuse_replicating(model, plan(), batch_size=4, sharded=True)
 
 
 def test_checkpoint_module_recomputes_one_block_with_the_same_gradients_and_gives_forward_back():
@@ -344,7 +346,7 @@ def test_a_traced_plan_says_so_and_sums_to_the_traced_peak_and_an_untraceable_on
     plan = memory_plan(model, cores=4, batch_size=2, seq_len=512, precision="bf16", device_memory="v4")
     step = trace_step(model, batch_size=2, seq_len=512, precision="bf16")
     assert plan.method.startswith("traced one step (2 x 512 tokens") and "method: traced one step" in str(plan)
-    margin = plan.term("allocator rounding and workspaces (3%)").replicated
+    margin = plan.term("allocator rounding and workspaces (4%)").replicated
     assert plan.replicated - margin == pytest.approx(step.peak, rel=1e-4)  # the rows add up to the traced peak
     # strategy="fsdp" checkpoints each block: the sharded column is planned so, and says it
     assert "checkpointing off replicated, on sharded (strategy='fsdp' checkpoints each block" in str(plan)
@@ -362,3 +364,62 @@ def test_a_traced_plan_says_so_and_sums_to_the_traced_peak_and_an_untraceable_on
     fallback = memory_plan(model, cores=1, batch_size=2, seq_len=512, precision="bf16")
     assert fallback.method == "estimate (formulas): LlamaForCausalLM is not a transformers causal LM (no token batch " \
                               "to trace)", fallback.method  # fmt: skip
+
+
+def _llama_300m():
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    # issue 54's 300M Llama (its plans of 9.41 and 37.50 GB had these sizes), fp32 weights under bf16 autocast
+    config = LlamaConfig(hidden_size=1024, intermediate_size=2816, num_hidden_layers=16, num_attention_heads=16,
+                         num_key_value_heads=16, vocab_size=32000)  # fmt: skip
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config)
+
+
+def test_auto_keeps_the_300m_llama_at_16_x_1024_replicated_on_a_v4_and_a_run_too_big_is_refused_naming_what_fits():
+    model = _llama_300m()  # 25.4 GB measured on a GPU; the old formula planned 37.5 GB, over a v4's 30.9 usable
+    plan = memory_plan(model, cores=4, batch_size=16, seq_len=1024, precision="bf16", device_memory="v4",
+                       method="estimate")  # the formulas (the traced plan, 26.3 GB, is in bench/memory_bench.py)
+    assert 25.4 * GB <= plan.replicated <= 1.15 * 25.4 * GB and plan.fits_replicated, str(plan)
+    assert auto_shards(plan) == ""  # fits: not sharded
+    big = memory_plan(model, cores=1, batch_size=64, seq_len=1024, precision="bf16", device_memory="v4",
+                      method="estimate")  # fmt: skip
+    with pytest.raises(ValueError) as error:
+        refuse_replicating(model, big, batch_size=64)
+    message = str(error.value)
+    assert "LlamaForCausalLM cannot be replicated on one chip" in message and "activations not counted" not in message
+    fits = int(message.split("batch_size=")[1].split(" ")[0])
+    assert 8 <= fits < 64, message  # a batch that fits, and checkpointing
+    assert memory_plan(model, cores=1, batch_size=fits, seq_len=1024, precision="bf16", device_memory="v4",
+                       method="estimate").fits_replicated  # fmt: skip
+    with_ckpt = int(message.split("checkpointing each block with batch_size=")[1].split(" ")[0])
+    assert fits < with_ckpt < 64, message  # the logits' fp32 copies of 64 x 1024 tokens do not fit even so
+    assert memory_plan(model, cores=1, batch_size=with_ckpt, seq_len=1024, precision="bf16", device_memory="v4",
+                       method="estimate", checkpointing=True).fits_replicated  # fmt: skip
+    medium = memory_plan(model, cores=1, batch_size=24, seq_len=1024, precision="bf16", device_memory="v4",
+                         method="estimate")  # fmt: skip
+    with pytest.raises(ValueError, match=r"checkpointing each block \(the GradientCheckpointing callback, or "
+                                         r"strategy='fsdp', which checkpoints by default\)"):  # fmt: skip
+        refuse_replicating(model, medium, batch_size=24)
+
+
+def test_one_cycle_fit_plans_a_token_run_with_its_activations_and_refuses_one_that_does_not_fit(monkeypatch):
+    from tpu_utility import backend, get_device, one_cycle_fit
+
+    get_device()
+    with torch.device("meta"):
+        meta = _tiny("llama")
+    model = _tiny("llama")
+    rows = [{"input_ids": torch.arange(256) % 512, "labels": torch.arange(256) % 512} for _ in range(8)]
+    plan = memory_plan(meta, cores=1, batch_size=8, seq_len=256, device_memory="1GB")
+    state = sum(t.replicated for t in plan.terms[:3])
+    assert plan.method.startswith("traced") and plan.replicated > 3 * state  # the activations are most of it
+    room = (state + (plan.replicated - state) / 2) / 0.9  # room for the state and about half the batch's activations
+    monkeypatch.setenv("TPU_UTILITY_DEVICE_MEMORY_GB", str(room / 2**30))
+    compiles = backend.compile_count()
+    with pytest.raises(ValueError) as error:
+        one_cycle_fit(model, rows, epochs=1, max_lr=1e-3, batch_size=8, progress=False)
+    message = str(error.value)
+    assert "cannot be replicated on one chip" in message and "activations and temporaries at the step's peak (traced)" \
+        in message and re.search(r"batch_size=[1-7] per chip", message), message  # fmt: skip
+    assert backend.compile_count() == compiles  # refused before the first graph

@@ -35,7 +35,7 @@ from .trace import TraceUnavailable, trace_step
 HEADROOM = 0.9
 # added to a step's peak: the allocator's rounding of each block and the kernels' workspaces (a traced step is
 # 0.97-1.00 of a GPU's measured peak)
-MARGIN = 0.03
+MARGIN = 0.04
 GB = 1e9
 HOST_MEMORY_ENV = "TPU_UTILITY_HOST_MEMORY_GB"  # the host's available RAM in GiB, read in place of /proc/meminfo
 
@@ -176,6 +176,8 @@ class Term:
 class MemoryPlan:
     """Bytes per chip to train a model, replicated on every chip and sharded over ``cores``.
 
+    ``checkpointing``: whether each column's step checkpoints its blocks (None without activations);
+    ``if_checkpointed``: the activations each column would have with every block checkpointed (the formulas).
     ``terms``: parameters, gradients, optimizer state, activations and the allocator's margin (and, sharded,
     one block gathered). ``replicated``/``sharded``: their sums. ``device_memory``: one chip's bytes, or None
     where unknown (the CPU); ``fits_*`` compare with ``HEADROOM`` of it (True where unknown). ``method``: how
@@ -187,6 +189,8 @@ class MemoryPlan:
     device_memory: int | None
     notes: tuple[str, ...] = ()
     method: str = "parameters, gradients and optimizer state only"
+    checkpointing: tuple[bool, bool] | None = None  # (replicated, sharded) where activations are planned
+    if_checkpointed: Term | None = None  # the activations with each block checkpointed (formulas), where planned
 
     @property
     def replicated(self) -> int:
@@ -332,13 +336,15 @@ def memory_plan(
     if frozen:
         notes.append(f"{sum(p.numel() for p in trainable):,} of {sum(p.numel() for p in params):,} parameters train "
                      f"({frozen} frozen tensors keep no gradient or optimizer state)")  # fmt: skip
-    method = "parameters, gradients and optimizer state only"
+    method, checkpointed, if_checkpointed = "parameters, gradients and optimizer state only", None, None
     shape = TransformerShape.of(getattr(model, "config", None)) if getattr(model, "config", None) is not None else None
     if shape is not None and seq_len is not None:
         inner = base_model(model)  # transformers 5 renamed the flag; the old name warns
         own = bool(getattr(inner, "is_activation_checkpointing", None) or getattr(inner, "gradient_checkpointing", False))
         repl_ckpt = own if checkpointing is None else checkpointing
         shard_ckpt = (fsdp.checkpoint or own) if checkpointing is None else checkpointing  # fsdp's own default: on
+        shard_ckpt = shard_ckpt if shards > 1 else repl_ckpt  # one core: the sharded column is the replicated one
+        checkpointed = (repl_ckpt, shard_ckpt)
         steps, why = {}, None
         if method_given == "trace":
             try:
@@ -366,6 +372,8 @@ def memory_plan(
             estimate = functools.partial(_estimate, model, shape, batch_size * seq_len, precision)
             terms.append(Term(f"activations and temporaries ({batch_size} x {seq_len} tokens, estimate)",
                               estimate(repl_ckpt), estimate(shard_ckpt)))  # fmt: skip
+        with_ckpt = _estimate(model, shape, batch_size * seq_len, precision, True)
+        if_checkpointed = Term("activations with each block checkpointed (estimate)", with_ckpt, with_ckpt)
         terms.append(Term(f"allocator rounding and workspaces ({MARGIN:.0%})",
                           math.ceil(MARGIN * sum(t.replicated for t in terms)),
                           math.ceil(MARGIN * sum(t.sharded for t in terms))))  # fmt: skip
@@ -381,53 +389,104 @@ def memory_plan(
         if block:
             gathered = whole(block, 1) + whole([p for p in block if p.requires_grad], 1)  # weights, then gradients
             terms.append(Term("one block gathered (sharded only)", 0, gathered))
-    return MemoryPlan(tuple(terms), shards, _device_memory(device_memory), tuple(notes), method)
+    return MemoryPlan(tuple(terms), shards, _device_memory(device_memory), tuple(notes), method, checkpointed,
+                      if_checkpointed)
 
 
-def auto_shards(model: nn.Module, cores: int, batch_size: int, optimizer: Any, precision: Precision | str) -> str:
-    """For ``strategy="auto"`` on several cores: why FSDP is chosen (the plan's figures) when one replica's
-    parameters, gradients and optimizer state cannot fit a chip and a shard of them can; "" otherwise (and
-    where the chip's memory is unknown), which leaves the run replicated.
+def first_length(dataset: Any) -> int | None:
+    """The tokens of a token dataset's first row (its ``input_ids``), the ``seq_len`` a run's plan uses; None
+    for other data (images, tensors), whose activations the plan leaves out.
 
     Example:
-        >>> auto_shards(nn.Linear(4, 4), 4, 8, "adamw", "fp32")   # the CPU: no chip memory to compare with
+        >>> first_length([{"input_ids": [1, 2, 3], "labels": [1, 2, 3]}]), first_length([(torch.zeros(3), 1)])
+        (3, None)
+    """
+    try:
+        row = dataset[0]
+    except Exception:  # an iterable dataset, or one that cannot be indexed: no length to plan with
+        return None
+    ids = row.get("input_ids") if isinstance(row, dict) or hasattr(row, "keys") else None
+    if isinstance(ids, torch.Tensor):
+        return int(ids.shape[-1]) if ids.dim() else None
+    return len(ids) if isinstance(ids, (list, tuple)) and ids else None
+
+
+def auto_shards(plan: MemoryPlan) -> str:
+    """For ``strategy="auto"`` on several cores: why FSDP is chosen (the plan's figures) when one replica cannot
+    fit a chip and a shard can; "" otherwise (and where the chip's memory is unknown), which leaves the run
+    replicated. ``plan``: the run's, with activations where the batch's length is known.
+
+    Example:
+        >>> auto_shards(memory_plan(nn.Linear(4, 4), cores=4))   # the CPU: no chip memory to compare with
         ''
     """
-    plan = memory_plan(model, cores=cores, batch_size=batch_size, optimizer=optimizer, precision=precision)
     if plan.fits_replicated or not plan.fits_sharded:
         return ""
     return (f"strategy='auto' chose fsdp: one replica needs {_gb(plan.replicated)} per chip, more than the "
-            f"{_gb(plan.usable)} usable of {_gb(plan.device_memory)}; sharded over {cores}: {_gb(plan.sharded)}")  # fmt: skip
+            f"{_gb(plan.usable)} usable of {_gb(plan.device_memory)}; sharded over {plan.cores}: "
+            f"{_gb(plan.sharded)}")  # fmt: skip
 
 
-def refuse_replicating(model: nn.Module, cores: int, batch_size: int, optimizer: Any, precision: Precision | str,
-                       sharded: bool = False) -> None:  # fmt: skip
-    """Refuses, before anything compiles, a run whose parameters, gradients and optimizer state alone cannot
-    fit one chip (replicated, or ``sharded`` over ``cores``), naming the figures and the ways out (sharding,
-    LoRA, bf16, more chips).
+def fitting_batch_size(state: float, activations: float, batch_size: int, usable: float) -> int:
+    """The largest batch per chip whose step fits ``usable`` bytes, activations being linear in the batch
+    (``activations`` for ``batch_size`` rows; ``state`` the bytes that do not grow with it); 0 where none does.
 
-    Activations are left out (the batch's length is not known here), so a refusal is never a guess.
-    Nothing is checked where the chip's memory is unknown (the CPU without ``TPU_UTILITY_DEVICE_MEMORY_GB``).
+    Example:
+        >>> fitting_batch_size(state=10, activations=40, batch_size=8, usable=30)   # 5 bytes a row, 20 to spare
+        4
+    """
+    per_row = activations / batch_size
+    room = usable / (1 + MARGIN) - state
+    return max(0, min(batch_size, int(room // per_row))) if per_row > 0 else batch_size
+
+
+def refuse_replicating(model: nn.Module, plan: MemoryPlan, batch_size: int, sharded: bool = False) -> None:
+    """Refuses, before anything compiles, a run that cannot fit one chip (replicated, or ``sharded`` over
+    ``cores``), naming the figures and the ways out: sharding, a batch size or checkpointing that would fit,
+    LoRA, bf16, more chips.
+
+    ``plan``: the run's (``memory_plan`` of its cores, ``batch_size`` per chip, optimizer and precision), with
+    activations where the batch's length is known; without them a refusal counts the parameters, gradients and
+    optimizer state alone, so it is never a guess. Nothing is checked where the chip's memory is unknown (the
+    CPU without ``TPU_UTILITY_DEVICE_MEMORY_GB``).
 
     Raises:
-        ValueError: the plan's replicated (or sharded) figure, the chip's memory, and the sharded figure.
+        ValueError: the plan's replicated (or sharded) figure, the chip's memory, and the ways out.
     """
-    plan = memory_plan(model, cores=cores, batch_size=batch_size, optimizer=optimizer, precision=precision)
+    cores = plan.cores
     if plan.fits_sharded if sharded else plan.fits_replicated:
         return
+    column = "sharded" if sharded else "replicated"
+    act = next((t for t in plan.terms if t.name.startswith("activations")), None)
+    smaller = []
+    if act is not None:  # the batch and the checkpointing that would fit, where activations are planned
+        size = lambda t: getattr(t, column)  # noqa: E731
+        state = sum(size(t) for t in plan.terms if t is not act and not t.name.startswith("allocator"))
+        fits = fitting_batch_size(state, size(act), batch_size, plan.usable)
+        if 0 < fits < batch_size:
+            smaller.append(f"batch_size={fits} per chip (a step of {batch_size} needs {_gb(size(act))} of "
+                           f"activations)")  # fmt: skip
+        if not plan.checkpointing[sharded]:
+            checkpointed = size(plan.if_checkpointed)
+            with_ckpt = fitting_batch_size(state, checkpointed, batch_size, plan.usable)
+            if with_ckpt == batch_size:
+                smaller.append(f"checkpointing each block (the GradientCheckpointing callback, or strategy='fsdp', "
+                               f"which checkpoints by default): {_gb(checkpointed)} of activations")  # fmt: skip
+            elif with_ckpt > fits:
+                smaller.append(f"checkpointing each block with batch_size={with_ckpt} per chip")
     if sharded:
         raise ValueError(
             f"{type(model).__name__} does not fit the chips even sharded: strategy='fsdp' over {cores} cores needs "
             f"{_gb(plan.sharded)} per chip, mostly {plan.dominant()} ({_gb(plan.term(plan.dominant()).sharded)}), "
             f"but a chip has {_gb(plan.device_memory)} ({HEADROOM:.0%} usable; {backend.MEMORY_ENV} sets it). Ways "
-            f"out: more chips, LoRA adapters (peft), a bf16 model, an optimizer with less state (sgd). "
-            f"memory_plan(model, ...) prints the table"
+            f"out: {'; '.join(smaller + [''])}more chips, LoRA adapters (peft), a bf16 model, an optimizer with less "
+            f"state (sgd). memory_plan(model, ...) prints the table"
         )
     state = [t for t in plan.terms if not t.name.startswith("one block")]
     parts = ", ".join(f"{t.name} {_gb(t.replicated)}" for t in state)
-    ways = []
+    ways = list(smaller)
     if cores > 1 and plan.fits_sharded:
-        ways.append(f"shard it over the {cores} cores with strategy='fsdp' ({_gb(plan.sharded)} per chip)")
+        ways.insert(0, f"shard it over the {cores} cores with strategy='fsdp' ({_gb(plan.sharded)} per chip)")
     elif cores > 1:
         ways.append(f"sharded over {cores} cores it still needs {_gb(plan.sharded)} per chip, mostly "
                     f"{plan.dominant()}: more chips")  # fmt: skip
@@ -439,8 +498,9 @@ def refuse_replicating(model: nn.Module, cores: int, batch_size: int, optimizer:
         ways.append("load the model in bf16 (dtype=torch.bfloat16: half the bytes of fp32)")
     raise ValueError(
         f"{type(model).__name__} cannot be replicated on one chip: it needs {_gb(plan.replicated)} per chip "
-        f"({parts}; activations not counted), but a chip has {_gb(plan.device_memory)} ({HEADROOM:.0%} usable; "
-        f"{backend.MEMORY_ENV} sets it). Ways out: {'; '.join(ways)}. memory_plan(model, ...) prints the table"
+        f"({parts}{'; activations not counted' if act is None else ''}), but a chip has {_gb(plan.device_memory)} "
+        f"({HEADROOM:.0%} usable; {backend.MEMORY_ENV} sets it). Ways out: {'; '.join(ways)}. "
+        f"memory_plan(model, ...) prints the table"
     )
 
 
@@ -586,6 +646,6 @@ def _largest_block(model: nn.Module) -> list[nn.Parameter]:
     return max((list(m.parameters()) for m in blocks), key=lambda ps: sum(p.numel() for p in ps), default=[])
 
 
-__all__ = ["memory_plan", "MemoryPlan", "auto_shards", "refuse_replicating", "refuse_host_shortage", "host_bytes",
+__all__ = ["memory_plan", "MemoryPlan", "first_length", "fitting_batch_size", "loss_bytes", "MARGIN", "auto_shards", "refuse_replicating", "refuse_host_shortage", "host_bytes",
            "host_memory", "HOST_MEMORY_ENV", "Term", "TransformerShape", "activation_bytes", "optimizer_states",
            "shard_bytes", "HEADROOM"]  # fmt: skip

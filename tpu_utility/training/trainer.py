@@ -85,6 +85,7 @@ class FitPlan:
     strategy: Strategy = field(default_factory=Single)  # how the model spreads over the cores (``strategies/``)
     callbacks: list[Any] = field(default_factory=list)
     builtins: list[Any] = field(default_factory=list)
+    memory: str = ""  # the memory plan the run was checked against, in one line (said on the summary line)
 
 
 # ------------------------------------------------------------ one process
@@ -454,6 +455,7 @@ def _summary(loop: Trainer) -> str:
         f"{runner.topology.global_batch(plan.train.batch_size)} global | {loop.batches} batches/epoch per core "
         f"x {plan.epochs} epochs = {loop.total_steps} optimizer steps | "
         + (f"{runner.strategy.note} | " if runner.strategy.note else "")
+        + (f"{plan.memory} | " if plan.memory else "")
         + "".join(f"{part} | " for part in schedule)
         + f"{runner.precision.label} | {plan.optimizer_name}{' (torch_xla sync-free, fused)' if loop.fused else ''}"
         + (f" | peak lr per param group x{[round(r, 6) for r in loop.lr_ratios]}" if set(loop.lr_ratios) != {1.0} else "")
