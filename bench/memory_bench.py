@@ -8,23 +8,38 @@ on fake tensors by torch's MemTracker (nothing allocated; it runs on this 2-core
 over 3 steps of ``one_cycle_fit(precision="bf16")`` on one H200 (torch 2.11, transformers 5.24). A ratio above
 1.00 plans more than the chip used; below 1.00 would let a run out of memory.
 
+XLA schedules a step's memory itself, so ``xla`` compares a traced plan with XLA's own buffer assignment of the
+same step graph, compiled on XLA:CPU (``--xla_dump_to``; its ``*buffer-assignment.txt`` gives the peak and the
+allocations): a Llama of hidden 256, 4 layers, 8k vocabulary, 4 x 512 tokens, fp32 (XLA:CPU has no bf16
+autocast), AdamW, the second step's graph (the optimizer's state made).
+
     python bench/memory_bench.py          # the table, and bench/out/memory_bench.json
+    python bench/memory_bench.py xla      # a traced plan against XLA:CPU's buffer assignment
 """
 
 from __future__ import annotations
 
+import glob
 import json
 import os
+import re
 import sys
+import tempfile
 import time
 
 import torch
 
 # the issue's runs were on the native backend; and transformers imports torch_xla where it is installed, which sets
 # PJRT_DEVICE and would make this process an XLA one (where a traced step must wait for the XLA runtime)
-os.environ.setdefault("TPU_UTILITY_BACKEND", "native")
+XLA = sys.argv[1:] == ["xla"]
+os.environ.setdefault("TPU_UTILITY_BACKEND", "xla" if XLA else "native")
+DUMP = tempfile.mkdtemp(prefix="memory_bench_xla_")
+if XLA:  # before anything imports torch_xla
+    os.environ.setdefault("PJRT_DEVICE", "CPU")
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_dump_to={DUMP} --xla_dump_hlo_as_text".strip()
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from tpu_utility import memory_plan  # noqa: E402
+from tpu_utility.training.memory import MARGIN  # noqa: E402
 
 OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "out", "memory_bench.json")
 
@@ -87,9 +102,46 @@ def main() -> None:
     os.makedirs(os.path.dirname(OUT), exist_ok=True)
     with open(OUT, "w") as out:
         json.dump(results, out, indent=1)
-    print(f"traced GB: memory_plan's replicated total (the traced peak + {3}% for the allocator); "
+    print(f"traced GB: memory_plan's replicated total (the traced peak + {MARGIN:.0%} for the allocator); "
           f"measured: the issue's H200 peaks; before: the plan before issue 54. Written to {OUT}")
 
 
+def xla_buffer_assignment() -> None:
+    """One traced plan against XLA:CPU's buffer assignment of the same training step's graph."""
+    import torch_xla
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from tpu_utility import get_device
+
+    device = get_device()  # the runtime first: a traced step runs a CPU backward
+    config = LlamaConfig(hidden_size=256, intermediate_size=704, num_hidden_layers=4, num_attention_heads=4,
+                         num_key_value_heads=4, vocab_size=8000)  # fmt: skip
+    config._attn_implementation = "sdpa"
+    batch, seq = 4, 512
+    with torch.device("meta"):
+        meta = AutoModelForCausalLM.from_config(config)
+    plan = memory_plan(meta, cores=1, batch_size=batch, seq_len=seq, precision="fp32", device_memory="16GB")
+    print(plan)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ids = torch.randint(0, config.vocab_size, (batch, seq)).to(device)
+    for _ in range(2):  # the second step's graph holds the optimizer's state
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+        torch_xla.sync()
+    path = sorted(glob.glob(os.path.join(DUMP, "*buffer-assignment.txt")))[-1]
+    text = open(path).read()
+    peak = int(re.search(r"Stack trace breakdown for peak usage: ([\d ]+) bytes", text)[1].replace(" ", ""))
+    total = int(re.search(r"Total bytes used: (\d+)", text)[1])
+    params = sum(int(m[1]) for m in re.finditer(r"allocation \d+: size (\d+), parameter", text))
+    traced = plan.replicated - plan.term("allocator rounding and workspaces (4%)").replicated
+    print(f"XLA:CPU buffer assignment ({os.path.basename(path)}): peak {peak / 1e6:.1f} MB, total allocations "
+          f"{total / 1e6:.1f} MB ({params / 1e6:.1f} MB of them parameters and optimizer state)\n"
+          f"traced step (no margin): {traced / 1e6:.1f} MB; XLA peak / traced: {peak / traced:.2f}; "
+          f"plan (with margin) / XLA peak: {plan.replicated / peak:.2f}")  # fmt: skip
+
+
 if __name__ == "__main__":
-    main()
+    xla_buffer_assignment() if XLA else main()

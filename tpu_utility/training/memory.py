@@ -393,6 +393,54 @@ def memory_plan(
                       if_checkpointed)
 
 
+@dataclass(frozen=True)
+class DeviceBytes:
+    """What one device holds of a placed model, from the shards themselves: parameters, gradients, optimizer state."""
+
+    parameters: int
+    gradients: int
+    optimizer_state: int
+
+    @property
+    def total(self) -> int:
+        return self.parameters + self.gradients + self.optimizer_state
+
+    def __str__(self) -> str:
+        return (f"parameters {_gb(self.parameters)}, gradients {_gb(self.gradients)}, optimizer state "
+                f"{_gb(self.optimizer_state)}: {_gb(self.total)} on one device")  # fmt: skip
+
+
+def device_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> DeviceBytes:
+    """The bytes one device holds of ``model`` once it is placed (and sharded): its parameters, their gradients
+    and ``optimizer``'s state, each tensor counted by the shard this device (this process) keeps, so a plan's
+    sharded column can be checked against what the run really holds.
+
+    Under XLA's SPMD (``strategy="fsdp"`` on a mesh) the shard of the first device is read from the live
+    sharding; under FSDP2 (native backend, one process per device) each ``DTensor``'s local shard; a tensor not
+    sharded counts whole. Gradients not yet made (before the first backward) count 0.
+
+    Args:
+        model: The model as training holds it (``one_cycle_fit`` returns it gathered back: call this from a
+            callback, ``loop.model`` and ``loop.optimizer``, to see the sharded run).
+        optimizer: Its optimizer, or None for parameters and gradients alone.
+
+    Returns:
+        A ``DeviceBytes``: ``.parameters``, ``.gradients``, ``.optimizer_state``, ``.total``; ``print`` says them.
+
+    Example:
+        >>> # was: torch.cuda.memory_allocated() after the first step, on one GPU
+        >>> model = nn.Linear(10, 10)
+        >>> print(device_bytes(model))
+        parameters 440.00 B, gradients 0.00 GB, optimizer state 0.00 GB: 440.00 B on one device
+    """
+    held = backend.current().sharding.held_bytes
+    params = list({id(p): p for p in model.parameters()}.values())
+    grads = [p.grad for p in params if p.grad is not None]
+    state = [] if optimizer is None else [t for s in optimizer.state.values() for t in s.values()
+                                          if isinstance(t, torch.Tensor)]  # fmt: skip
+    return DeviceBytes(sum(held(params)), sum(held(grads)), sum(held(state)))
+
+
 def first_length(dataset: Any) -> int | None:
     """The tokens of a token dataset's first row (its ``input_ids``), the ``seq_len`` a run's plan uses; None
     for other data (images, tensors), whose activations the plan leaves out.
@@ -646,6 +694,6 @@ def _largest_block(model: nn.Module) -> list[nn.Parameter]:
     return max((list(m.parameters()) for m in blocks), key=lambda ps: sum(p.numel() for p in ps), default=[])
 
 
-__all__ = ["memory_plan", "MemoryPlan", "first_length", "fitting_batch_size", "loss_bytes", "MARGIN", "auto_shards", "refuse_replicating", "refuse_host_shortage", "host_bytes",
+__all__ = ["memory_plan", "MemoryPlan", "device_bytes", "DeviceBytes", "first_length", "fitting_batch_size", "loss_bytes", "MARGIN", "auto_shards", "refuse_replicating", "refuse_host_shortage", "host_bytes",
            "host_memory", "HOST_MEMORY_ENV", "Term", "TransformerShape", "activation_bytes", "optimizer_states",
            "shard_bytes", "HEADROOM"]  # fmt: skip
