@@ -28,7 +28,7 @@ from ..backend.hardware import memory_override, tpu_device_memory
 from ..huggingface import base_model
 from .precision import Precision, PrecisionName
 from ..sharding import FSDP, block_classes
-from .trace import TraceUnavailable, trace_step
+from .trace import TracedStep, TraceUnavailable, trace_step
 
 # the share of a chip's memory a plan may fill: XLA's own buffers, fragmentation and the compiler's temporaries
 # take the rest (generation's KV-cache check leaves the same)
@@ -358,13 +358,9 @@ def memory_plan(
         if steps:
             seconds = sum(step.seconds for step in steps.values())
             method = f"traced one step ({batch_size} x {seq_len} tokens on fake tensors, {seconds:.1f} s)"
-            grads = terms[1].replicated
-            # the activations at the peak, less the gradients the peak does not hold yet (it comes before backward
-            # makes them): the replicated column's sum is the traced peak, the sharded one's the same less the shards
-            gap = lambda step, n: max(0, grads - step.gradients) // n  # noqa: E731
             terms.append(Term("activations and temporaries at the step's peak (traced)",
-                              steps[repl_ckpt].activations - gap(steps[repl_ckpt], 1),
-                              steps[shard_ckpt].activations - gap(steps[shard_ckpt], shards)))  # fmt: skip
+                              _traced_row(steps[repl_ckpt], terms[1].replicated, 1),
+                              _traced_row(steps[shard_ckpt], terms[1].sharded, shards)))  # fmt: skip
             notes.append(f"saved for backward: {_gb(steps[repl_ckpt].saved)} replicated, "
                          f"{_gb(steps[shard_ckpt].saved)} sharded (of the peak's activations)")  # fmt: skip
         else:
@@ -652,6 +648,15 @@ def _device_memory(given: int | float | str | None) -> int | None:
         return int(given)
     chosen = backend.current()
     return chosen.devices.device_memory(torch.device(chosen.device_type))
+
+
+def _traced_row(step: TracedStep, gradients: int, shards: int) -> int:
+    """A column's activation row from a traced step, such that the column sums to its peak: the larger of
+    forward and backward's peak (the column's parameters and optimizer state, the share of its ``gradients``
+    made by then, the activations) and the optimizer step's (all of them, and the step's temporaries, which
+    shrink with the shards), less the column's parameters, gradients and optimizer state."""
+    made = gradients * step.backward_gradients // max(step.gradients, 1)
+    return max(made + step.activations - gradients, step.temporaries // shards)
 
 
 def _estimate(model: nn.Module, shape: TransformerShape, tokens: int, precision: Precision, checkpointing: bool) -> int:

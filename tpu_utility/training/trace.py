@@ -43,16 +43,20 @@ class TraceUnavailable(RuntimeError):
 
 @dataclass(frozen=True)
 class TracedStep:
-    """What one traced training step held: bytes at its peak and what they were, and what backward kept.
+    """What one traced training step held at its two peaks, and what backward kept.
 
-    ``peak``: every live byte at the step's peak (parameters, gradients, optimizer state, activations,
-    temporaries). ``parameters``/``gradients``/``optimizer_state``: the tracker's counts at that peak (gradients
-    may be 0 there: the peak of a big-activation step comes before backward frees them). ``saved``: the bytes
-    autograd saved for backward in the forward (each storage once, the parameters themselves left out; with
-    checkpointing, the blocks' inputs the checkpoints keep). ``device``: the fake device traced on.
+    The step has two phases, each with its own peak: forward and backward (``backward_peak``: parameters,
+    optimizer state, the gradients made by then, ``backward_gradients``, and the activations and temporaries),
+    and the optimizer's step (``optimizer_peak``: parameters, all gradients, optimizer state and the step's
+    temporaries). ``parameters``/``gradients``/``optimizer_state``: the tracker's counts of the model's state
+    (frozen weights and buffers among the parameters). ``saved``: the bytes autograd saved for backward in the
+    forward (each storage once, the parameters left out; with checkpointing, the blocks' inputs the checkpoints
+    keep). ``device``: the fake device traced on.
     """
 
-    peak: int
+    backward_peak: int
+    backward_gradients: int
+    optimizer_peak: int
     parameters: int
     gradients: int
     optimizer_state: int
@@ -61,9 +65,19 @@ class TracedStep:
     seconds: float
 
     @property
+    def peak(self) -> int:
+        """Every live byte at the step's peak: the larger of its two phases'."""
+        return max(self.backward_peak, self.optimizer_peak)
+
+    @property
     def activations(self) -> int:
-        """The peak less the parameters, gradients and optimizer state the tracker counted there."""
-        return self.peak - self.parameters - self.gradients - self.optimizer_state
+        """Forward and backward's peak less the parameters, optimizer state and gradients held there."""
+        return self.backward_peak - self.parameters - self.optimizer_state - self.backward_gradients
+
+    @property
+    def temporaries(self) -> int:
+        """The optimizer step's peak less the parameters, gradients and optimizer state."""
+        return max(0, self.optimizer_peak - self.parameters - self.optimizer_state - self.gradients)
 
 
 def trace_step(
@@ -126,23 +140,31 @@ def trace_step(
             tracker = MemTracker()
             tracker.track_external(fake, opt)
             saved = _Saved(fake)
-            with tracker:
+            with tracker:  # forward and backward: the peak of the activations
                 with torch.autograd.graph.saved_tensors_hooks(saved.pack, _unpack), saved.blocks(checkpointing):
                     with _autocast(precision):
                         loss = fake(input_ids=ids, labels=ids).loss
                 loss.backward()
-                opt.step()
-                opt.zero_grad()
-            peak = tracker.get_tracker_snapshot("peak")
+            backward = _by_kind(tracker.get_tracker_snapshot("peak"))
+            with tracker:  # entered again: the peak starts afresh, from what is live now (the gradients); the step's
+                opt.step()  # temporaries count as optimizer state there, so the state is read from the first phase
+            optimizer = _by_kind(tracker.get_tracker_snapshot("peak"))
+            opt.zero_grad()
     except TraceUnavailable:
         raise
     except Exception as error:  # an op fake tensors cannot run: the plan falls back to its formulas and says why
         raise TraceUnavailable(f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}") from None
-    device, counts = max(peak.items(), key=lambda kv: kv[1].get("Total", 0))
-    by_kind = {getattr(k, "value", k): v for k, v in counts.items()}
-    return TracedStep(peak=by_kind["Total"], parameters=by_kind.get("Parameter", 0) + by_kind.get("Buffer", 0),
-                      gradients=by_kind.get("Gradient", 0), optimizer_state=by_kind.get("Optstate", 0),
-                      saved=saved.total, device=str(device), seconds=time.perf_counter() - start)  # fmt: skip
+    return TracedStep(backward_peak=backward["Total"], backward_gradients=backward.get("Gradient", 0),
+                      optimizer_peak=optimizer["Total"],
+                      parameters=backward.get("Parameter", 0) + backward.get("Buffer", 0),
+                      gradients=optimizer.get("Gradient", 0), optimizer_state=backward.get("Optstate", 0),
+                      saved=saved.total, device="cpu", seconds=time.perf_counter() - start)  # fmt: skip
+
+
+def _by_kind(snapshot: dict[Any, dict[Any, int]]) -> dict[str, int]:
+    """The tracker's snapshot of its (one, fake CPU) device, keyed by the kinds' names ("Total", "Gradient"...)."""
+    counts = max(snapshot.values(), key=lambda kinds: kinds.get("Total", 0))
+    return {getattr(kind, "value", kind): size for kind, size in counts.items()}
 
 
 def _vocab(model: nn.Module) -> int:
@@ -163,7 +185,13 @@ def _fake_copy(model: nn.Module) -> nn.Module:
             continue
         empty = torch.empty(tensor.shape, dtype=tensor.dtype)
         memo[id(tensor)] = nn.Parameter(empty, tensor.requires_grad) if isinstance(tensor, nn.Parameter) else empty
-    return copy.deepcopy(model, memo)
+    fake = copy.deepcopy(model, memo)
+    for module in fake.modules():  # frozen weights as buffers: the tracker hooks every parameter's gradient
+        for name, param in list(module._parameters.items()):
+            if param is not None and not param.requires_grad:
+                del module._parameters[name]
+                module._buffers[name] = param
+    return fake
 
 
 def _checkpoint_blocks(model: nn.Module) -> None:
@@ -211,7 +239,7 @@ class _Saved:
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model
-        self.params = {p.untyped_storage()._cdata for p in model.parameters()}
+        self.params = {t.untyped_storage()._cdata for t in [*model.parameters(), *model.buffers()]}
         self.seen: set[int] = set()
         self.total = 0
 
