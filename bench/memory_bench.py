@@ -68,13 +68,14 @@ ROWS = [
 ]
 
 
-def meta_model(name: str) -> torch.nn.Module:
+def meta_model(name: str, device: str = "meta") -> torch.nn.Module:
+    """The row's model on ``device`` (``meta``: no storage; "cpu": initialised weights, for a real run)."""
     from transformers import AutoModelForCausalLM, GemmaConfig, LlamaConfig
 
     family, sizes = MODELS[name]
     config = (GemmaConfig if family == "gemma" else LlamaConfig)(**sizes)
     config._attn_implementation = "sdpa"
-    with torch.device("meta"):
+    with torch.device(device):
         return AutoModelForCausalLM.from_config(config)
 
 

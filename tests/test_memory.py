@@ -2,6 +2,7 @@
 the real 7B/8B configs on the meta device (no download, no RAM), and one_cycle_fit's refusal before a compile."""
 
 import functools
+import os
 import re
 
 import pytest
@@ -423,3 +424,47 @@ def test_one_cycle_fit_plans_a_token_run_with_its_activations_and_refuses_one_th
     assert "cannot be replicated on one chip" in message and "activations and temporaries at the step's peak (traced)" \
         in message and re.search(r"batch_size=[1-7] per chip", message), message  # fmt: skip
     assert backend.compile_count() == compiles  # refused before the first graph
+
+
+# ------------------------------------------------- against a GPU's measured peak
+CUDA_PEAKS = r"""
+import json, os, sys
+import torch
+sys.path.insert(0, BENCH)
+import memory_bench  # issue 54's rows and their meta models (it asks for the native backend)
+from tpu_utility import Callback, GradientCheckpointing, memory_plan, one_cycle_fit
+
+class Peak(Callback):
+    def on_fit_start(self, loop):
+        torch.cuda.reset_peak_memory_stats()
+
+out = []
+for name, batch, seq, ckpt, _, _ in memory_bench.ROWS:
+    plan = memory_plan(memory_bench.meta_model(name), cores=1, batch_size=batch, seq_len=seq, precision="bf16",
+                       checkpointing=ckpt, device_memory=torch.cuda.get_device_properties(0).total_memory)
+    if not plan.fits_replicated:  # a smaller GPU than the issue's H200: the rows it has room for
+        continue
+    model = memory_bench.meta_model(name, "cpu")
+    rows = [{"input_ids": torch.randint(0, 32000, (seq,)), "labels": torch.randint(0, 32000, (seq,))}
+            for _ in range(3 * batch)]  # three steps, as the issue measured
+    callbacks = [Peak()] + ([GradientCheckpointing()] if ckpt else [])
+    one_cycle_fit(model, rows, epochs=1, max_lr=1e-4, batch_size=batch, precision="bf16", progress=False,
+                  callbacks=callbacks)
+    out.append([name, batch, seq, ckpt, plan.replicated, torch.cuda.max_memory_allocated(), plan.method])
+    del model
+    torch.cuda.empty_cache()
+print("RESULT " + json.dumps(out))
+"""
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_cuda_the_traced_plan_is_at_or_above_the_measured_peak_and_within_15_percent():
+    from conftest import child_result
+
+    bench = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
+    rows = child_result(CUDA_PEAKS.replace("BENCH", repr(bench)), env={"PJRT_DEVICE": None}, timeout=1800)
+    assert rows, "no row of issue 54's table fits this GPU"
+    for name, batch, seq, ckpt, planned, measured, method in rows:
+        assert method.startswith("traced"), (name, method)
+        assert 1.00 <= planned / measured <= 1.15, (name, batch, seq, ckpt, planned / 1e9, measured / 1e9)
