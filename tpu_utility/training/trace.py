@@ -134,6 +134,9 @@ def trace_step(
             fake = _fake_copy(model)
             if checkpointing:
                 _checkpoint_blocks(fake)
+                config = getattr(base_model(fake), "config", None)  # the copy's own: as strategy="fsdp" does, no
+                if getattr(config, "use_cache", False):  # KV cache, where a recomputed block would append to it
+                    config.use_cache = False
             ids = torch.randint(0, vocab, (batch_size, seq_len))
             opt = _optimizer(optimizer, fake)
             _make_state(fake, opt)
