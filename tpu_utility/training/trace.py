@@ -131,7 +131,7 @@ def trace_step(
     vocab = _vocab(model)
     try:
         with FakeTensorMode():
-            fake = _fake_copy(model)
+            fake = _fake_copy(model).train()  # as one_cycle_fit trains it: dropout's masks kept, say
             if checkpointing:
                 _checkpoint_blocks(fake)
                 config = getattr(base_model(fake), "config", None)  # the copy's own: as strategy="fsdp" does, no
