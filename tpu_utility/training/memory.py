@@ -37,6 +37,7 @@ HEADROOM = 0.9
 # 0.97-1.00 of a GPU's measured peak)
 MARGIN = 0.04
 GB = 1e9
+PlanMethod = Literal["trace", "estimate"]  # how memory_plan finds the activations: a traced step, or the formulas
 HOST_MEMORY_ENV = "TPU_UTILITY_HOST_MEMORY_GB"  # the host's available RAM in GiB, read in place of /proc/meminfo
 
 # optimizer state tensors per trainable parameter, each in the parameter's dtype (as torch keeps them)
@@ -260,7 +261,7 @@ def memory_plan(
     checkpointing: bool | None = None,
     device_memory: int | float | str | None = None,
     fsdp: FSDP | None = None,
-    method: Literal["trace", "estimate"] = "trace",
+    method: PlanMethod = "trace",
 ) -> MemoryPlan:
     """Bytes per chip to train ``model``: replicated on every chip, and sharded (FSDP) over ``cores``.
 
@@ -314,11 +315,11 @@ def memory_plan(
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise ValueError(f"{name} must be a positive int, but given {value!r}")
     precision = Precision.named(precision)
-    if method not in get_args(Literal["trace", "estimate"]):
-        raise ValueError(f"method must be one of ('trace', 'estimate'), but given {method!r}")
+    if method not in get_args(PlanMethod):
+        raise ValueError(f"method must be one of {get_args(PlanMethod)}, but given {method!r}")
     if fsdp is not None and not isinstance(fsdp, FSDP):
         raise TypeError(f"fsdp must be FSDP(...) options or None, but given {fsdp!r}")
-    fsdp, method_given = fsdp or FSDP(), method
+    fsdp = fsdp or FSDP()
     states, opt_name = optimizer_states(optimizer)
     params = list({id(p): p for p in model.parameters()}.values())  # tied weights once
     trainable = [p for p in params if p.requires_grad]
@@ -336,7 +337,7 @@ def memory_plan(
     if frozen:
         notes.append(f"{sum(p.numel() for p in trainable):,} of {sum(p.numel() for p in params):,} parameters train "
                      f"({frozen} frozen tensors keep no gradient or optimizer state)")  # fmt: skip
-    method, checkpointed, if_checkpointed = "parameters, gradients and optimizer state only", None, None
+    how, checkpointed, if_checkpointed = "parameters, gradients and optimizer state only", None, None
     shape = TransformerShape.of(getattr(model, "config", None)) if getattr(model, "config", None) is not None else None
     if shape is not None and seq_len is not None:
         inner = base_model(model)  # transformers 5 renamed the flag; the old name warns
@@ -346,7 +347,7 @@ def memory_plan(
         shard_ckpt = shard_ckpt if shards > 1 else repl_ckpt  # one core: the sharded column is the replicated one
         checkpointed = (repl_ckpt, shard_ckpt)
         steps, why = {}, None
-        if method_given == "trace":
+        if method == "trace":
             try:
                 for ckpt in {repl_ckpt, shard_ckpt}:
                     steps[ckpt] = trace_step(model, batch_size=batch_size, seq_len=seq_len, optimizer=optimizer,
@@ -357,14 +358,14 @@ def memory_plan(
             why = "method='estimate'"
         if steps:
             seconds = sum(step.seconds for step in steps.values())
-            method = f"traced one step ({batch_size} x {seq_len} tokens on fake tensors, {seconds:.1f} s)"
+            how = f"traced one step ({batch_size} x {seq_len} tokens on fake tensors, {seconds:.1f} s)"
             terms.append(Term("activations and temporaries at the step's peak (traced)",
                               _traced_row(steps[repl_ckpt], terms[1].replicated, 1),
                               _traced_row(steps[shard_ckpt], terms[1].sharded, shards)))  # fmt: skip
             notes.append(f"saved for backward: {_gb(steps[repl_ckpt].saved)} replicated, "
                          f"{_gb(steps[shard_ckpt].saved)} sharded (of the peak's activations)")  # fmt: skip
         else:
-            method = f"estimate (formulas): {why}"
+            how = f"estimate (formulas): {why}"
             estimate = functools.partial(_estimate, model, shape, batch_size * seq_len, precision)
             terms.append(Term(f"activations and temporaries ({batch_size} x {seq_len} tokens, estimate)",
                               estimate(repl_ckpt), estimate(shard_ckpt)))  # fmt: skip
@@ -373,6 +374,9 @@ def memory_plan(
         terms.append(Term(f"allocator rounding and workspaces ({MARGIN:.0%})",
                           math.ceil(MARGIN * sum(t.replicated for t in terms)),
                           math.ceil(MARGIN * sum(t.sharded for t in terms))))  # fmt: skip
+        if backend.current().lazy:  # the compiler schedules the step's buffers, not torch's allocator
+            notes.append("XLA schedules a step's memory itself: its buffer assignment of a small Llama's step on "
+                         "XLA:CPU peaked 1.3-1.45x the traced step (docs/large_models.md): leave room on XLA")
         notes.append(f"activations: checkpointing {'on' if repl_ckpt else 'off'} replicated, "
                      f"{'on' if shard_ckpt else 'off'} sharded"
                      + (" (strategy='fsdp' checkpoints each block by default: FSDP(checkpoint=False) turns it off)"
@@ -385,7 +389,7 @@ def memory_plan(
         if block:
             gathered = whole(block, 1) + whole([p for p in block if p.requires_grad], 1)  # weights, then gradients
             terms.append(Term("one block gathered (sharded only)", 0, gathered))
-    return MemoryPlan(tuple(terms), shards, _device_memory(device_memory), tuple(notes), method, checkpointed,
+    return MemoryPlan(tuple(terms), shards, _device_memory(device_memory), tuple(notes), how, checkpointed,
                       if_checkpointed)
 
 
