@@ -169,6 +169,8 @@ bench: venv
 	$(PINNED)/bin/python bench/generate_bench.py
 	$(PINNED)/bin/python bench/cache_bench.py
 	PJRT_DEVICE=CPU $(PINNED)/bin/python bench/port_bench.py
+	$(PINNED)/bin/python bench/memory_bench.py
+	$(PINNED)/bin/python bench/memory_bench.py xla
 
 # The multi-device tests (pytest -m multidevice: 4 XLA:CPU devices, several gloo processes) STRESS_ROUNDS
 # times in a row on the pinned stack while `stress` keeps STRESS_CPUS cores busy: they must not flake on a

@@ -22,7 +22,7 @@ import copy, json, math, os, tempfile
 import torch, torch_xla
 from torch.utils.data import DataLoader
 from transformers import LlamaConfig, LlamaForCausalLM
-from tpu_utility import (FSDP, Callback, device_loader, evaluate, find_lr, load_checkpoint, memory_plan,
+from tpu_utility import (FSDP, Callback, device_bytes, device_loader, evaluate, find_lr, load_checkpoint, memory_plan,
                          one_cycle_fit, predict, shard_model, step_optimizer)
 from tpu_utility.backend import compile_count, to_cpu
 
@@ -34,7 +34,7 @@ ids = torch.randint(0, 64, (32, 16))
 data = [{"input_ids": row, "labels": row} for row in ids]
 out = {}
 
-def device_bytes(tensors):
+def device_bytes_by_hand(tensors):
     # (bytes device 0 holds, bytes of the whole tensors, a quarter of them plus the padding of an uneven split),
     # from the live shards' indices: the runtime reports no memory under SPMD
     held = whole = bound = 0
@@ -60,13 +60,15 @@ class Watch(Callback):
     after_save, order, restored = (), 100, None  # after every built-in: Checkpoints has written or restored
     def on_fit_start(self, loop):  # a resume's optimizer state, as loaded from last.pt and before any step
         state = [t for s in loop.optimizer.state.values() for t in s.values() if torch.is_tensor(t) and t.dim()]
-        self.restored = device_bytes(state) if state else None
+        self.restored = device_bytes_by_hand(state) if state else None
     def on_epoch_end(self, loop, record):
         self.after_save = [*self.after_save, compile_count()]
         self.specs = {n: torch_xla._XLAC._get_xla_sharding_spec(p) for n, p in loop.model.named_parameters()}
     def on_fit_end(self, loop):  # after the last step's sync: parameters and optimizer state are device data
         state = [t for s in loop.optimizer.state.values() for t in s.values() if torch.is_tensor(t) and t.dim()]
-        self.bytes = device_bytes([*loop.model.parameters(), *state])
+        self.bytes = device_bytes_by_hand([*loop.model.parameters(), *state])
+        held = device_bytes(loop.model, loop.optimizer)  # the public figure, from the same shards
+        self.public = [held.parameters, held.gradients, held.optimizer_state]
 
 class Killed(Callback):
     order = 200  # after every built-in and Watch: epoch 1's last.pt and best.pt are written, then the process "dies"
@@ -86,15 +88,17 @@ def fit(strategy, folder=None, also=(), **kw):
     fit.trained = trained
     return plain, {"losses": [r.train_loss for r in history.records], "compiles": [r.compiles for r in history.records],
                    "syncs": [r.host_syncs for r in history.records], "summary": history.summary, "specs": watch.specs,
-                   "keys": sorted(history.model.state_dict()), "same_as_history": same, "bytes": watch.bytes, "after_save": watch.after_save, "restored": watch.restored,
+                   "keys": sorted(history.model.state_dict()), "same_as_history": same, "bytes": watch.bytes, "public": watch.public, "after_save": watch.after_save, "restored": watch.restored,
                    "use_cache": history.model.config.use_cache,
                    "forward_restored": all("forward" not in m.__dict__ for m in history.model.modules())}
 
 _, out["spmd"] = fit("spmd")
-plan = memory_plan(base, cores=4, batch_size=2)
-limit = (plan.replicated + plan.sharded) / 2 / 0.9  # one replica cannot fit the usable 90%, a shard can
+# the runs' plans, as one_cycle_fit makes them: 16-token rows, activations traced; fsdp checkpointed and not
+plan = memory_plan(base, cores=4, batch_size=2, seq_len=16)
+unchecked = memory_plan(base, cores=4, batch_size=2, seq_len=16, fsdp=FSDP(checkpoint=False))
+limit = (plan.replicated + unchecked.sharded) / 2 / 0.9  # one replica cannot fit the usable 90%, a shard can
 os.environ["TPU_UTILITY_DEVICE_MEMORY_GB"] = str(limit / 1e9)
-out["plan"] = [plan.replicated, plan.sharded, limit * 0.9]
+out["plan"] = [plan.replicated, plan.sharded, limit * 0.9, plan.method]
 plain, out["auto"] = fit("auto")  # the plan chooses fsdp, with per-block checkpointing (FSDP()'s default)
 _, out["no_checkpoint"] = fit(FSDP(checkpoint=False))
 straight = fit.trained
@@ -175,7 +179,7 @@ for epoch in range(3):
         losses.append(loss.detach())
 state = [t for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t) and t.dim()]
 grads = [p.grad for p in model.parameters()]
-out["hand"] = {"losses": torch.stack(losses).cpu().tolist(), "bytes": device_bytes([*model.parameters(), *grads, *state]),
+out["hand"] = {"losses": torch.stack(losses).cpu().tolist(), "bytes": device_bytes_by_hand([*model.parameters(), *grads, *state]),
                "specs": [torch_xla._XLAC._get_xla_sharding_spec(p) for p in model.parameters()]}
 print("RESULT" + json.dumps(out))
 """
@@ -188,8 +192,10 @@ def test_fsdp_on_four_devices_shards_every_parameter_and_trains_as_the_replicate
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
     out = json.loads(r.stdout.split("RESULT", 1)[1])
     spmd, auto, plain_fsdp = out["spmd"], out["auto"], out["no_checkpoint"]
-    replicated, sharded, usable = out["plan"]
-    assert sharded < usable < replicated
+    replicated, sharded, usable, method = out["plan"]
+    assert sharded < usable < replicated and method.startswith("traced one step (2 x 16 tokens"), out["plan"]
+    # the summary line says the plan the run was checked against (traced, as the run is: 16-token rows)
+    assert f"memory plan (traced): " in auto["summary"] and "sharded over 4 of" in auto["summary"], auto["summary"]
     # strategy="auto" under a chip between the two figures: fsdp, said with the figures, checkpointed per block
     assert "fsdp on 4" in auto["summary"] and "strategy='auto' chose fsdp" in auto["summary"], auto["summary"]
     assert "2 LlamaDecoderLayer blocks gathered one at a time, each checkpointed" in auto["summary"], auto["summary"]
@@ -208,6 +214,8 @@ def test_fsdp_on_four_devices_shards_every_parameter_and_trains_as_the_replicate
         assert run["use_cache"] is True and run["forward_restored"]  # given back after training
         held, whole, bound = run["bytes"]  # parameters + AdamW state per device, from the live shards
         assert held <= bound < 0.3 * whole, run["bytes"]
+        params, grads, state = run["public"]  # device_bytes: the same shards, and AdamW's step counts (a few bytes)
+        assert held <= params + state <= held + 8 * len(run["specs"]) and grads < 0.3 * whole, (run["public"], held)
     assert all(s == "" or "replicated" in s for s in spmd["specs"].values())  # the control: replicated
     assert spmd["bytes"][0] == spmd["bytes"][1]
     assert auto["losses"][-1] < auto["losses"][0]

@@ -83,8 +83,11 @@ class Probe:
         held = sum((p.to_local() if isinstance(p, DTensor) else p).numel() * p.element_size() for p in params)
         total = sum(p.numel() * p.element_size() for p in params)
         checkpointed = CALLS[0] - self.calls   # after one step: 3 forwards, 3 recomputed
+        from tpu_utility import device_bytes
+
         with open(os.path.join(self.folder, f"held{backend.rank()}.json"), "w") as f:
             json.dump({"held": held, "total": total, "checkpointed": checkpointed,
+                       "public": device_bytes(loop.model).parameters,  # the same local shards
                        "sharded": all(isinstance(p, DTensor) for p in params)}, f)
 
 
@@ -241,6 +244,7 @@ print("SEEN", json.dumps(seen))
         assert run["fsdp"][1] < run["fsdp"][0]
         held = [h["held"] for h in run["held"]]
         assert all(h["sharded"] and h["checkpointed"] == 2 * 3 for h in run["held"]), run["held"]
+        assert [h["public"] for h in run["held"]] == held, run["held"]  # device_bytes reads the same shards
         assert sum(held) == run["held"][0]["total"] and max(held) <= 1.1 * sum(held) / int(n), held  # 1/N each
         assert run["best"] and run["plain"], run
     # the parent names the dead replica and its signal: rank 1 fails only after rank 0 is gone (gloo's "Connection

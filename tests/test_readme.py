@@ -188,8 +188,11 @@ def _cases():
         ("memory_plan", block("from tpu_utility import memory_plan").replace(
             'AutoConfig.from_pretrained("google/gemma-7b")',  # google/gemma-7b's config.json, no download
             "AutoConfig.for_model('gemma', hidden_size=3072, intermediate_size=24576, num_hidden_layers=28, "
-            "num_attention_heads=16, num_key_value_heads=16, head_dim=256, vocab_size=256000)")
+            "num_attention_heads=16, num_key_value_heads=16, head_dim=256, vocab_size=256000)").replace(
+            'device_memory="v5e")', 'device_memory="v5e", method="estimate")')  # a traced 7B step: 30 s here
          + "\nassert not plan.fits_replicated and plan.fits_sharded, plan\n", 1),
+        ("device_bytes", block("class Held(Callback)")
+         + "\none_cycle_fit(small_cnn(), train_ds, epochs=1, max_lr=1e-3, progress=False, callbacks=[Held()])\n", 1),
         ("strategy fsdp", LLM + block("strategy=FSDP(wrap=") + "\nassert 'fsdp on 4' in history.summary\n", 4),
         ("shard_model", LLM + block("model = shard_model(model)") + "\nassert loss.item() > 0\n", 4),
         ("generate a submission", LLM + block("the best valid_loss's epoch\nprompts =")

@@ -30,8 +30,9 @@ from .data import (BucketBatchSampler, BucketCollate, CachedDataset, PresizeRepo
                    group_batches, make_sampler, padding_waste, presize_images)
 
 # the trainer: one call that trains, keeps the best epoch and predicts (or generates)
-from .training import (EMA, Callback, CSVLogger, EpochMetric, EpochRecord, GradientCheckpointing, History, Loop,
-                       LRFinderResult, MemoryPlan, StopFit, TensorBoardLogger, evaluate, find_lr, generate, memory_plan,
+from .training import (EMA, Callback, CSVLogger, DeviceBytes, EpochMetric, EpochRecord, GradientCheckpointing, History,
+                       Loop, LRFinderResult, MemoryPlan, StopFit, TensorBoardLogger, device_bytes, evaluate, find_lr,
+                       generate, memory_plan,
                        OneCycle, one_cycle, one_cycle_curve, one_cycle_fit, predict)
 
 # diagnosis: doctor (run time), check (this machine); `python -m tpu_utility.port` (your source)
@@ -84,6 +85,8 @@ __all__ = [
     "make_sampler",
     "masked_loader",
     "memory_plan",
+    "device_bytes",
+    "DeviceBytes",
     "MemoryPlan",
     "move_model",
     "one_cycle",

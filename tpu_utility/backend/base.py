@@ -358,6 +358,11 @@ class Sharding(Group):
     def shard_optimizer_state(self, optimizer: torch.optim.Optimizer) -> None:
         """Gives loaded (whole) optimizer state the layout of its sharded parameters; nothing where none is."""
 
+    def held_bytes(self, tensors: Sequence[torch.Tensor]) -> list[int]:
+        """The bytes of each tensor this process's (first) device holds: its shard where it is sharded, else
+        the whole tensor (here, where nothing is sharded)."""
+        return [t.numel() * t.element_size() for t in tensors]
+
     def process_count(self) -> int:
         """Processes of one SPMD program (hosts of a pod slice); 1 elsewhere."""
         return 1

@@ -459,6 +459,13 @@ class NativeSharding(Sharding):
 
         return any(isinstance(t, DTensor) for t in tensors)
 
+    def held_bytes(self, tensors: Sequence[torch.Tensor]) -> list[int]:
+        """The bytes of each tensor this process holds: an FSDP2 ``DTensor``'s local shard, else the tensor."""
+        from torch.distributed.tensor import DTensor
+
+        local = [t.to_local() if isinstance(t, DTensor) else t for t in tensors]
+        return [t.numel() * t.element_size() for t in local]
+
     def shard_parameters(self, model: torch.nn.Module, blocks: Sequence[torch.nn.Module]) -> Callable[[], None]:
         """FSDP2 (``torch.distributed.fsdp.fully_shard``) over the job's processes: each block, then the root.
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import importlib
 import inspect
+import math
 import os
 import sys
 from typing import Any, Callable, Sequence
@@ -765,6 +766,23 @@ class XlaSharding(Sharding):
             for value in state.values():
                 if isinstance(value, torch.Tensor) and value.device.type == "xla" and value.shape == param.shape:
                     torch_xla._XLAC._xla_mark_sharding(value, layout)
+
+    def held_bytes(self, tensors: Sequence[torch.Tensor]) -> list[int]:
+        """The bytes of each tensor the first device holds, from its live shard's indices under SPMD (the
+        runtime reports no per-device memory there); a tensor with no sharding is whole on every device."""
+        import torch_xla
+
+        spec = torch_xla._XLAC._get_xla_sharding_spec
+        marked = [t for t in tensors if t.device.type == "xla" and t.numel() and spec(t)]
+        places = iter(torch_xla._XLAC._get_local_shard_replica_and_indices(marked) if marked else [])
+        held, ids = [], {id(t) for t in marked}
+        for t in tensors:
+            index = next(places)[0][1] if id(t) in ids else Ellipsis
+            if index is Ellipsis or not isinstance(index, (tuple, list)):
+                held.append(t.numel() * t.element_size())
+            else:
+                held.append(math.prod(len(range(*s.indices(n))) for s, n in zip(index, t.shape)) * t.element_size())
+        return held
 
     def process_count(self) -> int:
         """Processes of the job (one per host on a pod slice under SPMD); 1 off XLA."""

@@ -13,7 +13,8 @@ Read it top down:
 - ``history.py``: ``History``, what ``one_cycle_fit`` returns.
 - ``inference.py``: ``predict()`` and ``evaluate()`` in dataset order on any number of cores.
 - ``generate.py``: ``generate()``, a causal LM's new tokens for every prompt with static shapes (buckets, one cache).
-- ``memory.py``: ``memory_plan()``, the bytes per chip to train a model, replicated and sharded.
+- ``memory.py``: ``memory_plan()``, the bytes per chip to train a model, replicated and sharded (``trace.py``
+  traces the step it measures); ``device_bytes()``, what one device holds once the model is placed.
 - ``strategies/``: each way of spreading a model over devices in its own module behind one ``Strategy``
   interface, and the one table from ``strategy=``'s words to them (FSDP's blocks and wrap from ``sharding``).
 - ``lr_finder.py``: ``find_lr()``, the same loop with a learning-rate sweep for its schedule.
@@ -26,7 +27,7 @@ from .generate import generate
 from .history import EpochRecord, History
 from .inference import evaluate, predict
 from .lr_finder import LRFinderResult, find_lr
-from .memory import MemoryPlan, memory_plan
+from .memory import DeviceBytes, MemoryPlan, device_bytes, memory_plan
 from .metrics import EpochMetric
 from .schedule import OneCycle, one_cycle, one_cycle_curve
 
@@ -45,6 +46,8 @@ __all__ = [
     "Loop",
     "LRFinderResult",
     "memory_plan",
+    "device_bytes",
+    "DeviceBytes",
     "MemoryPlan",
     "one_cycle",
     "one_cycle_curve",

@@ -44,13 +44,14 @@ from ..compiler import Compile
 from ..data.loaders import LoaderSpec, unpack_loader
 from ..environment import choose_start_method, is_interactive
 from ..files import exists, join
+from .callbacks import GradientCheckpointing
 from .builtins import (BestEpoch, Checkpoints, MultiplierSchedule, OneCycleSchedule, OwnLearningRates, ProgressLine,
                        RecompileNotice, RestoreBest, StopOnNaN, TimeLimit)  # fmt: skip
 from .agreement import ReplicaAgreement
 from .events import Events, check_callbacks
 from .history import History
 from .metrics import METRICS, CrossEntropy, accuracy, check_loss_fn, per_sample_loss, resolve_metrics
-from .memory import auto_shards, refuse_host_shortage, refuse_replicating
+from .memory import MemoryPlan, auto_shards, first_length, memory_plan, refuse_host_shortage, refuse_replicating
 from .monitor import Mode, StopRule, parse_duration, resolve_mode
 from .precision import Precision, PrecisionName
 from .topology import available_cores, resolve_cores
@@ -455,13 +456,13 @@ def plan_fit(a: FitArguments) -> tuple[Callable[[], nn.Module] | None, FitPlan]:
     n_cores, processes = chosen.cores, chosen.cores if chosen.launches else 1
     train_spec, valid_spec = _loader_specs(a.train_data, a.valid_data, batch_size=a.batch_size,
                                            num_workers=a.num_workers, processes=processes)  # fmt: skip
+    memory = None
     if factory is None:  # a model that cannot fit: said now, not after minutes of compiling
+        memory = _memory_plan(model, a, chosen, precision, train_spec, callbacks)
         if chosen.may_shard:  # strategy="auto" over a mesh: the plan may choose to shard
-            why = auto_shards(model, cores=n_cores, batch_size=train_spec.batch_size, optimizer=a.optimizer,
-                              precision=precision)  # fmt: skip
+            why = auto_shards(memory)
             chosen = chosen.sharded(why) if why else chosen
-        refuse_replicating(model, cores=n_cores, batch_size=train_spec.batch_size, optimizer=a.optimizer,
-                           precision=precision, sharded=chosen.shards)  # fmt: skip
+        refuse_replicating(model, memory, batch_size=train_spec.batch_size, sharded=chosen.shards)
         if chosen.shards:  # the host holds it whole before it is sharded, and each save
             refuse_host_shortage(model, a.optimizer, processes=processes, checkpoints=a.checkpoint_dir is not None)
     loss = a.loss_fn if a.loss_fn is not None else CrossEntropy()
@@ -494,8 +495,24 @@ def plan_fit(a: FitArguments) -> tuple[Callable[[], nn.Module] | None, FitPlan]:
         metrics=metric_table, checkpoint_dir=a.checkpoint_dir, overwrite=a.overwrite, precision=precision,
         seed=a.seed, progress=a.progress, cores=n_cores, strategy=chosen, compile=compiling, callbacks=callbacks,
         builtins=builtin_callbacks(lr_schedule, stop, checkpoints=checkpoints, progress=a.progress, run_shape=run_shape),
+        memory=memory.summary() if memory is not None and memory.usable is not None else "",
     )  # fmt: skip
     return factory, plan
+
+
+def _memory_plan(model: nn.Module, a: FitArguments, chosen: Any, precision: Precision, train: LoaderSpec,
+                 callbacks: list[Any]) -> MemoryPlan:  # fmt: skip
+    """The plan the run is checked against, as the run will be: its cores, batch per core, precision, optimizer
+    and fsdp options (their checkpointing), and its activations where the chip's memory is known and the data are
+    tokens (their first row's length; traced where it can be: ``memory_plan``)."""
+    run = dict(cores=chosen.cores, batch_size=train.batch_size, optimizer=a.optimizer, precision=precision,
+               fsdp=chosen.options)  # fmt: skip
+    plan = memory_plan(model, **run, method="estimate")
+    seq_len = first_length(train.dataset)
+    if plan.usable is None or seq_len is None:  # nothing to check it against, or no length to plan activations for
+        return plan
+    ckpt = True if any(isinstance(c, GradientCheckpointing) for c in callbacks) else None
+    return memory_plan(model, **run, seq_len=seq_len, checkpointing=ckpt)
 
 
 def _check_resume(checkpoint_dir: Any, resume: Any, overwrite: Any) -> None:

@@ -87,6 +87,7 @@ class FitPlan:
     compile: Compile = EAGER  # whether the step is torch.compile'd (natively)
     callbacks: list[Any] = field(default_factory=list)
     builtins: list[Any] = field(default_factory=list)
+    memory: str = ""  # the memory plan the run was checked against, in one line (said on the summary line)
 
 
 # ------------------------------------------------------------ one process
@@ -459,6 +460,7 @@ def _summary(loop: Trainer) -> str:
         f"{runner.topology.global_batch(plan.train.batch_size)} global | {loop.batches} batches/epoch per core "
         f"x {plan.epochs} epochs = {loop.total_steps} optimizer steps | "
         + (f"{runner.strategy.note} | " if runner.strategy.note else "")
+        + (f"{plan.memory} | " if plan.memory else "")
         + "".join(f"{part} | " for part in schedule)
         + (f"{runner.compiling.words} | " if runner.compiling.words else "")
         + f"{runner.precision.label} | {plan.optimizer_name}{' (torch_xla sync-free, fused)' if loop.fused else ''}"
