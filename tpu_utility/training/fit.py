@@ -508,8 +508,10 @@ def _memory_plan(model: nn.Module, a: FitArguments, chosen: Any, precision: Prec
     run = dict(cores=chosen.cores, batch_size=train.batch_size, optimizer=a.optimizer, precision=precision,
                fsdp=chosen.options)  # fmt: skip
     plan = memory_plan(model, **run, method="estimate")
+    if plan.usable is None:  # nothing to check it against: no sample is read
+        return plan
     seq_len = first_length(train.dataset)
-    if plan.usable is None or seq_len is None:  # nothing to check it against, or no length to plan activations for
+    if seq_len is None:  # no length to plan activations for
         return plan
     ckpt = True if any(isinstance(c, GradientCheckpointing) for c in callbacks) else None
     return memory_plan(model, **run, seq_len=seq_len, checkpointing=ckpt)
