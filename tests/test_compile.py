@@ -46,7 +46,7 @@ import contextlib, json, os, tempfile, warnings
 import torch
 from torch import nn
 from torch.utils.data import TensorDataset
-from tpu_utility import evaluate, load_checkpoint, one_cycle_fit, predict
+from tpu_utility import Compile, evaluate, load_checkpoint, one_cycle_fit, predict
 
 g = torch.Generator().manual_seed(0)
 y = torch.arange(256) % 4
@@ -101,12 +101,12 @@ with contextlib.suppress(KeyboardInterrupt):
 resumed = fit(cnn(), True, "resumed", resume=True)
 out["resumed_bitwise"] = all(torch.equal(a, b) for a, b in zip(compiled.model.state_dict().values(),
                                                                resumed.model.state_dict().values()))
-own = fit(torch.compile(cnn()), "auto", "own")
+own = fit(torch.compile(cnn(), backend="aot_eager"), "auto", "own")  # aot_eager: dynamo's frames without a C++ build
 out.update(own_summary=own.summary, own_losses=figures(own),
            own_keys=sorted(load_checkpoint(os.path.join(root, "own", "last.pt"))["model"]) == sorted(cnn().state_dict()))
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
-    shrunk = fit(cnn(), True, step=Step(shrink_after=6))
+    shrunk = fit(cnn(), Compile(backend="aot_eager"), step=Step(shrink_after=6))
 out["recompiles"] = [str(w.message) for w in caught if "recompiled" in str(w.message)]
 out["shrunk_compiles"] = [r.compiles for r in shrunk.records]
 out["evaluate"] = [evaluate(eager.model, valid, compile=c) for c in (False, True)]
