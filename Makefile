@@ -20,6 +20,8 @@
 #                   cache, export, meta models, HF ports) on their lane's transformers
 #   test-kaggle     -m torch_release: torch/torch_xla 2.8, so every test whose result can move with the
 #                   release: the backend and setup, compile counts and host syncs, SPMD and launch,
+#                   torch.compile with inductor's C++ build (TPU_UTILITY_TEST_INDUCTOR=1; the pinned stack
+#                   compiles those runs through aot_eager: tests/test_compile.py says why),
 #                   autocast, checkpoint formats, transformers' torch-version branches, the README/docs
 #                   blocks and the notebook. Its Python 3.12 lies between the pinned 3.11 and Colab's 3.13.
 #   test-colab      -m python_release: the pinned trio on Python 3.13, so what the Python version can
@@ -59,7 +61,7 @@ PYTEST_ARGS ?= -q
 PYTEST_JOBS ?= 3
 PYTEST := -m pytest -n $(PYTEST_JOBS) --dist load $(PYTEST_ARGS)
 
-.PHONY: venv venv-kaggle venv-colab venv-torchtpu demo test test-all test-pinned test-kaggle test-colab test-torchtpu docs bench stress dist clean
+.PHONY: venv venv-kaggle venv-colab venv-torchtpu demo test test-all test-pinned test-kaggle test-colab test-torchtpu docs bench gpu-check stress dist clean
 
 # $(call find-python,3.12,$(PYTHON312)): prints the first interpreter of that version.
 define find-python
@@ -143,7 +145,7 @@ test-pinned: venv
 
 test-kaggle: venv-kaggle
 	@echo "== Kaggle lane: $$($(KAGGLE)/bin/python -c 'import sys, torch; print("Python", sys.version.split()[0], "torch", torch.__version__)')"
-	$(KAGGLE)/bin/python $(PYTEST) $(KAGGLE_TESTS)
+	TPU_UTILITY_TEST_INDUCTOR=1 $(KAGGLE)/bin/python $(PYTEST) $(KAGGLE_TESTS)
 
 test-colab: venv-colab
 	@echo "== Colab lane: $$($(COLAB)/bin/python -c 'import sys, torch; print("Python", sys.version.split()[0], "torch", torch.__version__)')"
@@ -171,6 +173,18 @@ bench: venv
 	PJRT_DEVICE=CPU $(PINNED)/bin/python bench/port_bench.py
 	$(PINNED)/bin/python bench/memory_bench.py
 	$(PINNED)/bin/python bench/memory_bench.py xla
+
+# Every check that needs a GPU in one command and one table, under 8 minutes on an H200 (bench/gpu_check.py: the
+# CUDA-marked tests, the compile bench's 300M Llama, the memory plans against measured peaks, generate against
+# model.generate). Run it whenever a GPU is lent (docs/developers.md). A lent machine has its image's Python with
+# torch and transformers and cannot install anything, so a python3 that sees CUDA is used as it is; elsewhere the
+# pinned venv runs the dry run (the same code on the CPU at small shapes, exit 0).
+gpu-check:
+	@if python3 -c 'import sys, torch; sys.exit(not torch.cuda.is_available())' 2>/dev/null; then \
+		python3 bench/gpu_check.py; \
+	else \
+		$(MAKE) --no-print-directory venv && $(PINNED)/bin/python bench/gpu_check.py; \
+	fi
 
 # The multi-device tests (pytest -m multidevice: 4 XLA:CPU devices, several gloo processes) STRESS_ROUNDS
 # times in a row on the pinned stack while `stress` keeps STRESS_CPUS cores busy: they must not flake on a

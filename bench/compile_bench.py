@@ -24,8 +24,10 @@ os.environ.setdefault("TPU_UTILITY_BACKEND", "native")
 import torch  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
-from tpu_utility import one_cycle_fit  # noqa: E402
+from tpu_utility import Compile, one_cycle_fit  # noqa: E402
 from tpu_utility.training.schedule import OneCycle  # noqa: E402
+
+BACKEND = None  # torch.compile's backend: None is inductor; bench/gpu_check.py's dry run sets "aot_eager"
 
 SHAPES = {  # (hidden, intermediate, layers, heads, vocab, batch, seq, steps an epoch, precision)
     "cpu": (128, 256, 2, 4, 512, 8, 128, 24, "fp32"),
@@ -52,6 +54,8 @@ def fit_round(shape: tuple, data: list, epochs: int, compile: bool) -> tuple[lis
     """one_cycle_fit: each epoch's seconds per step (from its records), and the peak memory."""
     model = build(shape, DEVICE)
     _reset_peak()
+    if compile and BACKEND:
+        compile = Compile(backend=BACKEND)
     h = one_cycle_fit(model, data, epochs=epochs, max_lr=1e-3, batch_size=shape[5], compile=compile,
                       precision=shape[8], progress=False)  # fmt: skip
     return [r.seconds / shape[7] for r in h.records], _peak()
@@ -61,7 +65,7 @@ def hand_round(shape: tuple, data: list, epochs: int, compile: bool) -> tuple[li
     """The loop a user writes: torch.compile(model), AdamW, OneCycleLR, autocast for bf16."""
     model = build(shape, DEVICE)
     _reset_peak()
-    called = torch.compile(model) if compile else model
+    called = torch.compile(model, **({"backend": BACKEND} if BACKEND else {})) if compile else model
     cycle = OneCycle()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     sched = torch.optim.lr_scheduler.OneCycleLR(
@@ -101,40 +105,50 @@ def _peak() -> float:
     return torch.cuda.max_memory_allocated() / 1e9 if DEVICE.type == "cuda" else float("nan")
 
 
-def main() -> None:
+def measure(kind: str, rounds: int, epochs: int) -> dict[str, dict[str, float]]:
+    """The four loops on SHAPES[kind], interleaved over rounds: each one's median ms per step after epoch 1 ("ms"),
+    its peak memory in GB ("peak", CUDA; nan on the CPU) and its compile seconds (epoch 1 less a steady one)."""
     global DEVICE
+    DEVICE = torch.device("cuda" if kind == "gpu" else "cpu")
+    shape, data = SHAPES[kind], batches(SHAPES[kind])
+    loops = {
+        "one_cycle_fit(compile=True)": lambda: fit_round(shape, data, epochs, True),
+        "hand loop, torch.compile(model)": lambda: hand_round(shape, data, epochs, True),
+        "one_cycle_fit(compile=False)": lambda: fit_round(shape, data, epochs, False),
+        "hand loop, eager": lambda: hand_round(shape, data, epochs, False),
+    }
+    steady: dict[str, list[float]] = {name: [] for name in loops}
+    first: dict[str, list[float]] = {name: [] for name in loops}
+    peaks: dict[str, float] = {}
+    for _ in range(rounds):  # interleaved: a drift of the host's speed touches every loop alike
+        for name, run in loops.items():
+            times, peaks[name] = run()
+            steady[name] += times[1:]
+            first[name].append(times[0])
+    ms = {name: 1e3 * statistics.median(times) for name, times in steady.items()}
+    compile_s = {name: (statistics.median(first[name]) - ms[name] / 1e3) * shape[7] for name in loops}
+    return {"ms": ms, "peak": peaks, "compile_s": compile_s}
+
+
+def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--gpu", action="store_true", help="CUDA and the issue's 300M Llama")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--epochs", type=int, default=3)
     args = parser.parse_args()
     kind = "gpu" if args.gpu else "cpu"
-    DEVICE = torch.device("cuda" if args.gpu else "cpu")
-    shape, data = SHAPES[kind], batches(SHAPES[kind])
-    loops = {
-        "one_cycle_fit(compile=True)": lambda: fit_round(shape, data, args.epochs, True),
-        "hand loop, torch.compile(model)": lambda: hand_round(shape, data, args.epochs, True),
-        "one_cycle_fit(compile=False)": lambda: fit_round(shape, data, args.epochs, False),
-        "hand loop, eager": lambda: hand_round(shape, data, args.epochs, False),
-    }
-    steady: dict[str, list[float]] = {name: [] for name in loops}
-    first: dict[str, list[float]] = {name: [] for name in loops}
-    peaks: dict[str, float] = {}
-    for _ in range(args.rounds):  # interleaved: a drift of the host's speed touches every loop alike
-        for name, run in loops.items():
-            times, peaks[name] = run()
-            steady[name] += times[1:]
-            first[name].append(times[0])
+    shape = SHAPES[kind]
+    figures = measure(kind, args.rounds, args.epochs)
+    ms = figures["ms"]
     tokens = shape[5] * shape[6]
     print(f"{kind}: Llama hidden {shape[0]}, {shape[2]} layers, vocab {shape[4]}; {shape[5]} x {shape[6]} tokens a "
           f"step, {shape[7]} steps an epoch, {shape[8]}; {args.rounds} rounds of {args.epochs} epochs, epoch 1 "
           f"left out; torch {torch.__version__}"
           + (f", {torch.cuda.get_device_name()}" if args.gpu else ""))  # fmt: skip
     print(f"{'loop':34} {'ms/step':>9} {'tokens/s':>10} {'peak GB':>8} {'compile s':>10}")
-    ms = {name: 1e3 * statistics.median(times) for name, times in steady.items()}
-    for name in loops:
-        compile_s = statistics.median(first[name]) * shape[7] - ms[name] / 1e3 * shape[7]
-        print(f"{name:34} {ms[name]:9.2f} {tokens / ms[name] * 1e3:10,.0f} {peaks[name]:8.2f} {compile_s:10.1f}")
+    for name in ms:
+        print(f"{name:34} {ms[name]:9.2f} {tokens / ms[name] * 1e3:10,.0f} {figures['peak'][name]:8.2f} "
+              f"{figures['compile_s'][name]:10.1f}")
     print(f"one_cycle_fit compiled / compiled hand loop: {ms['one_cycle_fit(compile=True)'] / ms['hand loop, torch.compile(model)']:.3f}x (target <= 1.03)")
     print(f"one_cycle_fit eager / compiled: {ms['one_cycle_fit(compile=False)'] / ms['one_cycle_fit(compile=True)']:.2f}x; "
           f"hand loop eager / compiled: {ms['hand loop, eager'] / ms['hand loop, torch.compile(model)']:.2f}x")

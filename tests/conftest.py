@@ -3,6 +3,7 @@
 import contextlib
 import json
 import os
+import resource
 import select
 import signal
 import subprocess
@@ -106,6 +107,15 @@ def child_result(code: str, env: dict | None = None, timeout: int = 600) -> obje
     r = run_python(code, env=env, timeout=timeout)
     assert r.returncode == 0, r.stderr[-3000:]
     return json.loads(r.stdout.split("RESULT ")[1].splitlines()[0])
+
+
+def record_figure(check: str, figure: str, target: str, ok: bool) -> None:
+    """Hands a figure a GPU test measured to make gpu-check's table (bench/gpu_check.py names the file in
+    TPU_UTILITY_GPU_FIGURES); outside that run, nothing. The test still asserts on it itself."""
+    path = os.environ.get("TPU_UTILITY_GPU_FIGURES")
+    if path:
+        with open(path, "a") as out:
+            out.write(json.dumps({"check": check, "figure": figure, "target": target, "ok": bool(ok)}) + "\n")
 
 
 def _timed_out(timeout: int, stdout: str, stderr: str) -> None:
@@ -219,7 +229,8 @@ TORCH_RELEASE = {  # code whose behaviour moved between torch/torch_xla 2.8 and 
     "test_amp.py": "autocast and GradScaler",
     "test_fp16.py": "float16 autocast and torch's GradScaler in one_cycle_fit, their checkpoint state",
     "test_fit.py": "compile counts flat from epoch 2, no host syncs, the fused sync-free optimizer",
-    "test_compile.py": "torch.compile's dynamo (its counters and recompile reasons), inductor and AOTAutograd",
+    "test_compile.py": "torch.compile's dynamo (its counters and recompile reasons), AOTAutograd, and inductor's C++ "
+                       "build (this lane alone: TPU_UTILITY_TEST_INDUCTOR=1, set by make test-kaggle)",
     "test_predict.py": "SPMD gathers and transfers in dataset order",
     "test_multicore.py": "the SPMD mesh and the multi-process launch",
     "test_doctor.py": "torch_xla's counter and metric names",
@@ -281,11 +292,29 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.hf_release)
 
 
+def _cpu_seconds() -> float:
+    """CPU seconds this process, its waited-for children and its warm-started children have spent so far."""
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime + CHILD_CPU_SECONDS[0]
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_setup(item):
+    item.stash[_CPU_AT_START] = _cpu_seconds()
+    yield
+
+
+_CPU_AT_START = pytest.StashKey[float]()
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
-    """Says plainly why a test stopped when pytest-timeout stopped it."""
+    """Says plainly why a test stopped when pytest-timeout stopped it, and gives the teardown's report the CPU
+    seconds the whole test spent (for the time report at the end of a run)."""
     outcome = yield
     report = outcome.get_result()
+    if call.when == "teardown" and _CPU_AT_START in item.stash:
+        report.user_properties.append(("cpu_s", _cpu_seconds() - item.stash[_CPU_AT_START]))
     if report.failed and "Timeout (>" in str(report.longrepr):
         marker = item.get_closest_marker("timeout")
         limit = marker.args[0] if marker and marker.args else item.config.getini("timeout")
@@ -370,3 +399,35 @@ def flat_digits(n: int | None = None) -> TensorDataset:
     train, _ = digits_datasets()
     x, y = train.tensors
     return TensorDataset(x[:n], y[:n])
+
+
+# Where the suite's time goes, printed at the end of every run (make test, the lanes): the 15 slowest tests and each
+# file's total, wall seconds as pytest measures a test (setup, call, teardown) and CPU seconds (the test's process and
+# every interpreter it started). With three workers on two cores a test's wall time grows with what runs beside it;
+# its CPU seconds do not, so they are the figure to compare between runs.
+SLOWEST_SHOWN = 15
+
+
+def pytest_terminal_summary(terminalreporter):
+    wall: dict[str, float] = {}
+    cpu: dict[str, float] = {}
+    for reports in terminalreporter.stats.values():
+        for report in reports:
+            if getattr(report, "when", None) not in ("setup", "call", "teardown"):
+                continue
+            wall[report.nodeid] = wall.get(report.nodeid, 0.0) + report.duration
+            cpu[report.nodeid] = cpu.get(report.nodeid, 0.0) + dict(report.user_properties).get("cpu_s", 0.0)
+    if not wall:
+        return
+    write = terminalreporter.write_line
+    terminalreporter.section(f"time: the {SLOWEST_SHOWN} slowest tests (wall s, CPU s)")
+    for nodeid in sorted(wall, key=wall.get, reverse=True)[:SLOWEST_SHOWN]:
+        write(f"{wall[nodeid]:7.1f} {cpu[nodeid]:7.1f}  {nodeid}")
+    files: dict[str, list[float]] = {}
+    for nodeid in wall:
+        total = files.setdefault(nodeid.split("::")[0], [0.0, 0.0, 0])
+        total[0], total[1], total[2] = total[0] + wall[nodeid], total[1] + cpu[nodeid], total[2] + 1
+    terminalreporter.section("time: each file (wall s, CPU s, tests), slowest first")
+    for name in sorted(files, key=lambda f: files[f][0], reverse=True):
+        write(f"{files[name][0]:7.1f} {files[name][1]:7.1f} {files[name][2]:4d}  {name}")
+    write(f"{sum(wall.values()):7.1f} {sum(cpu.values()):7.1f} {len(wall):4d}  in all (wall summed over the workers)")

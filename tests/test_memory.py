@@ -474,11 +474,14 @@ print("RESULT " + json.dumps(out))
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_on_cuda_the_traced_plan_is_at_or_above_the_measured_peak_and_within_15_percent():
-    from conftest import child_result
+    from conftest import child_result, record_figure
 
     bench = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
     rows = child_result(CUDA_PEAKS.replace("BENCH", repr(bench)), env={"PJRT_DEVICE": None}, timeout=1800)
     assert rows, "no row of issue 54's table fits this GPU"
     for name, batch, seq, ckpt, planned, measured, method in rows:
+        record_figure(f"memory plan / peak: {name}, {batch} x {seq}{', checkpointed' if ckpt else ''}",
+                      f"{planned / 1e9:.2f} / {measured / 1e9:.2f} GB = {planned / measured:.3f} ({method.split()[0]})",
+                      "[1.00, 1.15], traced", method.startswith("traced") and 1.00 <= planned / measured <= 1.15)  # fmt: skip
         assert method.startswith("traced"), (name, method)
         assert 1.00 <= planned / measured <= 1.15, (name, batch, seq, ckpt, planned / 1e9, measured / 1e9)
