@@ -80,13 +80,24 @@ CHANGES = [
      "    device = device_type()"),
     ("device_calls", "import torch\nn_gpu = torch.cuda.device_count()\n", 'n_gpu = int(get_device().type != "cpu")'),
     ("generator_device", "import torch\ng = torch.Generator(device=device)\n", "g = torch.Generator()"),
+    # issue 61
+    ("sparse_device", "adj = torch.eye(4).to_sparse().to(device)\n", "adj = torch.eye(4).to_sparse().to_dense().to(device)"),
+    ("cpu_step_first", "loss = model(x).sum()\nloss.backward()\ndevice = torch.device('cuda')\n",
+     "get_device()  # tpu_utility.port: the XLA runtime first (a CPU backward before it breaks XLA's: pytorch/xla#4174)"),
+    ("optimizer_in_init", "device = torch.device('cuda')\nclass L(nn.Linear):\n    def __init__(self):\n"
+     "        self.opt = Adam(self.parameters())\n",
+     "        move_model(self, device)  # tpu_utility.port: the module on the device before its optimizer is built"),
+    ("flag_opt_out", "use_cuda = not args.no_cuda and torch.cuda.is_available()\n"
+     "device = torch.device('cuda' if use_cuda else 'cpu')\n",
+     "device = torch.device(get_device().type if not args.no_cuda else 'cpu')"),
+    ("cuda_seed", "import torch\ntorch.cuda.manual_seed_all(0)\n", "torch.manual_seed(0)"),
 ]
 # (rule, source, the 1-based line the report must name)
 LEFT = [
     ("host_sync", "for x, y in loader:\n    loss = loss_fn(model(x), y)\n    loss.backward()\n    total += loss.item()\n", 4),
     ("cpu_fallback", "counts = torch.bincount(labels)\n", 1),
     ("dynamic_shape", "for x, y in loader:\n    confident = logits[probs > 0.9]\n", 2),
-    ("cuda_call", "for epoch in range(3):\n    torch.cuda.empty_cache()\n", 2),
+    ("cuda_call", "for epoch in range(3):\n    torch.cuda.synchronize()\n", 2),
     ("cuda_guard", 'if args.amp and device.type == "cuda":\n    scaler = torch.amp.GradScaler("cuda")\n', 1),
     ("xla_use_bf16", 'import os\nos.environ["XLA_USE_BF16"] = "1"\n', 2),
     ("env_setup", "!python pytorch-xla-env-setup.py --version 1.7 --apt-packages libomp5\nimport torch\n", 1),
@@ -98,6 +109,10 @@ LEFT = [
     ("ddp_nccl", "import torch.distributed as dist\ndist.init_process_group(backend='nccl')\n", 2),
     ("hogwild", "model = Net()\nmodel.share_memory()\n", 2),
     ("device_bookkeeping", "best_acc1 = 0\nacc1 = validate(loader, model)\nbest_acc1 = max(acc1, best_acc1)\n", 3),
+    # issue 61
+    ("sparse_on_device", "adj = torch.sparse_coo_tensor(i, v, (4, 4), device=device)\n", 1),
+    ("cpu_step_before_launch", "loss.backward()\nxmp.spawn(fn)\ndevice = torch.device('cuda')\n", 1),
+    ("item_loop", "for i in range(32):\n    out[i] = scores[i].item()\n", 1),
 ]
 
 
@@ -398,7 +413,9 @@ def test_3_the_gpu_chosen_by_a_flag_becomes_the_accelerator_by_default_and_the_f
         if opt.cuda:
             netD.cuda()
         """)
-    assert 'if get_device().type != "cpu":' in new and "device = get_device()" in new, new
+    # the opt-in --cuda becomes the default; the opt-out --no-cuda holds (issue 61)
+    assert 'if get_device().type != "cpu":' in new, new
+    assert 'device = torch.device(get_device().type if not args.no_cuda else "cpu")' in new, new
     assert [(i.rule, i.where) for i in report.left] == [("cuda_flag_settings", "line 1")], report.text()
 
 
@@ -547,7 +564,7 @@ def test_10_a_model_on_xla_saves_with_the_ported_save_pretrained(tmp_path):
 
 def test_the_summary_and_exit_status_say_whether_the_output_runs_unchanged(tmp_path, capsys):
     cases = [("device = torch.device('cuda')\nfor x in loader:\n    total += loss_fn(x).item()\n", 0, "yes"),
-             ("torch.cuda.empty_cache()\n", 1, "no: 1 line(s) left")]  # fmt: skip
+             ("torch.cuda.synchronize()\n", 1, "no: 1 line(s) left")]  # fmt: skip
     for source, status, verdict in cases:
         script = tmp_path / "train.py"
         script.write_text(source)
@@ -559,7 +576,7 @@ def test_the_summary_and_exit_status_say_whether_the_output_runs_unchanged(tmp_p
 # ------------------------------------------------------- the corpus: programs people have (tests/kernels/README.md)
 # name -> (rules that must be among the changes, (rule, line) that the report must name as left, exit status)
 CORPUS = {
-    "mnist_main.py": ({"cuda_device", "tied_weights", "optimizer_step"},
+    "mnist_main.py": ({"flag_opt_out", "tied_weights", "optimizer_step"},  # its --no-cuda holds (issue 61)
                       {("host_sync", 52), ("host_sync", 54), ("cuda_flag_settings", 86)}, 0),
     "dcgan_main.py": ({"cuda_flag", "tied_weights", "cuda_move", "optimizer_step"}, {("host_sync", 133)}, 0),
     "word_language_model.py": ({"cuda_device", "tied_weights"}, {("host_sync", 124), ("host_sync", 125)}, 0),
