@@ -8,9 +8,9 @@ torch.accelerator.current_accelerator()``, off by default), and dcgan's current 
 the accelerator (``if opt.accel and torch.accelerator.is_available():``): the same, the flag's part of
 the test dropped and said. An opt-out (``--no-cuda``, ``--no-accel``: ``use_accel = not args.no_accel and
 torch.accelerator.is_available()``) is the user's explicit choice and is kept: ``if use_accel:`` stays
-where its assignment is ported (the accelerator's test), and with CUDA's test left there (it guards loader
-settings too) ``if use_cuda:`` around the device becomes ``if not args.no_cuda and get_device().type != "cpu":`` and ``torch.device("cuda" if use_cuda else "cpu")``
-keeps the flag (``device_strings``).
+where its assignment is ported (the accelerator's test). Where CUDA's test is left there (it guards loader
+settings too), ``if use_cuda:`` around the device becomes ``if not args.no_cuda and get_device().type !=
+"cpu":``, and ``torch.device("cuda" if use_cuda else "cpu")`` keeps the flag (``device_strings``).
 """
 
 from __future__ import annotations
