@@ -297,3 +297,81 @@ def test_import_device_in_a_class_body_or_a_launching_module_stays_lazy():
     assert "device = torch.device(device_type())" in new
     new, _, _ = _port('import torch\ndevice = torch.device("cuda")\n')
     assert "device = get_device()" in new  # one process: the device line of the docs
+
+
+# ---------------------------------------------- issue 61: what five more public programs did after a port said "yes"
+def test_generator_a_programs_own_generator_class_shadows_torchs():
+    # every GAN example: class Generator(nn.Module) ... netG = Generator(ngpu).to(device)
+    source = ("import torch\nfrom torch import nn\nclass Generator(nn.Module):\n    def __init__(self, ngpu):\n"
+              "        super().__init__()\nnetG = Generator(1)\ng = torch.Generator(device='cpu')\n")
+    new, changed, _ = _port(source)
+    assert "netG = Generator(1)" in new and "g = torch.Generator()" in new and changed == {"generator_device"}
+    # from torch import Generator stays torch's
+    assert "Generator()" in _port("from torch import Generator\ng = Generator(device)\n")[0]
+
+
+def test_samplers_a_programs_own_distributed_sampler_is_not_torchs():
+    _unchanged("class DistributedSampler:\n    pass\ns = DistributedSampler(ds, 4)\n")
+
+
+def test_sparse_a_sparse_tensors_move_is_made_dense_and_one_made_on_the_device_is_named():
+    new, changed, _ = _port("adj = torch.eye(4).to_sparse()\nadj = adj.to(device)\nb = torch.eye(2).to_sparse().cuda()\n")
+    assert "adj = adj.to_dense().to(device)" in new and "torch.eye(2).to_sparse().to_dense().to(get_device())" in new, new
+    assert changed == {"sparse_device"}
+    assert _port("a = torch.sparse_coo_tensor(i, v, (2, 2), device=device)\n")[2] == {"sparse_on_device"}
+    _unchanged("x = torch.eye(4).to(device)\n")
+
+
+def test_cpu_first_the_runtime_starts_before_a_cpu_baselines_backward_and_a_launching_program_is_named():
+    source = ("import torch\nmodel = torch.nn.Linear(2, 1)\nfor x in data:\n    model(x).sum().backward()\n"
+              "device = 'cuda' if torch.cuda.is_available() else 'cpu'\n")
+    new, changed, left = _port(source)
+    assert "get_device()  # tpu_utility.port: the XLA runtime first" in new.split("for x in data")[0], new
+    assert "cpu_step_first" in changed and not left
+    _, _, left = _port(source.replace("device = ", "xmp.spawn(fn)\ndevice = "))
+    assert "cpu_step_before_launch" in left
+    # the device first: nothing to do
+    assert "cpu_step_first" not in _port("device = torch.device('cuda')\nloss.backward()\n")[1]
+
+
+def test_module_optimizer_a_module_moves_before_the_optimizer_its_init_builds():
+    source = ("import torch\ndevice = torch.device('cuda')\nclass Layer(torch.nn.Linear):\n    def __init__(self):\n"
+              "        super().__init__(2, 2)\n        self.opt = torch.optim.Adam(self.parameters())\n")
+    new, changed, _ = _port(source)
+    assert "        move_model(self, device)  # tpu_utility.port" in new and "optimizer_in_init" in changed, new
+    # no device in the program: nothing moves
+    _unchanged(source.replace("device = torch.device('cuda')\n", ""))
+
+
+def test_cuda_seed_is_kept_beside_torch_manual_seed_and_becomes_it_alone_without_a_stop():
+    _unchanged("import torch\ntorch.manual_seed(0)\ntorch.cuda.manual_seed_all(0)\n")
+    new, changed, left = _port("import torch\ntorch.cuda.manual_seed(0)\n")
+    assert "torch.manual_seed(0)" in new and changed == {"cuda_seed"} and not left
+
+
+def test_item_loop_a_per_sample_item_over_a_tensor_is_named_and_one_over_a_list_is_not():
+    assert _port("for i in range(32):\n    out[i] = scores[i].item()\n")[2] == {"item_loop"}
+    _unchanged("scores = [1, 2]\nfor i in range(2):\n    out[i] = scores[i].item()\n")
+
+
+def test_cuda_flag_an_opt_in_flag_with_the_accelerator_test_is_the_default_and_an_opt_out_holds():
+    new, changed, _ = _port("if opt.accel and torch.accelerator.is_available():\n"
+                            "    device = torch.accelerator.current_accelerator()\n")
+    assert 'if get_device().type != "cpu":' in new and "cuda_flag" in changed, new
+    # --no-accel: the assignment is ported to the accelerator's test, and `if use_accel:` holds as it is
+    new, _, _ = _port("use_accel = not args.no_accel and torch.accelerator.is_available()\nif use_accel:\n"
+                      "    device = torch.accelerator.current_accelerator()\n")
+    assert 'use_accel = not args.no_accel and get_device().type != "cpu"' in new and "if use_accel:" in new, new
+    # --no-cuda with CUDA's test left (it guards loader settings): the device keeps the opt-out
+    new, changed, _ = _port("use_cuda = not args.no_cuda and torch.cuda.is_available()\n"
+                            "device = torch.device('cuda' if use_cuda else 'cpu')\n")
+    assert "torch.device(get_device().type if not args.no_cuda else 'cpu')" in new and "flag_opt_out" in changed, new
+
+
+def test_device_calls_a_name_bound_to_the_memory_module_lookup_gets_its_xla_meaning():
+    # peft's examples' TorchTracemalloc
+    new, changed, left = _port("class T:\n    def __enter__(self):\n"
+                               "        self.device_module = getattr(torch, device_type, torch.cuda)\n"
+                               "        self.device_module.empty_cache()\n        self.device_module.reset_peak_memory_stats()\n"
+                               "        self.begin = self.device_module.memory_allocated()\n")  # fmt: skip
+    assert new.count("pass  # tpu_utility.port") == 2 and changed == {"device_calls"} and left == {"memory_stats"}, new

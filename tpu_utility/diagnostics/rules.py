@@ -240,6 +240,42 @@ RULES_LIST: tuple[Rule, ...] = (
          "bfloat16 autocast: with tpu_utility.autocast(): (one_cycle_fit(..., precision='bf16')), or "
          "model.to(torch.bfloat16)", replaces='os.environ["XLA_USE_BF16"] = "1"', deprecated_in="2.4",
          tools=("port", "check")),
+    # ------------------------------------------- what five more public programs did after a port said "yes" (issue 61)
+    Rule("sparse_device", "XLA has no sparse tensors: moving one to the device raises NotImplementedError "
+         "('SparseXLA' backend)", "move it dense: adj.to_dense().to(device) (torch.sparse.mm and torch.spmm take "
+         "dense tensors too; the zeros cost memory, n*n, not correctness)",
+         replaces="torch.eye(n).to_sparse().to(device)", tools=_PORT),
+    Rule("sparse_on_device", "XLA has no sparse tensors: a sparse tensor made on the device raises "
+         "NotImplementedError ('SparseXLA' backend)", "make it on the CPU and move it dense: "
+         "torch.sparse_coo_tensor(i, v, size).to_dense().to(device)",
+         replaces="torch.sparse_coo_tensor(i, v, size, device=device)", tools=_PORT, breaks=True),
+    Rule("cpu_step_first", "a backward run on the CPU before the XLA runtime starts (a CPU baseline trained "
+         "first) breaks every later backward on XLA (pytorch/xla#4174): get_device() then raises",
+         "start the runtime before the first backward: get_device() at the top of the program (the CPU steps "
+         "still run on the CPU)", replaces="model.fit on the CPU, then device = ...", tools=_PORT),
+    Rule("cpu_step_before_launch", "a backward run on the CPU in the launching process breaks every later "
+         "backward on XLA (pytorch/xla#4174), and starting the runtime there first makes the launch refuse",
+         "train the CPU baseline in the launched function, after get_device(), or in its own program",
+         replaces="loss.backward() before xmp.spawn(...)", tools=_PORT, breaks=True),
+    Rule("optimizer_in_init", "an optimizer built in a module's __init__ holds its CPU parameters; the move after "
+         "it (model.to(device)) makes new parameters on XLA, so the optimizer updates the CPU copies and the "
+         "model does not learn (step_optimizer refuses)",
+         "move the module before its optimizer is built: move_model(self, device) before self.opt = "
+         "Adam(self.parameters()) (the later move is then a no-op)",
+         replaces="self.opt = Adam(self.parameters()) in __init__; model.to(device) after", tools=_PORT),
+    Rule("flag_opt_out", "the program's opt-out flag (--no-cuda, --no-accel) and torch.cuda.is_available() "
+         "decide the device together, and the availability test is False on a TPU",
+         'keep the flag, test the device: not args.no_cuda and get_device().type != "cpu"',
+         replaces='torch.device("cuda" if use_cuda else "cpu") with use_cuda = not args.no_cuda and ...',
+         tools=_PORT),
+    Rule("cuda_seed", "torch.cuda.manual_seed seeds CUDA's generators only: on a TPU it does nothing, so the "
+         "run is not seeded", "torch.manual_seed(seed), which seeds every device's generator",
+         replaces="torch.cuda.manual_seed_all(seed)", tools=_PORT),
+    Rule("item_loop", "a per-sample .item() (or an indexed write of one) over a device tensor reads the device "
+         "once per sample: a host sync each, and each indexed write compiles a graph (32 samples: 33 compiles)",
+         "read the tensor to the host once, then loop there: values = scores.cpu() (or .tolist()) before the "
+         "loop, out[i] = values[i] inside it", replaces="for i in range(n): out[i] = scores[i].item()",
+         tools=_PORT),
 )
 RULES: dict[str, Rule] = {rule.id: rule for rule in RULES_LIST}
 # the kinds of doctor's findings (doctor.Kind): its rules, less those it reports inside another's finding

@@ -31,6 +31,13 @@ class Plan:
     launches: bool = False  # the program starts processes itself (fixers.import_device)
     host_values: set[str] = field(default_factory=set)  # names bound to DataFrames, arrays, lists (fixers.dynamic_shape)
     device_flags: set[str] = field(default_factory=set)  # names bound to a comparison of device metrics (fixers.bookkeeping)
+    defined: set[str] = field(default_factory=set)  # classes and functions the program defines: they shadow torch's names
+    opt_outs: dict[str, str] = field(default_factory=dict)  # use_accel = not args.no_accel and ...: name -> the opt-out's code
+    sparse: set[str] = field(default_factory=set)  # names bound to sparse tensors (fixers.sparse)
+    device_modules: set[str] = field(default_factory=set)  # names bound to getattr(torch, device_type, ...) (fixers.device_calls)
+    before: dict[int, tuple[str, str]] = field(default_factory=dict)  # id(stmt) -> (rule, a line the walk puts before it)
+    named: dict[int, str] = field(default_factory=dict)  # id(stmt) -> the rule a fixer names it by in the walk
+    seeds_all_devices: bool = False  # the program calls torch.manual_seed itself (fixers.cuda_seed)
 
 
 def _names(module: Any, plan: Plan) -> None:
@@ -46,6 +53,12 @@ def _names(module: Any, plan: Plan) -> None:
                     plan.xm.add(bound)
                 if name == "torch_xla.distributed.xla_multiprocessing":
                     plan.xmp.add(bound)
+
+        def visit_ClassDef(self, node: Any) -> None:
+            plan.defined.add(node.name.value)  # class Generator(nn.Module) is the user's, not torch.Generator
+
+        def visit_FunctionDef(self, node: Any) -> None:
+            plan.defined.add(node.name.value)
 
         def visit_ImportFrom(self, node: Any) -> None:
             module = dotted(node.module) if node.module is not None else ""
@@ -78,6 +91,8 @@ def make_plan(modules: list[Any]) -> Plan:
     plan = Plan()
     for module in modules:
         _names(module, plan)
+    for name in plan.defined:  # the program's own class or function shadows a name imported from torch
+        plan.imported.pop(name, None)
     for module in modules:
         for analyse in fixers.analyses():
             analyse(module, plan)
