@@ -595,7 +595,7 @@ def builtin_callbacks(schedule: OneCycle | LrSchedule, stop: StopRule, checkpoin
     if progress:
         chosen.append(ProgressLine(best))
     if stop.restore_best:
-        chosen.append(RestoreBest(best))
+        chosen.append(RestoreBest(best, checkpoints.folder if checkpoints is not None else None))
     return chosen
 
 

