@@ -77,3 +77,34 @@ def test_a_restore_that_fails_at_the_end_returns_the_history_and_says_where_the_
     assert len(history.records) == 2 and history.model is model
     assert "the best weights were not restored" in history.stop_reason
     assert os.path.exists(tmp_path / "best.pt") and os.path.exists(tmp_path / "last.pt")
+
+
+# ------------------------------------------------------------------ 2. every given value used or refused
+def test_a_one_cycle_knob_beside_a_schedule_that_sets_it_is_refused_naming_both():
+    # 0.25 is pct_start's default value: written out, it is given, and OneCycle's 0.3 would have won unsaid
+    with pytest.raises(ValueError, match=r"pct_start=0.25 and schedule=OneCycle\(max_lr=None, pct_start=0.3, .*\) both "
+                                         r"shape the one-cycle schedule; give the settings in OneCycle\(...\) alone"):  # fmt: skip
+        fit(small_mlp(), flat_digits(64), schedule=OneCycle(pct_start=0.3), pct_start=0.25)
+    with pytest.raises(ValueError, match=r"div_factor=25.0 shapes schedule='one_cycle' only, but this call gives "
+                                         r"schedule='linear'"):  # fmt: skip
+        fit(small_mlp(), flat_digits(64), schedule="linear", div_factor=25.0)
+    # the default's own value left unwritten, or given alone, is used
+    assert fit(small_mlp(), flat_digits(64), pct_start=0.25).step_lrs == fit(small_mlp(), flat_digits(64)).step_lrs
+
+
+@pytest.mark.parametrize("given, way", [(OneCycle, r"an instance, schedule=OneCycle\(\) or OneCycle\(pct_start=0.3\)"),
+                                        (torch.optim.lr_scheduler.OneCycleLR, r"schedule=None and step your own")])
+def test_a_schedule_class_without_parentheses_is_named_as_such(given, way):
+    name = given.__qualname__
+    with pytest.raises(TypeError, match=rf"schedule={name} is the class {name}, not a schedule: give {way}"):
+        fit(small_mlp(), flat_digits(64), schedule=given)
+
+
+@pytest.mark.parametrize("memory", [math.inf, math.nan, -math.inf])
+def test_a_non_finite_device_memory_is_refused_naming_it(memory, monkeypatch):
+    with pytest.raises(ValueError, match=rf"device_memory must be one chip's bytes .*but given {memory!r}"):
+        memory_plan(small_mlp(), device_memory=memory)
+    monkeypatch.setenv("TPU_UTILITY_DEVICE_MEMORY_GB", str(memory))
+    with pytest.raises(ValueError, match=rf"TPU_UTILITY_DEVICE_MEMORY_GB must be a positive number of GiB per device "
+                                         rf"\(e.g. 16\), but is '{memory}'"):  # fmt: skip
+        memory_plan(small_mlp())
