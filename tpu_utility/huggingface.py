@@ -133,10 +133,15 @@ class SavedThroughCpu:
 
 
 def save_through_cpu(model: nn.Module) -> None:
-    """Makes ``model.save_pretrained(...)`` work while the model lives on XLA (``SavedThroughCpu``); once."""
-    save = getattr(model, "save_pretrained", None)
-    if callable(save) and not isinstance(save, SavedThroughCpu):
-        model.__dict__["save_pretrained"] = SavedThroughCpu(model, save)
+    """Makes ``model.save_pretrained(...)`` work while the model lives on XLA (``SavedThroughCpu``); once.
+
+    Every module inside that has one gets it too: peft's ``merge_and_unload()`` returns the transformers
+    model inside the peft model, and ``merged.save_pretrained(folder)`` is peft's own idiom after a run.
+    """
+    for module in model.modules():
+        save = getattr(module, "save_pretrained", None)
+        if callable(save) and not isinstance(save, SavedThroughCpu):
+            module.__dict__["save_pretrained"] = SavedThroughCpu(module, save)
 
 
 def _always_built_sdpa_mask(*args: Any, **kwargs: Any) -> Any:
