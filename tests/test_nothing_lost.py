@@ -108,3 +108,46 @@ def test_a_non_finite_device_memory_is_refused_naming_it(memory, monkeypatch):
     with pytest.raises(ValueError, match=rf"TPU_UTILITY_DEVICE_MEMORY_GB must be a positive number of GiB per device "
                                          rf"\(e.g. 16\), but is '{memory}'"):  # fmt: skip
         memory_plan(small_mlp())
+
+
+# ------------------------------------------------------------------ 5. the smaller items
+def test_the_summary_says_what_the_weights_are_and_what_computes():
+    from tpu_utility.training.precision import PrecisionMode
+
+    cpu = torch.device("cpu")
+    lora_like = nn.Sequential(nn.Linear(2, 2).to(torch.bfloat16).requires_grad_(False), nn.Linear(2, 2))
+    assert PrecisionMode("fp32", cpu).words(small_mlp()) == "fp32"
+    assert PrecisionMode("fp32", cpu).words(small_mlp().to(torch.bfloat16)) == (
+        "no autocast (precision='fp32'): computes in the weights' dtype | weights bf16")
+    assert PrecisionMode("autocast", cpu).words(lora_like) == "bf16 (autocast) | weights bf16 (frozen), fp32 (trained)"
+
+
+class HalfBase(nn.Module):
+    """A LoRA-like model as loaded in bf16: a frozen bf16 base, a trained fp32 head."""
+
+    def __init__(self):
+        super().__init__()
+        self.base, self.head = nn.Linear(64, 32).to(torch.bfloat16).requires_grad_(False), nn.Linear(32, 10)
+
+    def forward(self, x):
+        return self.head(self.base(x.flatten(1).to(torch.bfloat16)).float())
+
+
+def test_a_bf16_loaded_model_is_not_summarised_as_fp32():
+    history = fit(HalfBase(), flat_digits(64))
+    assert ("| no autocast (precision='fp32'): computes in the weights' dtype | weights bf16 (frozen), fp32 (trained) |"
+            in history.summary), history.summary
+
+
+def test_the_version_warning_and_the_docs_claim_only_what_is_measured():
+    from tpu_utility.huggingface import transformers_too_old
+
+    told = transformers_too_old("4.57.1")
+    assert "host sync" not in told and "pip install -U 'transformers>=5.0'" in told  # 0 measured for a Qwen2 LoRA
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    docs = {name: open(os.path.join(root, "docs", name)).read() for name in os.listdir(os.path.join(root, "docs"))
+            if name.endswith(".md")}  # fmt: skip
+    # tests/test_huggingface.py measures a BERT's steps at 0 host syncs (its masks built on the device)
+    assert "so a BERT step makes 0 host syncs (measured)" in " ".join(docs["training.md"].split())
+    assert "makes one host sync" not in docs["training.md"] and "masks are read on the host" not in docs["llm.md"]
+    assert not [name for name, text in docs.items() if "torch_dtype=" in text]  # transformers 5 deprecates it: dtype=
