@@ -47,8 +47,8 @@ def transformers_too_old(version: str | None) -> str | None:
         return None
     floor = ".".join(map(str, TRANSFORMERS_FLOOR))
     return (f"transformers {version} is installed, but tpu_utility supports transformers {floor} and later (tested: "
-            f"{floor}, Colab's 5.15 and the newest); below it padded attention masks cost host syncs in every step "
-            f"on XLA, LoRA with gradient checkpointing fails and generate is untested. Upgrade with: pip install -U "
+            f"{floor}, Colab's 5.15 and the newest); below it LoRA with gradient checkpointing fails and generate "
+            f"is untested. Upgrade with: pip install -U "
             f"'transformers>={floor}'")  # fmt: skip
 
 
