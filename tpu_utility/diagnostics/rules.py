@@ -180,7 +180,7 @@ RULES_LIST: tuple[Rule, ...] = (
          "get_device())", replaces='from_pretrained(name, device_map="auto")', tools=_PORT),
     Rule("bitsandbytes", "bitsandbytes' 4-bit and 8-bit layers have CUDA kernels only, none for XLA: the load "
          "raises or the quantized layers run on the host",
-         "load in bfloat16 without quantization (from_pretrained(name, torch_dtype=torch.bfloat16)) and train "
+         "load in bfloat16 without quantization (from_pretrained(name, dtype=torch.bfloat16)) and train "
          "LoRA on it; a model too large for one core: shard it with tpu_utility.FSDP instead of QLoRA",
          replaces="BitsAndBytesConfig(load_in_4bit=True) / load_in_8bit=True", tools=_PORT, breaks=True),
     Rule("import_time_device", "a device chosen when the module is imported (a config class's attribute, a "
