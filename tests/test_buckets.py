@@ -78,8 +78,9 @@ def test_collate_takes_dict_samples_and_feature_dimensions():
     assert tokens.tolist() == [[1, 2, 0, 0], [4, 0, 0, 0]] and target.tolist() == [3, 5]
     frames, mask, _ = collate([(torch.ones(3, 2), 0.5), (torch.ones(1, 2), 1.5)])  # e.g. audio frames
     assert frames.shape == (2, 4, 2) and frames[1, 1:].abs().sum() == 0
+    assert collate([{"input_ids": [1]}])["input_ids"].tolist() == [[1, 0, 0, 0]]  # no label: a dict batch (keys="auto")
     with pytest.raises(KeyError, match=r"lacks \['label'\]"):
-        collate([{"input_ids": [1]}])
+        BucketCollate([4], keys=("input_ids", "label"))([{"input_ids": [1]}])
 
 
 def test_dict_batches_pad_every_sequence_with_its_own_value():
@@ -515,3 +516,16 @@ def test_the_variable_length_refusals_snippet_runs_on_the_split_that_raised_it()
     # the docs' form (keys=None, pad_value=) takes the same split: its text column is left out, as one_cycle_fit does
     batch = BucketCollate([16], pad_value=0, keys=None)([train_data[0], train_data[1]])
     assert sorted(batch) == ["attention_mask", "input_ids", "labels"] and batch["input_ids"].shape == (2, 16)
+
+
+def test_a_hand_loops_sampler_with_another_count_of_lengths_than_samples_is_refused():
+    data = [(torch.arange(1, 5 + i % 7), 0) for i in range(40)]
+    lengths, collate = [len(s) for s, _ in data], BucketCollate([8, 16])
+    for given, what in ((lengths[:30], r"30 lengths but loader.dataset has 40 samples \(samples 30 to 39 would never "
+                                       r"be drawn\)"), (lengths + [5] * 10, r"50 lengths .* \(indices 40 to 49 are not")):  # fmt: skip
+        loader = DataLoader(data, batch_sampler=BucketBatchSampler(given, collate.buckets, batch_size=4),
+                            collate_fn=collate)  # fmt: skip
+        with pytest.raises(ValueError, match=rf"loader.batch_sampler has {what}"):
+            list(loader)  # a plain torch loop: no tpu_utility call between the loader and its batches
+    loader = DataLoader(data, batch_sampler=BucketBatchSampler(lengths, collate.buckets, batch_size=4), collate_fn=collate)
+    assert sorted(i for b in loader.batch_sampler for i in b) == list(range(40)) and len(list(loader)) == 10

@@ -26,13 +26,14 @@ from __future__ import annotations
 import bisect
 import math
 import numbers
+import sys
 import warnings
 import zlib
 from collections.abc import Mapping
 from typing import Any, Iterable, Iterator, Literal, Sequence, get_args
 
 import torch
-from torch.utils.data import Sampler
+from torch.utils.data import DataLoader, Sampler
 from torch.utils.data.dataloader import default_collate
 
 from .. import backend
@@ -312,6 +313,9 @@ class BucketBatchSampler(Sampler[list[int]]):
         return self._batches(self._share()[0])
 
     def __iter__(self) -> Iterator[list[int]]:
+        loader = sys._getframe(1).f_locals.get("loader")  # torch's DataLoader iterator starting a pass holds its loader
+        if isinstance(loader, DataLoader) and loader.batch_sampler is self:  # a hand loop's: checked as one_cycle_fit's
+            self.check_dataset(loader.dataset, "loader", loader.collate_fn, stacklevel=4)
         replicas, rank = self._share()
         generator = torch.Generator().manual_seed(self.seed + self.epoch) if self.shuffle else None
         if replicas == 1:
