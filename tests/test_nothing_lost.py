@@ -151,3 +151,28 @@ def test_the_version_warning_and_the_docs_claim_only_what_is_measured():
     assert "so a BERT step makes 0 host syncs (measured)" in " ".join(docs["training.md"].split())
     assert "makes one host sync" not in docs["training.md"] and "masks are read on the host" not in docs["llm.md"]
     assert not [name for name, text in docs.items() if "torch_dtype=" in text]  # transformers 5 deprecates it: dtype=
+
+
+def test_the_checks_timeout_stops_the_program_with_the_processes_it_started(tmp_path):
+    import sys
+    import time
+
+    from tpu_utility.diagnostics.port.check import run_bounded
+
+    started = tmp_path / "server.pid"
+    program = (f"import subprocess, sys, time\n"
+               f"server = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])\n"
+               f"open({str(started)!r}, 'w').write(str(server.pid))\n"
+               f"time.sleep(600)\n")  # fmt: skip
+    assert run_bounded([sys.executable, "-c", program], dict(os.environ), timeout=3) is None
+    server = int(started.read_text())
+    for _ in range(50):  # killed with its group; reaped by init
+        try:
+            os.kill(server, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail(f"the program's own process {server} outlived the check's timeout")
+    ran = run_bounded([sys.executable, "-c", "print('done')"], dict(os.environ), timeout=60)
+    assert ran.returncode == 0 and ran.stdout == "done\n"
