@@ -297,3 +297,15 @@ def test_import_device_in_a_class_body_or_a_launching_module_stays_lazy():
     assert "device = torch.device(device_type())" in new
     new, _, _ = _port('import torch\ndevice = torch.device("cuda")\n')
     assert "device = get_device()" in new  # one process: the device line of the docs
+
+
+def test_transformers_api_names_peft_removed_apis_and_a_trainer_it_cannot_port():
+    _, changed, left = _port("from peft import get_peft_model, prepare_model_for_int8_training\n"
+                             "model = prepare_model_for_int8_training(model)\n")
+    assert left == {"peft_removed"} and not changed
+    for source in ("from transformers import Trainer as HfTrainer\nHfTrainer(model=model, args=args).train()\n",
+                   "import transformers\ntransformers.Trainer(model=model, args=args).train()\n",
+                   "from trl import SFTTrainer\nSFTTrainer(model=model, train_dataset=ds).train()\n"):
+        assert _port(source)[2] == {"hf_trainer"}, source
+    _unchanged("class Trainer:\n    pass\nTrainer().fit()\n")  # a program's own Trainer is its own
+    _unchanged("from peft import prepare_model_for_kbit_training\n")
