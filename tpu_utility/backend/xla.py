@@ -262,11 +262,10 @@ def shard_parameters(model: torch.nn.Module, blocks: Sequence[torch.nn.Module]) 
     mesh = _fsdp_mesh(global_device_count())
     for param in model.parameters():
         xs.mark_sharding(param, mesh, _prepare_spmd_partition_spec(param, shard_maximal=True))
-    from ..huggingface import base_model, is_transformers_model
-
-    # a transformers model returns a ModelOutput, for which torch never calls a full backward hook (and warns so):
-    # the root's barrier is left out where it could not act
-    root = [] if is_transformers_model(base_model(model)) else [model]
+    # a transformers model (or a peft model of one) returns a ModelOutput, for which torch never calls a full
+    # backward hook (and warns so at every run): the root's barrier is left out where it could not act
+    transformers = sys.modules.get("transformers")
+    root = [] if _returns(model, getattr(transformers, "PreTrainedModel", ())) else [model]
     added = []
     for module in (*blocks, *root):
         before = set(module._backward_hooks)
@@ -279,6 +278,12 @@ def shard_parameters(model: torch.nn.Module, blocks: Sequence[torch.nn.Module]) 
             module._is_full_backward_hook = None if not module._backward_hooks else module._is_full_backward_hook
 
     return undo
+
+
+def _returns(model: torch.nn.Module, kind: Any) -> bool:
+    """Whether ``model`` (or the model inside a peft wrapper) is of ``kind``, found without importing its library."""
+    inner = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
+    return bool(kind) and isinstance(inner, kind)
 
 
 def _data_mesh(devices: int) -> Any:
