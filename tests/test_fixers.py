@@ -375,3 +375,15 @@ def test_device_calls_a_name_bound_to_the_memory_module_lookup_gets_its_xla_mean
                                "        self.device_module.empty_cache()\n        self.device_module.reset_peak_memory_stats()\n"
                                "        self.begin = self.device_module.memory_allocated()\n")  # fmt: skip
     assert new.count("pass  # tpu_utility.port") == 2 and changed == {"device_calls"} and left == {"memory_stats"}, new
+
+
+def test_transformers_api_names_peft_removed_apis_and_a_trainer_it_cannot_port():
+    _, changed, left = _port("from peft import get_peft_model, prepare_model_for_int8_training\n"
+                             "model = prepare_model_for_int8_training(model)\n")
+    assert left == {"peft_removed"} and not changed
+    for source in ("from transformers import Trainer as HfTrainer\nHfTrainer(model=model, args=args).train()\n",
+                   "import transformers\ntransformers.Trainer(model=model, args=args).train()\n",
+                   "from trl import SFTTrainer\nSFTTrainer(model=model, train_dataset=ds).train()\n"):
+        assert _port(source)[2] == {"hf_trainer"}, source
+    _unchanged("class Trainer:\n    pass\nTrainer().fit()\n")  # a program's own Trainer is its own
+    _unchanged("from peft import prepare_model_for_kbit_training\n")

@@ -13,7 +13,7 @@ PACKAGE = os.path.join(ROOT, "tpu_utility")
 # Inside the backend the same holds module by module: what every backend answers and the probes, then the
 # backends, TorchTPU over the native one, then the choice and the functions that delegate to it.
 LAYERS = [
-    {"backend.base", "backend.hardware", "backend.versions", "backend.choice"},
+    {"backend.base", "backend.hardware", "backend.versions", "backend.choice", "backend.xla_log"},
     {"backend.native", "backend.xla"},
     {"backend.tpu"},
     {"backend.api"},

@@ -47,8 +47,8 @@ def transformers_too_old(version: str | None) -> str | None:
         return None
     floor = ".".join(map(str, TRANSFORMERS_FLOOR))
     return (f"transformers {version} is installed, but tpu_utility supports transformers {floor} and later (tested: "
-            f"{floor}, Colab's 5.15 and the newest); below it padded attention masks cost host syncs in every step "
-            f"on XLA, LoRA with gradient checkpointing fails and generate is untested. Upgrade with: pip install -U "
+            f"{floor}, Colab's 5.15 and the newest); below it LoRA with gradient checkpointing fails and generate "
+            f"is untested. Upgrade with: pip install -U "
             f"'transformers>={floor}'")  # fmt: skip
 
 
@@ -133,10 +133,15 @@ class SavedThroughCpu:
 
 
 def save_through_cpu(model: nn.Module) -> None:
-    """Makes ``model.save_pretrained(...)`` work while the model lives on XLA (``SavedThroughCpu``); once."""
-    save = getattr(model, "save_pretrained", None)
-    if callable(save) and not isinstance(save, SavedThroughCpu):
-        model.__dict__["save_pretrained"] = SavedThroughCpu(model, save)
+    """Makes ``model.save_pretrained(...)`` work while the model lives on XLA (``SavedThroughCpu``); once.
+
+    Every module inside that has one gets it too: peft's ``merge_and_unload()`` returns the transformers
+    model inside the peft model, and ``merged.save_pretrained(folder)`` is peft's own idiom after a run.
+    """
+    for module in model.modules():
+        save = getattr(module, "save_pretrained", None)
+        if callable(save) and not isinstance(save, SavedThroughCpu):
+            module.__dict__["save_pretrained"] = SavedThroughCpu(module, save)
 
 
 def _always_built_sdpa_mask(*args: Any, **kwargs: Any) -> Any:

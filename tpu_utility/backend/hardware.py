@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import glob
+import math
 import os
 from dataclasses import dataclass
 
@@ -95,7 +96,7 @@ def memory_override(variable: str = MEMORY_ENV) -> int | None:
         gib = float(value)
     except ValueError:
         gib = -1.0
-    if not gib > 0:
+    if not 0 < gib < math.inf:
         per = " per device" if variable == MEMORY_ENV else ""
         raise ValueError(f"{variable} must be a positive number of GiB{per} (e.g. 16), but is {value!r}")
     return int(gib * 2**30)

@@ -216,6 +216,9 @@ def use_spmd() -> None:
     torch_xla = require_xla()
     import torch_xla.runtime as xr
 
+    from .xla_log import say_once
+
+    say_once()  # GSPMD's deprecation notice, once per compiled graph: said once
     if xr.is_spmd():
         return
     if torch_xla._XLAC._xla_get_spmd_config_is_locked():
@@ -259,8 +262,12 @@ def shard_parameters(model: torch.nn.Module, blocks: Sequence[torch.nn.Module]) 
     mesh = _fsdp_mesh(global_device_count())
     for param in model.parameters():
         xs.mark_sharding(param, mesh, _prepare_spmd_partition_spec(param, shard_maximal=True))
+    # a transformers model (or a peft model of one) returns a ModelOutput, for which torch never calls a full
+    # backward hook (and warns so at every run): the root's barrier is left out where it could not act
+    transformers = sys.modules.get("transformers")
+    root = [] if _returns(model, getattr(transformers, "PreTrainedModel", ())) else [model]
     added = []
-    for module in (*blocks, model):
+    for module in (*blocks, *root):
         before = set(module._backward_hooks)
         xs.xla_sharding.apply_backward_optimization_barrier(module)
         added += [(module, key) for key in set(module._backward_hooks) - before]
@@ -271,6 +278,12 @@ def shard_parameters(model: torch.nn.Module, blocks: Sequence[torch.nn.Module]) 
             module._is_full_backward_hook = None if not module._backward_hooks else module._is_full_backward_hook
 
     return undo
+
+
+def _returns(model: torch.nn.Module, kind: Any) -> bool:
+    """Whether ``model`` (or the model inside a peft wrapper) is of ``kind``, found without importing its library."""
+    inner = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
+    return bool(kind) and isinstance(inner, kind)
 
 
 def _data_mesh(devices: int) -> Any:

@@ -180,7 +180,7 @@ RULES_LIST: tuple[Rule, ...] = (
          "get_device())", replaces='from_pretrained(name, device_map="auto")', tools=_PORT),
     Rule("bitsandbytes", "bitsandbytes' 4-bit and 8-bit layers have CUDA kernels only, none for XLA: the load "
          "raises or the quantized layers run on the host",
-         "load in bfloat16 without quantization (from_pretrained(name, torch_dtype=torch.bfloat16)) and train "
+         "load in bfloat16 without quantization (from_pretrained(name, dtype=torch.bfloat16)) and train "
          "LoRA on it; a model too large for one core: shard it with tpu_utility.FSDP instead of QLoRA",
          replaces="BitsAndBytesConfig(load_in_4bit=True) / load_in_8bit=True", tools=_PORT, breaks=True),
     Rule("import_time_device", "a device chosen when the module is imported (a config class's attribute, a "
@@ -232,6 +232,17 @@ RULES_LIST: tuple[Rule, ...] = (
          "tensors lack: it raises for a model that lives on XLA",
          "give it a CPU copy of the weights: model.save_pretrained(path, state_dict={k: v.cpu() for k, v in "
          "model.state_dict().items()})", replaces="model.save_pretrained(path)", tools=_PORT, breaks=True),
+    Rule("peft_removed", "peft no longer has it (prepare_model_for_kbit_training replaced it, for 8-bit and 4-bit "
+         "loads that XLA has no kernels for): ImportError",
+         "delete the call with its load_in_8bit=True: load in bfloat16 (from_pretrained(name, dtype=torch.bfloat16)); "
+         "get_peft_model freezes the base itself, and with gradient checkpointing add "
+         "model.enable_input_require_grads()", replaces="from peft import prepare_model_for_int8_training",
+         tools=_PORT, breaks=True),
+    Rule("hf_trainer", "Hugging Face's Trainer runs a loop of its own, which port does not rewrite",
+         "give its model and datasets to one_cycle_fit (TrainingArguments' num_train_epochs -> epochs, learning_rate "
+         "-> max_lr, per_device_train_batch_size -> batch_size, warmup_steps -> warmup, lr_scheduler_type -> "
+         "schedule; docs/llm.md), or keep Trainer, which runs on XLA through accelerate",
+         replaces="Trainer(model=model, args=TrainingArguments(...), ...).train()", tools=_PORT),
     Rule("transformers_adamw", "transformers.AdamW is gone from transformers 5: ImportError",
          "torch.optim.AdamW(params, weight_decay=0.0, ...): weight_decay=0.0 was transformers' default (torch's "
          "is 0.01)", replaces="from transformers import AdamW", removed_in="", tools=_PORT),

@@ -643,7 +643,7 @@ def _device_memory(given: int | float | str | None) -> int | None:
             raise ValueError(f"device_memory must be {allowed}, but given {given!r}")
         return found
     if given is not None:
-        if isinstance(given, bool) or not isinstance(given, (int, float)) or not given >= 1:
+        if isinstance(given, bool) or not isinstance(given, (int, float)) or not 1 <= given < math.inf:
             raise ValueError(f"device_memory must be {allowed}, but given {given!r}")
         if given < GB:
             raise ValueError(f"device_memory={given!r} is {given!r} bytes, less than a GB: a unit slip? device_memory "

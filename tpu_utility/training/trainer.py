@@ -463,7 +463,7 @@ def _summary(loop: Trainer) -> str:
         + (f"{plan.memory} | " if plan.memory else "")
         + "".join(f"{part} | " for part in schedule)
         + (f"{runner.compiling.words} | " if runner.compiling.words else "")
-        + f"{runner.precision.label} | {plan.optimizer_name}{' (torch_xla sync-free, fused)' if loop.fused else ''}"
+        + f"{runner.precision.words(loop.model)} | {plan.optimizer_name}{' (torch_xla sync-free, fused)' if loop.fused else ''}"
         + (" (fused)" if loop.optimizer.defaults.get("fused") else "")
         + (f" | peak lr per param group x{[round(r, 6) for r in loop.lr_ratios]}" if set(loop.lr_ratios) != {1.0} else "")
         + (f" | callbacks {', '.join(map(_named, users))}" if users else "")

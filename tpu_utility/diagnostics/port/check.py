@@ -17,6 +17,7 @@ from __future__ import annotations
 import ast
 import json
 import os
+import signal
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -109,6 +110,31 @@ def _verdict(said: dict, steps: int) -> tuple[bool | None, str]:
     return True, f"{how} with the parameters on XLA; XLA ran {said['executed']} graph(s)"
 
 
+def run_bounded(command: list[str], env: dict[str, str], timeout: float) -> subprocess.CompletedProcess | None:
+    """``command``'s run, its output captured, or None if it ran past ``timeout`` seconds.
+
+    It runs in a session of its own, and at the end (its own exit, or the timeout) the whole process group is
+    killed: DataLoader workers or servers it started stop with it, and none holds the output pipes open.
+    """
+    with subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          start_new_session=True) as process:  # fmt: skip
+        try:
+            out, err = process.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            _kill_group(process.pid)
+            process.communicate()
+            return None
+        _kill_group(process.pid)  # what it left running
+        return subprocess.CompletedProcess(command, process.returncode, out, err)
+
+
+def _kill_group(group: int) -> None:
+    try:
+        os.killpg(group, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):  # none left
+        pass
+
+
 def dry_run(path: str, steps: int = 3, argv: list[str] | None = None, timeout: float = 600) -> CheckResult:
     """Runs ``path`` (a ported .py script) until ``steps`` optimizer steps on XLA:CPU and says whether it ran on XLA.
 
@@ -123,11 +149,10 @@ def dry_run(path: str, steps: int = 3, argv: list[str] | None = None, timeout: f
         True
     """
     env = {**os.environ, "PJRT_DEVICE": os.environ.get("PJRT_DEVICE", "CPU")}
-    try:
-        r = subprocess.run([sys.executable, "-c", _BOOT, str(steps), path, *(argv or [])], env=env,
-                           capture_output=True, text=True, timeout=timeout)  # fmt: skip
-    except subprocess.TimeoutExpired:
-        return CheckResult(False, f"check: failed: the program ran past {timeout:.0f} s before {steps} optimizer steps")
+    r = run_bounded([sys.executable, "-c", _BOOT, str(steps), path, *(argv or [])], env, timeout)
+    if r is None:
+        return CheckResult(False, f"check: failed: the program ran past {timeout:.0f} s before {steps} optimizer steps "
+                                  f"(stopped, with the processes it started)")  # fmt: skip
     lines = [line for line in r.stdout.splitlines() if line.startswith(_MARK)]
     if not lines:
         return CheckResult(False, f"check: failed: the run ended without a verdict (exit {r.returncode}):\n{r.stderr[-2000:]}")

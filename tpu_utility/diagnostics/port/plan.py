@@ -28,6 +28,7 @@ class Plan:
     imports: list[tuple[str, str | None, str | None]] = field(default_factory=list)  # others: (module, name, alias)
     models: set[str] = field(default_factory=set)  # names the program uses as modules (fixers.move_model)
     hf_adamw: set[str] = field(default_factory=set)  # names bound to transformers.AdamW
+    hf_trainers: set[str] = field(default_factory=set)  # names bound to transformers' or trl's Trainer classes
     launches: bool = False  # the program starts processes itself (fixers.import_device)
     host_values: set[str] = field(default_factory=set)  # names bound to DataFrames, arrays, lists (fixers.dynamic_shape)
     device_flags: set[str] = field(default_factory=set)  # names bound to a comparison of device metrics (fixers.bookkeeping)
