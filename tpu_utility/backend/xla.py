@@ -152,7 +152,8 @@ def _check_autograd(dev: torch.device) -> None:
         return
     probe = torch.ones(2, device=dev, requires_grad=True)
     try:
-        (probe * 2).sum().backward()  # with an op between: a bare leaf's sum (or a 0-dim one) fails under SPMD
+        with torch.enable_grad():  # a first get_device() inside torch.no_grad() too
+            (probe * 2).sum().backward()  # with an op between: a bare leaf's sum (or a 0-dim one) fails under SPMD
     except RuntimeError as error:
         if "device_ready_queues_" in str(error):
             raise RuntimeError(CPU_BACKWARD_FIRST) from None

@@ -32,7 +32,7 @@ from ..checkpoint import CHECKPOINT_NAME
 from ..compiler import EAGER, Compile
 from ..data.loaders import LabelCheck, LoaderSpec, dropped_per_epoch, refuse_uncounted, set_epoch
 from ..files import folder_lock, join, remove, remove_stale_temporaries
-from ..huggingface import is_causal_lm, restore_masks
+from ..huggingface import is_causal_lm, restore_masks, restore_packed_attention
 from ..optim import on_xla, take_step
 from ..progress import CompileNotice, progress_bar
 from .builtins import BEST_NAME, HISTORY_NAME
@@ -244,6 +244,7 @@ def _train(model: nn.Module, plan: FitPlan) -> tuple[nn.Module, History]:
         return _run(loop, model, plan)
     finally:  # a transformers model leaves with its own attention implementation (see static_masks)
         restore_masks(model, loop.runner.found_attention)
+        restore_packed_attention(loop.runner.packed_attention)
         loop.runner.strategy.leave(model)  # its hooks off: history.model is the plain model
 
 
