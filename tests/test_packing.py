@@ -19,7 +19,9 @@ from torch.utils.data import Dataset
 from llm_models import VOCAB, adamw, causal_lm, counting, lora, plain_cpu_losses
 from one_thread import one_torch_thread  # noqa: F401
 from tpu_utility import PackedDataset, backend, evaluate, get_device, move_model, one_cycle_fit, packed_attention
+from tpu_utility.backend.hardware import peak_flops
 from tpu_utility.data.packing import first_fit_decreasing
+from tpu_utility.training.throughput import training_flops_per_token
 
 
 def alpaca_lengths(n, seed=0):
@@ -143,7 +145,9 @@ def test_per_sample_losses_of_packed_rows_equal_each_sample_run_alone_on_the_cpu
     assert crossing != pytest.approx(alone, abs=1e-3), "without packed_attention the samples attend to each other"
 
 
-def test_a_packed_run_trains_as_the_plain_cpu_loop_with_flat_compiles_no_host_syncs_and_the_unpacked_valid_loss():
+def test_a_packed_run_trains_as_the_plain_cpu_loop_with_flat_compiles_no_host_syncs_and_the_unpacked_valid_loss(
+        monkeypatch, tmp_path):  # fmt: skip
+    monkeypatch.setenv("TPU_UTILITY_DEVICE_NAME", "v5e")  # the chip's name, as a TPU VM's PCI scan gives it
     train = PackedDataset(instructions(64, seed=1), length=32)
     # equal-length samples, so the unpacked ones batch as they are: 3 to a packed row of 48
     valid = counting(24, seed=2, ignored=3)
@@ -160,3 +164,31 @@ def test_a_packed_run_trains_as_the_plain_cpu_loop_with_flat_compiles_no_host_sy
     unpacked = evaluate(history.model, valid, batch_size=8)["loss"]
     assert history.records[-1].valid_loss == pytest.approx(unpacked, rel=1e-5)
     assert not hasattr(history.model.get_base_model().model, "_tpu_utility_packed_attention"), "given back after"
+    # real tokens/s and MFU on the epoch line, in the records and the CSV; the summary says the real-token share
+    flops = training_flops_per_token(history.model, 32)
+    for record in history.records:
+        assert record.tokens_per_s == pytest.approx(record.samples_per_s * train.real_tokens / len(train))
+        assert record.mfu == pytest.approx(record.tokens_per_s * flops / 197e12)
+        assert f"{record.tokens_per_s:,.0f} tokens/s" in record.line(2) and f"MFU {record.mfu:.1%}" in record.line(2)
+    assert f"{train.fill:.1%} real tokens" in history.summary and "MFU against v5e's bf16 peak" in history.summary
+    history.to_csv(tmp_path / "h.csv")
+    header = (tmp_path / "h.csv").read_text().splitlines()[0].split(",")
+    assert "tokens_per_s" in header and "mfu" in header
+
+
+def test_the_flops_of_a_token_count_full_training_as_6n_and_lora_as_what_it_computes():
+    full, rows = causal_lm("llama"), 64
+    config = full.config
+    embedding = config.vocab_size * config.hidden_size
+    attention = 12 * config.num_hidden_layers * config.num_attention_heads * config.head_dim * rows
+    n = sum(p.numel() for p in full.parameters()) - embedding  # the lookup computes nothing
+    assert training_flops_per_token(full, rows) == 6 * n + attention
+    adapted = lora(causal_lm("llama"))
+    adapters = sum(p.numel() for p in adapted.parameters() if p.requires_grad)
+    assert 0 < adapters < n / 10
+    n = sum(p.numel() for p in adapted.parameters()) - embedding
+    assert training_flops_per_token(adapted, rows) == 4 * n + 2 * adapters + attention  # no frozen weight's gradient
+    tied = causal_lm("llama", tied=True)  # the head is the embedding's matrix: counted once, as a matmul
+    assert training_flops_per_token(tied, rows) == 6 * sum(p.numel() for p in tied.parameters()) + attention
+    assert peak_flops("v5e") == 197e12 and peak_flops("v6e") == 918e12 and peak_flops("NVIDIA H100 80GB HBM3") == 989e12
+    assert peak_flops("NVIDIA L4") == 121e12 and peak_flops("NVIDIA L40S") is None and peak_flops(None) is None

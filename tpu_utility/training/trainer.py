@@ -30,6 +30,7 @@ from torch import nn
 from .. import backend
 from ..checkpoint import CHECKPOINT_NAME
 from ..compiler import EAGER, Compile
+from ..data.packing import PackedDataset
 from ..data.loaders import LabelCheck, LoaderSpec, dropped_per_epoch, refuse_uncounted, set_epoch
 from ..files import folder_lock, join, remove, remove_stale_temporaries
 from ..huggingface import is_causal_lm, restore_masks, restore_packed_attention
@@ -42,6 +43,7 @@ from .metrics import MetricSet
 from .precision import Precision
 from .runner import Runner
 from .strategies import Single, Strategy
+from .throughput import Throughput
 from .steps import EvalStep, LossStep
 from .schedule import peak_ratios, total_optimizer_steps
 
@@ -123,6 +125,9 @@ class Trainer:
         runner.compile_for(self.total_steps)
         self.events = Events([*plan.builtins, *plan.callbacks])
         self.history = History(steps_per_epoch=per_epoch)
+        # real tokens/s and MFU for token data that knows its tokens (a PackedDataset), where the chip's peak is known
+        self.throughput = Throughput.of(plan.train.dataset, runner.model, backend.current().devices.chip_name(runner.device),
+                                        self.cores)
         self.history.summary = _summary(self)
         # what the loop and the callbacks update as the run goes
         self.start_epoch = self.step = 0  # a resume sets them
@@ -299,6 +304,7 @@ def _epoch(loop: Trainer, epoch: int, started: float) -> EpochRecord:
         samples_per_s=loop.batches * runner.topology.global_batch(loop.plan.train.batch_size)
         / max(seconds - compile_seconds, 1e-9),
     )  # fmt: skip
+    record.tokens_per_s, record.mfu = loop.throughput.figures(record.samples_per_s)
     if loop.metrics is not None:
         record.valid_loss, record.metrics = loop.metrics.values(values[2:], synced[:-1])
     record.compiles = backend.current().diagnosis.compile_count()
@@ -470,6 +476,8 @@ def _summary(loop: Trainer) -> str:
         + (f" | callbacks {', '.join(map(_named, users))}" if users else "")
         + f" | {workers} loader worker(s)"
         + (f" | {dropped} sample(s) an epoch left out{where} to keep one batch shape" if dropped else "")
+        + (f" | {plan.train.dataset.summary()}" if isinstance(plan.train.dataset, PackedDataset) else "")
+        + (f" | {loop.throughput.describe()}" if loop.throughput.describe() else "")
     )
 
 
