@@ -5,7 +5,8 @@ lengths (the issue's seeded log-normal: median 150, sigma 0.8, clipped to 16..1,
 batch 8, shaped three ways:
 
 - padded: every sample padded to 1,024 tokens (the one shape that never recompiles without buckets);
-- bucketed: ``BucketCollate([128, 256, 512, 1024])``, shuffled batches (each pads to the bucket of its longest);
+- bucketed: ``BucketCollate([128, 256, 512, 1024])`` with ``BucketBatchSampler`` (batches of one bucket each: the
+  best bucketing does, 0.68 real tokens; shuffled batches pad to the bucket of their longest, 0.29);
 - packed: ``PackedDataset(samples, 1024)`` (first-fit decreasing), block-diagonal attention on the device.
 
 Real tokens/s counts the data's tokens only (padding computed is not work done), over the epochs
@@ -26,7 +27,8 @@ os.environ.setdefault("PJRT_DEVICE", "CPU")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 SAMPLES, ROW, BATCH, EPOCHS, ROUNDS, VOCAB = 160, 1024, 8, 2, 2, 128
-KINDS = {"padded": "padded to 1,024", "bucketed": "BucketCollate 128/256/512/1024", "packed": "PackedDataset rows of 1,024"}
+KINDS = {"padded": "padded to 1,024", "bucketed": "BucketCollate 128/256/512/1024 + BucketBatchSampler",
+         "packed": "PackedDataset rows of 1,024"}  # fmt: skip
 
 
 def samples(n: int, seed: int = 0) -> list[dict]:
@@ -49,7 +51,7 @@ def one_run(kind: str) -> dict:
     import transformers as t
     from torch.utils.data import DataLoader
 
-    from tpu_utility import BucketCollate, PackedDataset, one_cycle_fit
+    from tpu_utility import BucketBatchSampler, BucketCollate, PackedDataset, one_cycle_fit
 
     data = samples(SAMPLES)
     real = sum(len(s["input_ids"]) for s in data)
@@ -64,7 +66,8 @@ def one_run(kind: str) -> dict:
         tokens_per_item, share = real / len(data), real / (len(data) * ROW)
     else:
         collate = BucketCollate([128, 256, 512, 1024], keys=None)
-        train = DataLoader(data, batch_size=BATCH, shuffle=True, collate_fn=collate, drop_last=True)
+        sampler = BucketBatchSampler([len(s["input_ids"]) for s in data], collate.buckets, batch_size=BATCH)
+        train = DataLoader(data, batch_sampler=sampler, collate_fn=collate)
         tokens_per_item, share = real / len(data), None
     torch.manual_seed(0)
     config = t.LlamaConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
