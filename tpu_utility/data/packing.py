@@ -30,19 +30,12 @@ from typing import Any, Iterable, Sequence
 import torch
 from torch.utils.data import Dataset
 
-from ..data.loaders import IGNORE_INDEX, LABELS
+from .buckets import _check_int
+from .loaders import IGNORE_INDEX, LABELS
 
 INPUT_IDS = "input_ids"
 # the columns a row is made of: token ids, their labels (else the ids themselves), an all-ones mask
 PACKED_COLUMNS = (INPUT_IDS, LABELS, "attention_mask")
-
-
-def _check_int(name: str, value: Any, low: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, but given {value!r} of type {type(value).__name__}")
-    if value < low:
-        raise ValueError(f"{name} must be an int >= {low}, but given {value}")
-    return value
 
 
 # ------------------------------------------------------------ pure math
