@@ -9,6 +9,11 @@ batch 8, shaped three ways:
   best bucketing does, 0.68 real tokens; shuffled batches pad to the bucket of their longest, 0.29);
 - packed: ``PackedDataset(samples, 1024)`` (first-fit decreasing), block-diagonal attention on the device.
 
+The same with the model 256 wide instead of 64, bucketed and packed: attention over a packed row of 1,024
+costs the whole row's (a dense mask; no segment-aware kernel on XLA:CPU), so at tiny widths, where
+attention outweighs the projections, short bucketed rows win; the wider the model, the more the
+projections (which scale with tokens computed) decide.
+
 Real tokens/s counts the data's tokens only (padding computed is not work done), over the epochs
 after the first, compile time left out as ``samples_per_s`` leaves it out. Each run is a fresh
 process (XLA keeps compiled graphs in memory); the rounds interleave the three, and the ratios
@@ -26,7 +31,7 @@ import sys
 os.environ.setdefault("PJRT_DEVICE", "CPU")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-SAMPLES, ROW, BATCH, EPOCHS, ROUNDS, VOCAB = 160, 1024, 8, 2, 2, 128
+SAMPLES, ROW, BATCH, EPOCHS, ROUNDS, VOCAB, WIDTH, WIDE = 160, 1024, 8, 2, 2, 128, 64, 256
 KINDS = {"padded": "padded to 1,024", "bucketed": "BucketCollate 128/256/512/1024 + BucketBatchSampler",
          "packed": "PackedDataset rows of 1,024"}  # fmt: skip
 
@@ -45,7 +50,7 @@ def samples(n: int, seed: int = 0) -> list[dict]:
     return out
 
 
-def one_run(kind: str) -> dict:
+def one_run(kind: str, width: int = WIDTH) -> dict:
     import peft
     import torch
     import transformers as t
@@ -70,7 +75,7 @@ def one_run(kind: str) -> dict:
         train = DataLoader(data, batch_sampler=sampler, collate_fn=collate)
         tokens_per_item, share = real / len(data), None
     torch.manual_seed(0)
-    config = t.LlamaConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+    config = t.LlamaConfig(num_hidden_layers=2, hidden_size=width, intermediate_size=2 * width, num_attention_heads=4,
                            num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=ROW)  # fmt: skip
     model = peft.get_peft_model(t.LlamaForCausalLM(config), peft.LoraConfig(r=8, lora_alpha=16, task_type="CAUSAL_LM",
                                                                              target_modules=["q_proj", "v_proj"]))  # fmt: skip
@@ -83,25 +88,32 @@ def one_run(kind: str) -> dict:
             "seconds": [r.seconds for r in history.records]}  # fmt: skip
 
 
-def _fresh_process(kind: str) -> dict:
-    out = subprocess.run([sys.executable, __file__, "--one", kind], capture_output=True, text=True, check=False)
+def _fresh_process(kind: str, width: int = WIDTH) -> dict:
+    command = [sys.executable, __file__, "--one", kind, str(width)]
+    out = subprocess.run(command, capture_output=True, text=True, check=False)
     if out.returncode != 0:
         raise RuntimeError(f"the {kind} run failed:\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def main() -> None:
-    runs: dict[str, list[dict]] = {kind: [] for kind in KINDS}
+def main(wide_only: bool = False) -> None:
+    if not wide_only:
+        _table({kind: KINDS[kind] for kind in KINDS}, WIDTH)
+    _table({kind: KINDS[kind] for kind in ("bucketed", "packed")}, WIDE)
+
+
+def _table(kinds: dict[str, str], width: int) -> None:
+    runs: dict[str, list[dict]] = {kind: [] for kind in kinds}
     for _ in range(ROUNDS):
-        for kind in KINDS:
-            runs[kind].append(_fresh_process(kind))
+        for kind in kinds:
+            runs[kind].append(_fresh_process(kind, width))
     steady = {k: [statistics.median(r["tokens_per_s"][1:]) for r in rs] for k, rs in runs.items()}
-    print(f"\nLoRA on a tiny Llama, XLA:CPU: {SAMPLES} samples of 16-1,024 tokens (log-normal, median 150), batch "
+    print(f"\nLoRA on a Llama {width} wide (2 layers), XLA:CPU: {SAMPLES} samples of 16-1,024 tokens (log-normal, median 150), batch "
           f"{BATCH}, {EPOCHS} epochs; {ROUNDS} rounds interleaved, each run a fresh process")  # fmt: skip
     print("| batches | real tokens / computed | graphs compiled per epoch | host syncs per epoch | real tokens/s, "
           "later epochs (median) | packed is this many times faster (median, range over rounds) |")  # fmt: skip
     print("|---|---|---|---|---|---|")
-    for kind, name in KINDS.items():
+    for kind, name in kinds.items():
         first = runs[kind][0]
         ratio = [p / s for p, s in zip(steady["packed"], steady[kind])]
         print(f"| {name} | {first['share']:.2f} | {', '.join(map(str, first['compiles']))} | "
@@ -110,7 +122,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 3 and sys.argv[1] == "--one":
-        print(json.dumps(one_run(sys.argv[2])))
+    if len(sys.argv) == 4 and sys.argv[1] == "--one":
+        print(json.dumps(one_run(sys.argv[2], int(sys.argv[3]))))
     else:
-        main()
+        main(wide_only="--wide" in sys.argv)

@@ -30,8 +30,8 @@ from torch import nn
 from .. import backend
 from ..checkpoint import CHECKPOINT_NAME
 from ..compiler import EAGER, Compile
-from ..data.packing import PackedDataset
 from ..data.loaders import LabelCheck, LoaderSpec, dropped_per_epoch, refuse_uncounted, set_epoch
+from ..data.packing import PackedDataset
 from ..files import folder_lock, join, remove, remove_stale_temporaries
 from ..huggingface import is_causal_lm, restore_masks, restore_packed_attention
 from ..optim import on_xla, take_step
