@@ -282,7 +282,7 @@ def packed_attention(model: nn.Module) -> Any:
     one line.
 
     Args:
-        model: Any module; only a transformers ``PreTrainedModel`` (or a peft model around one) changes.
+        model: Any module; only a transformers causal LM (or a peft model around one) changes.
 
     Returns:
         A handle to give to ``restore_packed_attention`` (``.remove()``), or None when nothing changed.
@@ -292,7 +292,7 @@ def packed_attention(model: nn.Module) -> Any:
         >>> loss = model(**packed_rows[:8]).loss                                                         # doctest: +SKIP
     """
     base = base_model(model)
-    if not is_transformers_model(base):
+    if not is_causal_lm(base):  # an encoder's attention is not causal: packed rows are a causal LM's
         return None
     decoder = getattr(base, "base_model", base)  # the module whose forward builds the masks (LlamaModel, GPT2Model)
     if getattr(decoder, PACKED_HOOK, None) is not None:
