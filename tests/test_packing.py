@@ -4,7 +4,7 @@ First-fit decreasing fills rows of 1,024 tokens to >= 0.95 on the issue's Alpaca
 carries positions restarting at each sample and -100 at each sample's first label. Through
 ``packed_attention`` (which the trainer switches on) a sample never attends to the one packed
 before it: per-sample losses of packed rows equal each sample run alone (fp32, 1e-5) for tiny
-Llama, Gemma 2 (sliding window and soft-caps), Qwen2, GPT-2 and a LoRA model, on the plain CPU
+Llama, Gemma 2 (sliding window and soft-caps, eager), Gemma 3 (sliding window, sdpa), Qwen2, GPT-2 and a LoRA model, on the plain CPU
 and on one XLA core with 0 host syncs; a packed run trains as the plain CPU loop over the same
 rows, with flat compiles and 0 host syncs, and its packed validation loss is the unpacked one.
 """
@@ -88,7 +88,17 @@ def gemma2():
     return t.Gemma2ForCausalLM(config)
 
 
-MODELS = {"llama": lambda: causal_lm("llama"), "gemma2": gemma2, "qwen2": lambda: causal_lm("qwen2"),
+def gemma3():
+    import transformers as t
+
+    torch.manual_seed(0)
+    return t.Gemma3ForCausalLM(t.Gemma3TextConfig(
+        num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=8, vocab_size=VOCAB, max_position_embeddings=64, sliding_window=4,
+        layer_types=["sliding_attention", "full_attention"]))  # fmt: skip
+
+
+MODELS = {"llama": lambda: causal_lm("llama"), "gemma2": gemma2, "gemma3": gemma3, "qwen2": lambda: causal_lm("qwen2"),
           "gpt2": lambda: causal_lm("gpt2"), "lora": lambda: lora(causal_lm("llama"))}  # fmt: skip
 
 
