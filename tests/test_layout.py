@@ -22,9 +22,10 @@ LAYERS = [
      "huggingface"},
     {"optim", "sharding", "amp", "checkpoint", "compiler", "export", "data.buckets", "data.cache", "data.presize", "training.schedule",
      "training.topology", "training.precision",
-     "training.monitor", "training.history", "training.events", "training.strategies", "training.trace"},
+     "training.monitor", "training.history", "training.events", "training.strategies", "training.trace",
+     "training.throughput"},
     {"training.memory"},
-    {"data.loaders", "training.metrics", "training.callbacks", "training.builtins", "training.agreement"},
+    {"data.loaders", "data.packing", "training.metrics", "training.callbacks", "training.builtins", "training.agreement"},
     {"data", "loop"},
     {"training.steps", "training.runner"},  # the runner's rooms
     {"training.trainer", "training.inference", "training.generate", "diagnostics.doctor"},

@@ -25,7 +25,7 @@ import torch
 
 from . import choice
 from .base import Backend, Compute, Counters, Devices, Diagnosis, Processes, ReduceOp, Sharding
-from .hardware import detect_tpu, memory_override, pjrt_device, tpu_device_memory
+from .hardware import detect_tpu, device_name_override, memory_override, pjrt_device, tpu_device_memory
 from .versions import INSTALL_HINT, module_installed, check_versions, installed_version
 
 XLA_INSTALLED: bool = module_installed("torch_xla")
@@ -152,7 +152,8 @@ def _check_autograd(dev: torch.device) -> None:
         return
     probe = torch.ones(2, device=dev, requires_grad=True)
     try:
-        (probe * 2).sum().backward()  # with an op between: a bare leaf's sum (or a 0-dim one) fails under SPMD
+        with torch.enable_grad():  # a first get_device() inside torch.no_grad() too
+            (probe * 2).sum().backward()  # with an op between: a bare leaf's sum (or a 0-dim one) fails under SPMD
     except RuntimeError as error:
         if "device_ready_queues_" in str(error):
             raise RuntimeError(CPU_BACKWARD_FIRST) from None
@@ -565,6 +566,13 @@ class XlaDevices(Devices):
         if override is not None or self.hardware(device) != "TPU":
             return override
         return tpu_device_memory(detect_tpu().kind)
+
+    def chip_name(self, device: torch.device) -> str | None:
+        """The override, else the TPU kind found on the PCI bus ("v5e"); None on XLA:CPU."""
+        named = device_name_override()
+        if named is not None or self.hardware(device) != "TPU":
+            return named
+        return detect_tpu().kind
 
     def rng_state(self) -> int:
         import torch_xla.core.xla_model as xm
