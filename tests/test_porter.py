@@ -113,6 +113,9 @@ LEFT = [
     ("sparse_on_device", "adj = torch.sparse_coo_tensor(i, v, (4, 4), device=device)\n", 1),
     ("cpu_step_before_launch", "loss.backward()\nxmp.spawn(fn)\ndevice = torch.device('cuda')\n", 1),
     ("item_loop", "for i in range(32):\n    out[i] = scores[i].item()\n", 1),
+    # issue 62
+    ("peft_removed", "import torch\nfrom peft import get_peft_model, prepare_model_for_int8_training\n", 2),
+    ("hf_trainer", "from transformers import Trainer\nTrainer(model=model, args=args).train()\n", 2),
 ]
 
 
