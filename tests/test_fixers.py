@@ -349,6 +349,25 @@ def test_cuda_seed_is_kept_beside_torch_manual_seed_and_becomes_it_alone_without
     assert "torch.manual_seed(0)" in new and changed == {"cuda_seed"} and not left
 
 
+def test_tensor_type_a_cuda_or_cpu_tensor_type_builds_on_the_device_and_its_true_false_flag_is_no_device():
+    # eriklindernoren/PyTorch-GAN's idiom: the flag is a bool (never the device), the type a constructor on it
+    new, changed, left = _port("import torch\ncuda = True if torch.cuda.is_available() else False\n"
+                               "Tensor = torch.cuda.LongTensor if cuda else torch.LongTensor\n"
+                               "if cuda:\n    generator.cuda()\nx = Tensor(8, 1).fill_(1)\ny = imgs.type(Tensor)\n")
+    assert "Tensor = lambda *args: torch.LongTensor(*args).to(get_device())" in new, new
+    assert "y = imgs.to(get_device(), torch.int64)" in new and "generator.to(get_device())" in new, new
+    assert {"cuda_tensor_type", "cuda_flag"} <= changed and not left, (changed, left)
+    # a type chosen by nothing CUDA, and .type() of another name: as written
+    _unchanged("import torch\nTensor = torch.FloatTensor\ny = imgs.type(torch.FloatTensor)\n")
+
+
+def test_cuda_flag_an_availability_flag_of_any_name_that_moves_the_model_is_the_accelerators_test():
+    new, changed, _ = _port("import torch\ntrain_on_gpu = torch.cuda.is_available()\nif train_on_gpu:\n    model.cuda()\n")
+    assert 'train_on_gpu = get_device().type != "cpu"' in new and "cuda_flag" in changed, new
+    # a flag that only prints: as written
+    _unchanged("import torch\ntrain_on_gpu = torch.cuda.is_available()\nif train_on_gpu:\n    print('GPU')\n")
+
+
 def test_item_loop_a_per_sample_item_over_a_tensor_is_named_and_one_over_a_list_is_not():
     assert _port("for i in range(32):\n    out[i] = scores[i].item()\n")[2] == {"item_loop"}
     _unchanged("scores = [1, 2]\nfor i in range(2):\n    out[i] = scores[i].item()\n")

@@ -282,6 +282,11 @@ RULES_LIST: tuple[Rule, ...] = (
     Rule("cuda_seed", "torch.cuda.manual_seed seeds CUDA's generators only: on a TPU it does nothing, so the "
          "run is not seeded", "torch.manual_seed(seed), which seeds every device's generator",
          replaces="torch.cuda.manual_seed_all(seed)", tools=_PORT),
+    Rule("cuda_tensor_type", "torch.cuda.FloatTensor (a legacy typed-tensor constructor) builds CUDA tensors, and "
+         "there is no XLA tensor type: with a CUDA test choosing it the batches stay on the CPU",
+         "a constructor that moves its result: Tensor = lambda *args: torch.FloatTensor(*args).to(device), and "
+         "x.type(Tensor) -> x.to(device, torch.float32)",
+         replaces="Tensor = torch.cuda.FloatTensor if cuda else torch.FloatTensor", tools=_PORT),
     Rule("item_loop", "a per-sample .item() (or an indexed write of one) over a device tensor reads the device "
          "once per sample: a host sync each, and each indexed write compiles a graph (32 samples: 33 compiles)",
          "read the tensor to the host once, then loop there: values = scores.cpu() (or .tolist()) before the "

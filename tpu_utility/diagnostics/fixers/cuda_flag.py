@@ -11,6 +11,9 @@ torch.accelerator.is_available()``) is the user's explicit choice and is kept: `
 where its assignment is ported (the accelerator's test). Where CUDA's test is left there (it guards loader
 settings too), ``if use_cuda:`` around the device becomes ``if not args.no_cuda and get_device().type !=
 "cpu":``, and ``torch.device("cuda" if use_cuda else "cpu")`` keeps the flag (``device_strings``).
+A flag whose name says neither word (``train_on_gpu = torch.cuda.is_available()``, the Udacity course
+notebooks; then ``if train_on_gpu: model.cuda()``) is the availability test itself: its value becomes the
+accelerator's test where an ``if`` on the name moves to the GPU or picks the device.
 """
 
 from __future__ import annotations
@@ -69,7 +72,20 @@ def analyse(module: Any, plan: Any) -> None:
                     out = out if "torch.cuda.is_available()" in code(test) else ""
                     plan.opt_outs.update({dotted(t.target): out for t in node.targets if dotted(t.target)})
 
+        def visit_If(self, node: Any) -> None:
+            name = dotted(node.test)
+            if name and not _is_flag(node.test) and DECIDES_DEVICE.search(code(node.body)):
+                plan.device_tests.add(name)
+
     module.visit(Flags())
+
+
+def _availability(node: Any) -> bool:
+    """``torch.cuda.is_available()`` or ``True if torch.cuda.is_available() else False``."""
+    cst = libcst()
+    if isinstance(node, cst.IfExp) and code(node.body).strip() == "True" and code(node.orelse).strip() == "False":
+        node = node.test
+    return code(node).strip() == _AVAILABLE[0]
 
 
 @opening
@@ -97,6 +113,11 @@ def fix_assign(porter: Porter, original: Any, updated: Any) -> Any:
     """``use_cuda = not args.no_cuda and torch.cuda.is_available()``: reported, the device line is ported."""
     cst = libcst()
     targets = [dotted(t.target) for t in original.targets]
+    if _availability(original.value) and any(t in porter.plan.device_tests for t in targets):
+        porter.need("get_device")
+        new = cst.parse_expression('get_device().type != "cpu"')
+        porter.change("cuda_flag", original.value, new)
+        return updated.with_changes(value=new)
     if (isinstance(original.value, cst.BooleanOperation) and "torch.cuda.is_available()" in code(original.value)
             and any("cuda" in t for t in targets)):  # fmt: skip
         porter.leave_alone("cuda_flag_settings", original)

@@ -7,6 +7,7 @@ from typing import Any
 
 from .. import fixers
 from ..fixers.tree import OPTIMIZERS, assigned, canonical, cuda_string, dotted, launched, libcst, mentions_cuda, value
+from ..fixers.tensor_type import cuda_type
 
 
 @dataclass
@@ -39,6 +40,8 @@ class Plan:
     before: dict[int, tuple[str, str]] = field(default_factory=dict)  # id(stmt) -> (rule, a line the walk puts before it)
     named: dict[int, str] = field(default_factory=dict)  # id(stmt) -> the rule a fixer names it by in the walk
     seeds_all_devices: bool = False  # the program calls torch.manual_seed itself (fixers.cuda_seed)
+    device_tests: set[str] = field(default_factory=set)  # `if train_on_gpu: model.cuda()`: names so tested (fixers.cuda_flag)
+    tensor_types: dict[str, str] = field(default_factory=dict)  # Tensor = torch.cuda.FloatTensor if ...: name -> type
 
 
 def _names(module: Any, plan: Plan) -> None:
@@ -77,8 +80,9 @@ def _names(module: Any, plan: Plan) -> None:
 
 def _device_expression(node: Any, plan: Plan) -> bool:
     cst = libcst()
-    if isinstance(node, cst.IfExp):
-        return mentions_cuda(node.test)
+    if isinstance(node, cst.IfExp):  # a device, not a flag (cuda = True if torch.cuda.is_available() else False)
+        flag = all(isinstance(b, cst.Name) and b.value in ("True", "False") for b in (node.body, node.orelse))
+        return mentions_cuda(node.test) and not flag and cuda_type(node) is None  # nor a tensor type (fixers.tensor_type)
     if isinstance(node, cst.Call):
         callee = canonical(dotted(node.func), plan)
         if callee == "torch.device":
