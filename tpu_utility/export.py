@@ -28,6 +28,7 @@ from torch import nn
 from . import backend
 from .checkpoint import load_checkpoint
 from .huggingface import SavedThroughCpu, base_model, is_transformers_model
+from .quantization import dequantize_base
 
 
 def _is_peft(model: nn.Module) -> bool:
@@ -98,8 +99,8 @@ def export_pretrained(model: nn.Module, folder: str | os.PathLike[str], *, merge
     copied = cpu_copy(model)
     if checkpoint is not None:
         load_checkpoint(os.fspath(checkpoint), model=copied)
-    if merge_lora:
-        copied = copied.merge_and_unload()
+    if merge_lora:  # an int8 base (quantize_base) is dequantized first: peft merges into float weights
+        copied = dequantize_base(copied).merge_and_unload()
     folder = os.fspath(folder)
     copied.save_pretrained(folder)  # safetensors: transformers 5 writes nothing else, peft by default
     return folder
