@@ -64,6 +64,24 @@ def test_an_int8_base_lora_trains_on_xla_as_on_the_cpu_within_1_percent_of_the_f
     assert all(torch.equal(base[k], after[k]) for k in base), "the int8 base stays as it was"
 
 
+NATIVE = """
+import json, sys
+sys.path.insert(0, "tests")
+from llm_models import adamw, causal_lm, counting, lora, plain_cpu_losses
+from tpu_utility import backend, one_cycle_fit, quantize_base
+data = counting(32, seed=0)
+history = one_cycle_fit(lora(quantize_base(causal_lm("llama"))), data, epochs=2, max_lr=3e-3, batch_size=8,
+                        schedule="constant", optimizer=adamw(3e-3), progress=False)
+print("RESULT " + json.dumps([backend.current().name, [r.train_loss for r in history.records],
+                              plain_cpu_losses(lora(quantize_base(causal_lm("llama"))), data, 2, 8, 3e-3)]))
+"""
+
+
+def test_natively_an_int8_base_lora_trains_as_the_plain_cpu_loop():
+    name, losses, expected = child_result(NATIVE, env={"TPU_UTILITY_BACKEND": "native"})
+    assert name == "cpu" and losses == pytest.approx(expected, rel=1e-4)  # the native backend on the CPU
+
+
 def test_a_checkpoint_holds_the_int8_base_once_and_loads_back_and_the_export_and_generate_work(tmp_path):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
