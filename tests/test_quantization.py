@@ -10,7 +10,7 @@ from torch import nn
 from conftest import child_result
 from llm_models import BATCH_KEYS, adamw, causal_lm, counting, lora, plain_cpu_losses
 from one_thread import one_torch_thread  # noqa: F401
-from tpu_utility import (export_pretrained, generate, load_checkpoint, load_quantized, memory_plan,
+from tpu_utility import (Callback, export_pretrained, generate, load_checkpoint, load_quantized, memory_plan,
                          one_cycle_fit, predict, quantize_base)
 from tpu_utility.quantization import Int8Linear
 
@@ -82,12 +82,23 @@ def test_natively_an_int8_base_lora_trains_as_the_plain_cpu_loop():
     assert name == "cpu" and losses == pytest.approx(expected, rel=1e-4)  # the native backend on the CPU
 
 
-def test_a_checkpoint_holds_the_int8_base_once_and_loads_back_and_the_export_and_generate_work(tmp_path):
+class _Interrupt(Callback):
+    def on_epoch_end(self, loop, record):
+        raise KeyboardInterrupt
+
+
+def test_a_checkpoint_holds_the_int8_base_once_resumes_bitwise_and_loads_back_and_the_export_and_generate_work(tmp_path):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
     data = counting(16, seed=1)
-    history = fit(int8_lora("llama"), data, epochs=1, checkpoint_dir=tmp_path / "run")
+    straight = fit(int8_lora("llama"), data, epochs=2)
+    with pytest.raises(KeyboardInterrupt):  # a run stopped after epoch 1, its checkpoint written
+        fit(int8_lora("llama"), data, epochs=2, checkpoint_dir=tmp_path / "run", callbacks=[_Interrupt()])
+    history = fit(int8_lora("llama"), data, epochs=2, checkpoint_dir=tmp_path / "run", resume=True)
+    assert [r.epoch for r in history.records] == [1, 2]
+    for a, b in zip(straight.model.state_dict().values(), history.model.state_dict().values()):
+        assert torch.equal(a.cpu(), b.cpu())  # the resume is bitwise
     saved = torch.load(tmp_path / "run" / "last.pt", map_location="cpu", weights_only=False)
     tensors = [v for v in saved["model"].values() if isinstance(v, torch.Tensor)]
     assert sum(v.dtype == torch.int8 for v in tensors) == 14, "each quantized layer's weight once, in int8"
