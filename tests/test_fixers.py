@@ -182,7 +182,7 @@ def test_xla_use_bf16_is_named():
     _unchanged('import os\nos.environ["PJRT_DEVICE"] = "TPU"\n')
 
 
-def test_an_8bit_load_becomes_the_int8_base_and_a_bitsandbytes_config_is_named_with_the_kits_call():
+def test_quantized_base_an_8bit_load_becomes_the_int8_base_and_a_bitsandbytes_config_is_named_with_the_kits_call():
     new, changed, left = _port("model = AutoModelForCausalLM.from_pretrained(name, load_in_8bit=True)\n")
     assert "model = quantize_base(AutoModelForCausalLM.from_pretrained(name))" in new and changed == {"int8_base"}
     assert "from tpu_utility import" in new and "quantize_base" in new.split("\n", 1)[0] + new and not left
