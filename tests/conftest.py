@@ -269,6 +269,7 @@ HF_RELEASE = {  # code whose behaviour moved between transformers releases, or p
     "test_memory.py": "models built on the meta device from configs, their block classes",
     "test_fsdp.py": "a Llama's blocks sharded and saved with save_pretrained",
     "test_porter.py": "ported Hugging Face and peft loops (the course loop, LoRA, the legacy LM script)",
+    "test_quantization.py": "peft's LoRA over an nn.Linear subclass, from_config under init_empty_weights, shards",
 }
 
 

@@ -182,6 +182,17 @@ def test_xla_use_bf16_is_named():
     _unchanged('import os\nos.environ["PJRT_DEVICE"] = "TPU"\n')
 
 
+def test_quantized_base_an_8bit_load_becomes_the_int8_base_and_a_bitsandbytes_config_is_named_with_the_kits_call():
+    new, changed, left = _port("model = AutoModelForCausalLM.from_pretrained(name, load_in_8bit=True)\n")
+    assert "model = quantize_base(AutoModelForCausalLM.from_pretrained(name))" in new and changed == {"int8_base"}
+    assert "from tpu_utility import" in new and "quantize_base" in new.split("\n", 1)[0] + new and not left
+    new, report = port_source("bnb = BitsAndBytesConfig(load_in_8bit=True)\n"
+                              "model = AutoModelForCausalLM.from_pretrained(name, quantization_config=bnb, dtype=d)\n")
+    assert [(i.rule, i.where) for i in report.left] == [("bitsandbytes", "line 1"), ("bitsandbytes", "line 2")]
+    assert "quantize_base(AutoModelForCausalLM.from_pretrained(name, dtype=d))" in report.left[1].fix
+    _unchanged("model = AutoModelForCausalLM.from_pretrained(name, load_in_8bit=False)\n")
+
+
 # ---------------------------------------------------------------- the imports (port/imports.py: LibCST's AddImportsVisitor)
 def test_imports_go_after_the_environment_lines_that_come_before_torch_xla():
     # a kernel sets XLA's environment between its first import and torch_xla's: nothing torch_xla moves above it

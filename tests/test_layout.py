@@ -19,7 +19,7 @@ LAYERS = [
     {"backend.api"},
     {"backend", "diagnostics.rules"},
     {"arguments", "remote", "files", "progress", "device", "environment", "diagnostics.port", "diagnostics.fixers",
-     "huggingface"},
+     "huggingface", "quantization"},
     {"optim", "sharding", "amp", "checkpoint", "compiler", "export", "data.buckets", "data.cache", "data.presize", "training.schedule",
      "training.topology", "training.precision",
      "training.monitor", "training.history", "training.events", "training.strategies", "training.trace",

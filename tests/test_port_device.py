@@ -257,7 +257,8 @@ def test_2_a_4bit_load_stops_the_port_naming_its_lines():
                             "bnb = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type='nf4')\n"
                             "model = AutoModelForCausalLM.from_pretrained(name, quantization_config=bnb, device_map='auto')\n"
                             "model8 = AutoModelForCausalLM.from_pretrained(name, load_in_8bit=True)\n")  # fmt: skip
-    assert [(i.rule, i.where) for i in report.left] == [("bitsandbytes", f"line {n}") for n in (2, 3, 4)]
+    assert [(i.rule, i.where) for i in report.left] == [("bitsandbytes", f"line {n}") for n in (2, 3)]
+    assert [(c.rule, c.where) for c in report.changes if c.rule != "imports"] == [("int8_base", "line 4")]
     assert report.status() == 1 and "bfloat16" in report.text()
 
 

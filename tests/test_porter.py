@@ -81,6 +81,8 @@ CHANGES = [
      "    global loader, sampler  # tpu_utility.port: built here, in each launched process"),
     ("cuda_available", 'import torch\ndevice = "cpu"\nif torch.cuda.is_available():\n    device = "cuda"\n',
      'if get_device().type != "cpu":'),
+    ("int8_base", "model = AutoModelForCausalLM.from_pretrained(name, load_in_8bit=True)\n",
+     "model = quantize_base(AutoModelForCausalLM.from_pretrained(name))"),
     ("device_map", 'model = AutoModelForCausalLM.from_pretrained(name, device_map="auto")\n',
      "model = move_model(AutoModelForCausalLM.from_pretrained(name), get_device())"),
     ("import_time_device", 'import torch\nclass args:\n    device = "cuda" if torch.cuda.is_available() else "cpu"\n',

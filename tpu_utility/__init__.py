@@ -24,6 +24,7 @@ from .optim import step_optimizer
 from .sharding import FSDP, shard_model
 from .huggingface import packed_attention, static_masks
 from .export import export_pretrained
+from .quantization import dequantize_base, load_quantized, quantize_base
 
 # data preparation: fixed shapes, caches, images shrunk once
 from .data import (BucketBatchSampler, BucketCollate, CachedDataset, PackedDataset, PresizeReport, cache_dataset,
@@ -59,6 +60,7 @@ __all__ = [
     "check",
     "choose_buckets",
     "device_loader",
+    "dequantize_base",
     "device_type",
     "doctor",
     "DoctorError",
@@ -80,6 +82,7 @@ __all__ = [
     "TensorBoardLogger",
     "launch",
     "load_checkpoint",
+    "load_quantized",
     "Loop",
     "LRFinderResult",
     "make_sampler",
@@ -98,6 +101,7 @@ __all__ = [
     "packed_attention",
     "padding_waste",
     "predict",
+    "quantize_base",
     "presize_images",
     "PresizeReport",
     "save_checkpoint",

@@ -32,6 +32,7 @@ from . import backend
 from .checkpoint import load_checkpoint
 from .compiler import compiled_parts
 from .huggingface import SavedThroughCpu, base_model, is_transformers_model
+from .quantization import dequantize_base
 
 
 def _is_peft(model: nn.Module) -> bool:
@@ -111,8 +112,8 @@ def export_pretrained(model: nn.Module, folder: str | os.PathLike[str], *, merge
         copied = cpu_copy(model)
         if checkpoint is not None:
             load_checkpoint(os.fspath(checkpoint), model=copied)
-        if merge_lora:
-            copied = copied.merge_and_unload()
+        if merge_lora:  # an int8 base (quantize_base) is dequantized first: peft merges into float weights
+            copied = dequantize_base(copied).merge_and_unload()
         copied.save_pretrained(staging)  # safetensors: transformers 5 writes nothing else, peft by default
         _replace(folder, staging)
     except BaseException:

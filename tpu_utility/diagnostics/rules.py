@@ -180,9 +180,14 @@ RULES_LIST: tuple[Rule, ...] = (
          "get_device())", replaces='from_pretrained(name, device_map="auto")', tools=_PORT),
     Rule("bitsandbytes", "bitsandbytes' 4-bit and 8-bit layers have CUDA kernels only, none for XLA: the load "
          "raises or the quantized layers run on the host",
-         "load in bfloat16 without quantization (from_pretrained(name, dtype=torch.bfloat16)) and train "
-         "LoRA on it; a model too large for one core: shard it with tpu_utility.FSDP instead of QLoRA",
+         "an int8 base under LoRA: model = quantize_base(from_pretrained(name)) or load_quantized(path) "
+         "(tpu_utility; 4-bit is not built), or load in bfloat16 (from_pretrained(name, dtype=torch.bfloat16)) "
+         "and shard it with tpu_utility.FSDP",
          replaces="BitsAndBytesConfig(load_in_4bit=True) / load_in_8bit=True", tools=_PORT, breaks=True),
+    Rule("int8_base", "bitsandbytes' 8-bit load has CUDA kernels only: on XLA the load raises or runs on the host",
+         "model = quantize_base(from_pretrained(name)): the linear layers in int8 with a scale per output "
+         "channel, LoRA on top (tpu_utility.quantization)", replaces="from_pretrained(name, load_in_8bit=True)",
+         tools=_PORT),
     Rule("import_time_device", "a device chosen when the module is imported (a config class's attribute, a "
          "module-level line of a program that launches processes) starts the XLA runtime at import, and the "
          "launch then refuses: 'Runtime is already initialized'",
