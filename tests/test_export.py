@@ -126,6 +126,9 @@ from transformers.utils import logging
 from llm_models import causal_lm
 from tpu_utility import export_pretrained
 logging.set_verbosity_error()
+# no progress bars: tqdm's write lock is a semaphore the forked children share, and a child killed while it holds
+# the lock (drawing "Writing model shards") would leave the parent's next bar waiting for it forever
+logging.disable_progress_bar()
 folder, model, rng = os.path.join(tempfile.mkdtemp(), "out"), causal_lm("llama"), random.Random(0)
 
 def tagged(tag):  # every weight and the config say which export wrote them: a mix is seen at once
@@ -152,7 +155,7 @@ for kill in range(12):
         continue
     loaded = AutoModelForCausalLM.from_pretrained(folder)
     tag = loaded.config.export_tag
-    values = {float(v) for p in loaded.parameters() for v in p.unique()}
+    values = {float(v) for p in loaded.parameters() for v in p.detach().unique()}
     seen.append(tag if values == {float(tag)} and tag >= latest else f"mixed: config {tag}, weights {sorted(values)[:4]}")
     latest = tag
 print("RESULT", json.dumps(seen))

@@ -821,6 +821,7 @@ for kind, name, path, argv, cwd in {runs!r}:
     sys.argv = [path, *argv]
     random.seed(0), np.random.seed(0), torch.manual_seed(0)
     seen.clear()
+    backend.sync(wait=True)  # the last program's pending graphs run now, not inside this one's count
     executed = backend.execute_count()
     try:
         with contextlib.redirect_stdout(io.StringIO()):
