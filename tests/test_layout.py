@@ -22,7 +22,7 @@ LAYERS = [
      "huggingface"},
     {"optim", "sharding", "amp", "checkpoint", "compiler", "export", "data.buckets", "data.cache", "data.presize", "training.schedule",
      "training.topology", "training.precision",
-     "training.monitor", "training.history", "training.events", "training.strategies", "training.trace"},
+     "training.monitor", "training.history", "training.graphs", "training.events", "training.strategies", "training.trace"},
     {"training.memory"},
     {"data.loaders", "training.metrics", "training.callbacks", "training.builtins", "training.agreement"},
     {"data", "loop"},
