@@ -378,6 +378,12 @@ def test_one_cycle_fit_default_step_takes_tokens_mask_target(text_task):
     history, compiles = _fit(MarkerClassifier(), text_task, collate, 3)
     assert compiles[0] == compiles[1] == compiles[2], compiles
     assert history.records[-1].metrics["accuracy"] == pytest.approx(text_task[2], abs=0.03)
+    # issue 59: each bucket's train graph in History, timed and sized, the later ones caused by their new shapes
+    train = [g for g in history.graphs if g.graph == "train step"]
+    shapes = {str(g.shapes) for g in train}
+    assert len(shapes) >= 2 and {g.epoch for g in history.graphs} == {0, 1}, history.graphs
+    assert all(g.seconds > 0 and g.nodes > 0 for g in train), train
+    assert sum(g.cause.startswith("new input shapes") for g in train) == len(shapes) - 1, train
 
 
 def test_one_cycle_fit_keeps_a_bucket_batch_sampler(text_task):
