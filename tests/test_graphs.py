@@ -13,7 +13,7 @@ def test_last_compiles_gives_each_graphs_seconds_and_size_in_order():
     import torch_xla
 
     dev = get_device()
-    a = torch.randn(4, 4, device=dev)
+    a = torch.randn(7, 7, device=dev)  # shapes no other test uses: torch_xla would reuse a graph compiled before
     torch_xla.sync()
     before = backend.compile_count()
     b = (a + 1).sum()  # kept alive: a graph is what live tensors wait for
