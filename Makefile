@@ -168,6 +168,7 @@ bench: venv
 	$(PINNED)/bin/python bench/instructions.py native
 	$(PINNED)/bin/python bench/resnet_bench.py
 	$(PINNED)/bin/python bench/text_bench.py
+	$(PINNED)/bin/python bench/packing_bench.py
 	$(PINNED)/bin/python bench/predict_bench.py
 	$(PINNED)/bin/python bench/generate_bench.py
 	$(PINNED)/bin/python bench/cache_bench.py

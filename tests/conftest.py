@@ -264,11 +264,13 @@ HF_RELEASE = {  # code whose behaviour moved between transformers releases, or p
     # runs the floor (5.0.0), the Colab lane Colab's 5.15.0, the pinned stack the newest
     "test_huggingface.py": "the mask code static_masks replaces, set_attn_implementation, the version floor",
     "test_llm.py": "causal-LM losses, peft's wrappers and their masks, checkpointing's entry points",
+    "test_packing.py": "the 4-D mask argument, Gemma 2/Qwen2's per-layer-type mask dict, the decoder's forward kwargs",
     "test_generate.py": "the KV cache's argument (cache or past_key_values) and layout, layer kinds, model.generate",
     "test_export.py": "save_pretrained/from_pretrained and peft's merge_and_unload",
     "test_memory.py": "models built on the meta device from configs, their block classes",
     "test_fsdp.py": "a Llama's blocks sharded and saved with save_pretrained",
     "test_porter.py": "ported Hugging Face and peft loops (the course loop, LoRA, the legacy LM script)",
+    "test_quantization.py": "peft's LoRA over an nn.Linear subclass, from_config under init_empty_weights, shards",
 }
 
 

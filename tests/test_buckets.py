@@ -3,6 +3,7 @@ at most once per bucket; BucketBatchSampler: batches of similar lengths, so they
 little; the math (choose_buckets, padding_waste, group_batches) with plain numbers."""
 
 import bisect
+import textwrap
 import pickle
 
 import pytest
@@ -77,8 +78,9 @@ def test_collate_takes_dict_samples_and_feature_dimensions():
     assert tokens.tolist() == [[1, 2, 0, 0], [4, 0, 0, 0]] and target.tolist() == [3, 5]
     frames, mask, _ = collate([(torch.ones(3, 2), 0.5), (torch.ones(1, 2), 1.5)])  # e.g. audio frames
     assert frames.shape == (2, 4, 2) and frames[1, 1:].abs().sum() == 0
+    assert collate([{"input_ids": [1]}])["input_ids"].tolist() == [[1, 0, 0, 0]]  # no label: a dict batch (keys="auto")
     with pytest.raises(KeyError, match=r"lacks \['label'\]"):
-        collate([{"input_ids": [1]}])
+        BucketCollate([4], keys=("input_ids", "label"))([{"input_ids": [1]}])
 
 
 def test_dict_batches_pad_every_sequence_with_its_own_value():
@@ -494,3 +496,43 @@ def test_spmd_on_four_devices_with_buckets(text_task):
     assert int(grouped[0][3]) <= one_shape + 2 * (int(run[6]) - 1), r.stdout
     assert len({g[3] for g in grouped}) == 1, f"compile count changed across epochs: {grouped}"
     assert float(grouped[-1][5]) == pytest.approx(cpu_accuracy, abs=0.03)
+
+
+# ------------------------------------------------------------ advice that runs (issue 62, item 4)
+def _hf_split(n=24):
+    """A tokenized Hugging Face causal-LM split before padding: its text column still in it."""
+    import datasets
+
+    g = torch.Generator().manual_seed(0)
+    ids = [torch.randint(1, 40, (int(k),), generator=g).tolist() for k in torch.randint(4, 15, (n,), generator=g)]
+    return datasets.Dataset.from_dict({"text": [" ".join(map(str, t)) for t in ids], "input_ids": ids,
+                                       "attention_mask": [[1] * len(t) for t in ids], "labels": ids})  # fmt: skip
+
+
+def test_the_variable_length_refusals_snippet_runs_on_the_split_that_raised_it():
+    from llm_models import causal_lm
+
+    train_data, model = _hf_split(), causal_lm("llama")
+    with pytest.raises(ValueError, match="cannot be stacked") as refused:
+        one_cycle_fit(model, train_data, epochs=1, max_lr=1e-3, batch_size=8, progress=False)
+    snippet = str(refused.value).split(":\n", 1)[1]
+    assert "BucketCollate(" in snippet and snippet.rstrip().endswith("...)"), snippet
+    run = {"train_data": train_data, "model": model, "DataLoader": DataLoader, "BucketCollate": BucketCollate,
+           "one_cycle_fit": one_cycle_fit}  # fmt: skip
+    exec(textwrap.dedent(snippet).rstrip()[:-4] + "epochs=1, max_lr=1e-3, progress=False, schedule='constant')", run)
+    # the docs' form (keys=None, pad_value=) takes the same split: its text column is left out, as one_cycle_fit does
+    batch = BucketCollate([16], pad_value=0, keys=None)([train_data[0], train_data[1]])
+    assert sorted(batch) == ["attention_mask", "input_ids", "labels"] and batch["input_ids"].shape == (2, 16)
+
+
+def test_a_hand_loops_sampler_with_another_count_of_lengths_than_samples_is_refused():
+    data = [(torch.arange(1, 5 + i % 7), 0) for i in range(40)]
+    lengths, collate = [len(s) for s, _ in data], BucketCollate([8, 16])
+    for given, what in ((lengths[:30], r"30 lengths but loader.dataset has 40 samples \(samples 30 to 39 would never "
+                                       r"be drawn\)"), (lengths + [5] * 10, r"50 lengths .* \(indices 40 to 49 are not")):  # fmt: skip
+        loader = DataLoader(data, batch_sampler=BucketBatchSampler(given, collate.buckets, batch_size=4),
+                            collate_fn=collate)  # fmt: skip
+        with pytest.raises(ValueError, match=rf"loader.batch_sampler has {what}"):
+            list(loader)  # a plain torch loop: no tpu_utility call between the loader and its batches
+    loader = DataLoader(data, batch_sampler=BucketBatchSampler(lengths, collate.buckets, batch_size=4), collate_fn=collate)
+    assert sorted(i for b in loader.batch_sampler for i in b) == list(range(40)) and len(list(loader)) == 10

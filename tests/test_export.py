@@ -3,7 +3,9 @@
 Full models and LoRA (as an adapter, or merged into the base) from one core, 4 SPMD devices and
 strategy="fsdp" (in one child): reloaded with ``from_pretrained`` on the CPU, their logits equal
 ``predict``'s on the same inputs, and a merged LoRA's equal its adapter model's. A run's best.pt
-converts to the same folder after the fact; bf16 weights stay bf16.
+converts to the same folder after the fact; bf16 weights stay bf16. An export is written beside its folder and
+renamed into place: 12 kills -9 at random points leave the folder whole (one export's config and weights) or
+absent; a file or an unwritable place is an error; peft's merge_and_unload().save_pretrained() works on XLA.
 """
 
 import os
@@ -56,6 +58,10 @@ def test_a_full_model_and_a_lora_adapter_or_merge_reload_on_the_cpu_with_predict
     assert isinstance(tuned, peft.PeftModel) and any("lora_B" in n for n, _ in tuned.named_parameters())
     assert next(tuned.parameters()).device.type == "xla"
     torch.testing.assert_close(predict(tuned, data[:BATCH], progress=False), on_xla)
+    # peft's own idiom after a run, on XLA: the merged model is saved through the CPU as the adapter model is
+    tuned.merge_and_unload().save_pretrained(tmp_path / "peft_idiom")
+    idiom = AutoModelForCausalLM.from_pretrained(tmp_path / "peft_idiom")
+    torch.testing.assert_close(logits(idiom, data[:BATCH]), logits(merged, data[:BATCH]), atol=1e-5, rtol=1e-5)
 
 
 def test_a_runs_best_pt_converts_after_the_fact_and_bf16_stays_bf16(tmp_path):
@@ -87,6 +93,76 @@ def test_what_it_cannot_export_is_named(tmp_path):
     with pytest.raises(TypeError, match="merge_lora must be True or False, but given 'yes'"):
         export_pretrained(causal_lm("llama"), tmp_path, merge_lora="yes")
     assert not os.listdir(tmp_path)
+
+
+def test_a_file_or_an_unwritable_place_is_an_error_and_a_compiled_model_is_written_as_its_module(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    model = causal_lm("llama")
+    (tmp_path / "a_file").write_text("not a folder")
+    with pytest.raises(ValueError, match=r"export_pretrained writes a folder, but folder='.*a_file' is a file"):
+        export_pretrained(model, tmp_path / "a_file")
+    with pytest.raises(ValueError, match=r"export_pretrained cannot write folder='.*a_file/out': File exists \(.*a_file\); give a folder in a writable place"):
+        export_pretrained(model, tmp_path / "a_file" / "out")
+    assert sorted(os.listdir(tmp_path)) == ["a_file"]  # nothing half-written beside it
+    folder = export_pretrained(torch.compile(model), tmp_path / "compiled")
+    reloaded = AutoModelForCausalLM.from_pretrained(folder)
+    assert all(torch.equal(v, reloaded.state_dict()[k]) for k, v in model.state_dict().items())
+    # an export over an earlier one replaces its weights and keeps what it does not write (a tokenizer's file)
+    (tmp_path / "compiled" / "tokenizer.json").write_text("{}")
+    export_pretrained(causal_lm("llama", seed=1), folder)
+    assert sorted(os.listdir(folder)) == ["config.json", "generation_config.json", "model.safetensors", "tokenizer.json"]
+    assert not torch.equal(AutoModelForCausalLM.from_pretrained(folder).lm_head.weight, model.lm_head.weight)
+    assert sorted(os.listdir(tmp_path)) == ["a_file", "compiled"]
+
+
+KILLS = """
+import json, os, random, signal, sys, tempfile, time
+sys.path.insert(0, "tests")
+import torch
+torch.set_num_threads(1)
+from transformers import AutoModelForCausalLM
+from transformers.utils import logging
+from llm_models import causal_lm
+from tpu_utility import export_pretrained
+logging.set_verbosity_error()
+folder, model, rng = os.path.join(tempfile.mkdtemp(), "out"), causal_lm("llama"), random.Random(0)
+
+def tagged(tag):  # every weight and the config say which export wrote them: a mix is seen at once
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(tag)
+    model.config.export_tag = tag
+    return model
+
+export_pretrained(tagged(1), folder)
+seen, latest = [], 1
+for kill in range(12):
+    child = os.fork()
+    if child == 0:  # exports again and again, a new tag each time, until killed
+        tag = latest
+        while True:
+            tag += 1
+            export_pretrained(tagged(tag), folder)
+    time.sleep(rng.uniform(0.01, 0.2))
+    os.kill(child, signal.SIGKILL)
+    os.waitpid(child, 0)
+    if not os.path.isdir(folder):
+        seen.append("absent")
+        continue
+    loaded = AutoModelForCausalLM.from_pretrained(folder)
+    tag = loaded.config.export_tag
+    values = {float(v) for p in loaded.parameters() for v in p.unique()}
+    seen.append(tag if values == {float(tag)} and tag >= latest else f"mixed: config {tag}, weights {sorted(values)[:4]}")
+    latest = tag
+print("RESULT", json.dumps(seen))
+"""
+
+
+def test_a_kill_at_any_point_of_an_export_leaves_the_folder_whole_or_absent():
+    seen = child_result(KILLS)
+    assert len(seen) == 12 and all(isinstance(s, int) or s == "absent" for s in seen), seen
+    assert len({s for s in seen if isinstance(s, int)}) > 3, seen  # the kills fell at different exports
 
 
 CHILD = """

@@ -182,6 +182,17 @@ def test_xla_use_bf16_is_named():
     _unchanged('import os\nos.environ["PJRT_DEVICE"] = "TPU"\n')
 
 
+def test_quantized_base_an_8bit_load_becomes_the_int8_base_and_a_bitsandbytes_config_is_named_with_the_kits_call():
+    new, changed, left = _port("model = AutoModelForCausalLM.from_pretrained(name, load_in_8bit=True)\n")
+    assert "model = quantize_base(AutoModelForCausalLM.from_pretrained(name))" in new and changed == {"int8_base"}
+    assert "from tpu_utility import" in new and "quantize_base" in new.split("\n", 1)[0] + new and not left
+    new, report = port_source("bnb = BitsAndBytesConfig(load_in_8bit=True)\n"
+                              "model = AutoModelForCausalLM.from_pretrained(name, quantization_config=bnb, dtype=d)\n")
+    assert [(i.rule, i.where) for i in report.left] == [("bitsandbytes", "line 1"), ("bitsandbytes", "line 2")]
+    assert "quantize_base(AutoModelForCausalLM.from_pretrained(name, dtype=d))" in report.left[1].fix
+    _unchanged("model = AutoModelForCausalLM.from_pretrained(name, load_in_8bit=False)\n")
+
+
 # ---------------------------------------------------------------- the imports (port/imports.py: LibCST's AddImportsVisitor)
 def test_imports_go_after_the_environment_lines_that_come_before_torch_xla():
     # a kernel sets XLA's environment between its first import and torch_xla's: nothing torch_xla moves above it
@@ -297,3 +308,112 @@ def test_import_device_in_a_class_body_or_a_launching_module_stays_lazy():
     assert "device = torch.device(device_type())" in new
     new, _, _ = _port('import torch\ndevice = torch.device("cuda")\n')
     assert "device = get_device()" in new  # one process: the device line of the docs
+
+
+# ---------------------------------------------- issue 61: what five more public programs did after a port said "yes"
+def test_generator_a_programs_own_generator_class_shadows_torchs():
+    # every GAN example: class Generator(nn.Module) ... netG = Generator(ngpu).to(device)
+    source = ("import torch\nfrom torch import nn\nclass Generator(nn.Module):\n    def __init__(self, ngpu):\n"
+              "        super().__init__()\nnetG = Generator(1)\ng = torch.Generator(device='cpu')\n")
+    new, changed, _ = _port(source)
+    assert "netG = Generator(1)" in new and "g = torch.Generator()" in new and changed == {"generator_device"}
+    # from torch import Generator stays torch's
+    assert "Generator()" in _port("from torch import Generator\ng = Generator(device)\n")[0]
+
+
+def test_samplers_a_programs_own_distributed_sampler_is_not_torchs():
+    _unchanged("class DistributedSampler:\n    pass\ns = DistributedSampler(ds, 4)\n")
+
+
+def test_sparse_a_sparse_tensors_move_is_made_dense_and_one_made_on_the_device_is_named():
+    new, changed, _ = _port("adj = torch.eye(4).to_sparse()\nadj = adj.to(device)\nb = torch.eye(2).to_sparse().cuda()\n")
+    assert "adj = adj.to_dense().to(device)" in new and "torch.eye(2).to_sparse().to_dense().to(get_device())" in new, new
+    assert changed == {"sparse_device"}
+    assert _port("a = torch.sparse_coo_tensor(i, v, (2, 2), device=device)\n")[2] == {"sparse_on_device"}
+    _unchanged("x = torch.eye(4).to(device)\n")
+
+
+def test_cpu_first_the_runtime_starts_before_a_cpu_baselines_backward_and_a_launching_program_is_named():
+    source = ("import torch\nmodel = torch.nn.Linear(2, 1)\nfor x in data:\n    model(x).sum().backward()\n"
+              "device = 'cuda' if torch.cuda.is_available() else 'cpu'\n")
+    new, changed, left = _port(source)
+    assert "get_device()  # tpu_utility.port: the XLA runtime first" in new.split("for x in data")[0], new
+    assert "cpu_step_first" in changed and not left
+    _, _, left = _port(source.replace("device = ", "xmp.spawn(fn)\ndevice = "))
+    assert "cpu_step_before_launch" in left
+    # the device first: nothing to do
+    assert "cpu_step_first" not in _port("device = torch.device('cuda')\nloss.backward()\n")[1]
+
+
+def test_module_optimizer_a_module_moves_before_the_optimizer_its_init_builds():
+    source = ("import torch\ndevice = torch.device('cuda')\nclass Layer(torch.nn.Linear):\n    def __init__(self):\n"
+              "        super().__init__(2, 2)\n        self.opt = torch.optim.Adam(self.parameters())\n")
+    new, changed, _ = _port(source)
+    assert "        move_model(self, device)  # tpu_utility.port" in new and "optimizer_in_init" in changed, new
+    # no device in the program: nothing moves
+    _unchanged(source.replace("device = torch.device('cuda')\n", ""))
+
+
+def test_cuda_seed_is_kept_beside_torch_manual_seed_and_becomes_it_alone_without_a_stop():
+    _unchanged("import torch\ntorch.manual_seed(0)\ntorch.cuda.manual_seed_all(0)\n")
+    new, changed, left = _port("import torch\ntorch.cuda.manual_seed(0)\n")
+    assert "torch.manual_seed(0)" in new and changed == {"cuda_seed"} and not left
+
+
+def test_tensor_type_a_cuda_or_cpu_tensor_type_builds_on_the_device_and_its_true_false_flag_is_no_device():
+    # eriklindernoren/PyTorch-GAN's idiom: the flag is a bool (never the device), the type a constructor on it
+    new, changed, left = _port("import torch\ncuda = True if torch.cuda.is_available() else False\n"
+                               "Tensor = torch.cuda.LongTensor if cuda else torch.LongTensor\n"
+                               "if cuda:\n    generator.cuda()\nx = Tensor(8, 1).fill_(1)\ny = imgs.type(Tensor)\n")
+    assert "Tensor = lambda *args: torch.LongTensor(*args).to(get_device())" in new, new
+    assert "y = imgs.to(get_device(), torch.int64)" in new and "generator.to(get_device())" in new, new
+    assert {"cuda_tensor_type", "cuda_flag"} <= changed and not left, (changed, left)
+    # a type chosen by nothing CUDA, and .type() of another name: as written
+    _unchanged("import torch\nTensor = torch.FloatTensor\ny = imgs.type(torch.FloatTensor)\n")
+
+
+def test_cuda_flag_an_availability_flag_of_any_name_that_moves_the_model_is_the_accelerators_test():
+    new, changed, _ = _port("import torch\ntrain_on_gpu = torch.cuda.is_available()\nif train_on_gpu:\n    model.cuda()\n")
+    assert 'train_on_gpu = get_device().type != "cpu"' in new and "cuda_flag" in changed, new
+    # a flag that only prints: as written
+    _unchanged("import torch\ntrain_on_gpu = torch.cuda.is_available()\nif train_on_gpu:\n    print('GPU')\n")
+
+
+def test_item_loop_a_per_sample_item_over_a_tensor_is_named_and_one_over_a_list_is_not():
+    assert _port("for i in range(32):\n    out[i] = scores[i].item()\n")[2] == {"item_loop"}
+    _unchanged("scores = [1, 2]\nfor i in range(2):\n    out[i] = scores[i].item()\n")
+
+
+def test_cuda_flag_an_opt_in_flag_with_the_accelerator_test_is_the_default_and_an_opt_out_holds():
+    new, changed, _ = _port("if opt.accel and torch.accelerator.is_available():\n"
+                            "    device = torch.accelerator.current_accelerator()\n")
+    assert 'if get_device().type != "cpu":' in new and "cuda_flag" in changed, new
+    # --no-accel: the assignment is ported to the accelerator's test, and `if use_accel:` holds as it is
+    new, _, _ = _port("use_accel = not args.no_accel and torch.accelerator.is_available()\nif use_accel:\n"
+                      "    device = torch.accelerator.current_accelerator()\n")
+    assert 'use_accel = not args.no_accel and get_device().type != "cpu"' in new and "if use_accel:" in new, new
+    # --no-cuda with CUDA's test left (it guards loader settings): the device keeps the opt-out
+    new, changed, _ = _port("use_cuda = not args.no_cuda and torch.cuda.is_available()\n"
+                            "device = torch.device('cuda' if use_cuda else 'cpu')\n")
+    assert "torch.device(get_device().type if not args.no_cuda else 'cpu')" in new and "flag_opt_out" in changed, new
+
+
+def test_device_calls_a_name_bound_to_the_memory_module_lookup_gets_its_xla_meaning():
+    # peft's examples' TorchTracemalloc
+    new, changed, left = _port("class T:\n    def __enter__(self):\n"
+                               "        self.device_module = getattr(torch, device_type, torch.cuda)\n"
+                               "        self.device_module.empty_cache()\n        self.device_module.reset_peak_memory_stats()\n"
+                               "        self.begin = self.device_module.memory_allocated()\n")  # fmt: skip
+    assert new.count("pass  # tpu_utility.port") == 2 and changed == {"device_calls"} and left == {"memory_stats"}, new
+
+
+def test_transformers_api_names_peft_removed_apis_and_a_trainer_it_cannot_port():
+    _, changed, left = _port("from peft import get_peft_model, prepare_model_for_int8_training\n"
+                             "model = prepare_model_for_int8_training(model)\n")
+    assert left == {"peft_removed"} and not changed
+    for source in ("from transformers import Trainer as HfTrainer\nHfTrainer(model=model, args=args).train()\n",
+                   "import transformers\ntransformers.Trainer(model=model, args=args).train()\n",
+                   "from trl import SFTTrainer\nSFTTrainer(model=model, train_dataset=ds).train()\n"):
+        assert _port(source)[2] == {"hf_trainer"}, source
+    _unchanged("class Trainer:\n    pass\nTrainer().fit()\n")  # a program's own Trainer is its own
+    _unchanged("from peft import prepare_model_for_kbit_training\n")

@@ -13,18 +13,19 @@ PACKAGE = os.path.join(ROOT, "tpu_utility")
 # Inside the backend the same holds module by module: what every backend answers and the probes, then the
 # backends, TorchTPU over the native one, then the choice and the functions that delegate to it.
 LAYERS = [
-    {"backend.base", "backend.hardware", "backend.versions", "backend.choice"},
+    {"backend.base", "backend.hardware", "backend.versions", "backend.choice", "backend.xla_log"},
     {"backend.native", "backend.xla"},
     {"backend.tpu"},
     {"backend.api"},
     {"backend", "diagnostics.rules"},
     {"arguments", "remote", "files", "progress", "device", "environment", "diagnostics.port", "diagnostics.fixers",
-     "huggingface"},
+     "huggingface", "quantization"},
     {"optim", "sharding", "amp", "checkpoint", "compiler", "export", "data.buckets", "data.cache", "data.presize", "training.schedule",
      "training.topology", "training.precision",
-     "training.monitor", "training.history", "training.graphs", "training.events", "training.strategies", "training.trace"},
+     "training.monitor", "training.history", "training.graphs", "training.events", "training.strategies",
+     "training.trace", "training.throughput"},
     {"training.memory"},
-    {"data.loaders", "training.metrics", "training.callbacks", "training.builtins", "training.agreement"},
+    {"data.loaders", "data.packing", "training.metrics", "training.callbacks", "training.builtins", "training.agreement"},
     {"data", "loop"},
     {"training.steps", "training.runner"},  # the runner's rooms
     {"training.trainer", "training.inference", "training.generate", "diagnostics.doctor"},

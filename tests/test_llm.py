@@ -259,6 +259,16 @@ for name, make in [("llama", lambda: causal_lm("llama", tied=True)), ("lora", la
                  "plain": plain_cpu_losses(make(), train, 2, {global_batch}, LR),
                  "valid": h.records[-1].valid_loss, "own": own_loss_mean(copy.deepcopy(h.model), valid, 8),
                  "evaluate": evaluate(h.model, valid, batch_size=PER_CORE, cores=CORES)["loss"]}}
+from tpu_utility import PackedDataset, packed_attention
+samples = [{{k: s[k] for k in ("input_ids", "labels")}} for n in range(6, 16) for s in counting(8, seed=n, length=n)]
+packed = PackedDataset(samples, length=32)  # 80 samples of 6-15 tokens in 27 rows: 3 global batches of 8
+h = one_cycle_fit(lora(causal_lm("llama")), packed, epochs=2, max_lr=LR, batch_size=PER_CORE, cores=CORES,
+                  schedule="constant", optimizer=adamw(LR), progress=False)
+cpu = lora(causal_lm("llama"))
+packed_attention(cpu)  # the hand loop's one line
+out["packed_lora"] = {{"losses": [r.train_loss for r in h.records], "summary": h.summary,
+                      "syncs": [r.host_syncs for r in h.records],
+                      "plain": plain_cpu_losses(cpu, [packed[i] for i in range(len(packed))], 2, {global_batch}, LR)}}
 torch.manual_seed(0)
 h = one_cycle_fit(Tagger(), tags(64, 0), epochs=2, max_lr=LR, batch_size=PER_CORE, cores=CORES, schedule="constant",
                   optimizer=adamw(LR), progress=False)
@@ -278,6 +288,9 @@ def _check(runs, where):
         assert where in run["summary"], run["summary"]
         assert run["losses"][-1] < run["losses"][0], (name, run["losses"])
         assert same(run["losses"], run["plain"]), name
+        if name == "packed_lora":  # packed rows (test_packing.py): their attention built on the device
+            assert run["syncs"] == [0, 0] and "real tokens" in run["summary"], run
+            continue
         if name != "tagger":  # its figures with -100 targets: test_a_token_classifier_trains_on_the_default_loss...
             assert same(run["valid"], run["own"], rel=1e-5), name
             assert same(run["evaluate"], run["own"], rel=1e-5), name

@@ -185,6 +185,9 @@ def _cases():
         ("fine-tune an LLM", LLM + block("peft.LoraConfig(r=8")
          + "\nassert os.path.exists('adapter/adapter_model.safetensors') and history.records[-1].valid_loss > 0"
          + "\nassert not any('lora_' in k for k in AutoModelForCausalLM.from_pretrained('merged').state_dict())\n", 1),
+        ("pack your data", LLM + block("packed = PackedDataset(train_ds, length=1024)").replace("length=1024", "length=64")
+         + "\nassert packed.fill == 1.0 and '100.0% real tokens' in history.summary and history.records[-1].tokens_per_s > 0"
+         + "\nassert history.records[-1].host_syncs == 0 and 'tokens/s' in history.records[-1].line(2)\n", 1),
         ("memory_plan", block("from tpu_utility import memory_plan").replace(
             'AutoConfig.from_pretrained("google/gemma-7b")',  # google/gemma-7b's config.json, no download
             "AutoConfig.for_model('gemma', hidden_size=3072, intermediate_size=24576, num_hidden_layers=28, "

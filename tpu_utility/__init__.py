@@ -22,12 +22,13 @@ from .environment import TpuInfo, setup_tpu
 from .loop import device_loader, inference_mode, launch, masked_loader, use_all_cores
 from .optim import step_optimizer
 from .sharding import FSDP, shard_model
-from .huggingface import static_masks
+from .huggingface import packed_attention, static_masks
 from .export import export_pretrained
+from .quantization import dequantize_base, load_quantized, quantize_base
 
 # data preparation: fixed shapes, caches, images shrunk once
-from .data import (BucketBatchSampler, BucketCollate, CachedDataset, PresizeReport, cache_dataset, choose_buckets,
-                   group_batches, make_sampler, padding_waste, presize_images)
+from .data import (BucketBatchSampler, BucketCollate, CachedDataset, PackedDataset, PresizeReport, cache_dataset,
+                   choose_buckets, group_batches, make_sampler, padding_waste, presize_images)
 
 # the trainer: one call that trains, keeps the best epoch and predicts (or generates)
 from .training import (EMA, Callback, CSVLogger, DeviceBytes, EpochMetric, EpochRecord, GradientCheckpointing, History,
@@ -59,6 +60,7 @@ __all__ = [
     "check",
     "choose_buckets",
     "device_loader",
+    "dequantize_base",
     "device_type",
     "doctor",
     "DoctorError",
@@ -80,6 +82,7 @@ __all__ = [
     "TensorBoardLogger",
     "launch",
     "load_checkpoint",
+    "load_quantized",
     "Loop",
     "LRFinderResult",
     "make_sampler",
@@ -94,8 +97,11 @@ __all__ = [
     "one_cycle_curve",
     "OneCycle",
     "one_cycle_fit",
+    "PackedDataset",
+    "packed_attention",
     "padding_waste",
     "predict",
+    "quantize_base",
     "presize_images",
     "PresizeReport",
     "save_checkpoint",

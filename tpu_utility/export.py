@@ -19,7 +19,10 @@ Example:
 from __future__ import annotations
 
 import copy
+import glob
 import os
+import shutil
+import tempfile
 from typing import Any
 
 import torch
@@ -27,7 +30,9 @@ from torch import nn
 
 from . import backend
 from .checkpoint import load_checkpoint
+from .compiler import compiled_parts
 from .huggingface import SavedThroughCpu, base_model, is_transformers_model
+from .quantization import dequantize_base
 
 
 def _is_peft(model: nn.Module) -> bool:
@@ -61,8 +66,12 @@ def export_pretrained(model: nn.Module, folder: str | os.PathLike[str], *, merge
     (bf16 or fp32 as trained).
 
     Args:
-        model: A transformers ``PreTrainedModel`` or a peft model of one (LoRA, prompt tuning).
-        folder: A local folder; created if missing, its files of the same names replaced.
+        model: A transformers ``PreTrainedModel`` or a peft model of one (LoRA, prompt tuning), or
+            ``torch.compile`` of one (the module inside is written).
+        folder: A local folder, written whole and then renamed into place: an earlier export there is
+            replaced whole (files the export does not write, a tokenizer's or a README, are kept) or, if
+            the call is killed, left whole; a kill between the two renames leaves the folder absent and
+            both exports in hidden ``.NAME.export-*`` folders beside it, cleared by the next export there.
         merge_lora: False: a peft model writes its adapter alone (``adapter_model.safetensors``,
             loaded with ``PeftModel.from_pretrained(base, folder)``). True: the adapters are
             merged into the base weights (peft's ``merge_and_unload``) on the CPU copy and the
@@ -78,13 +87,15 @@ def export_pretrained(model: nn.Module, folder: str | os.PathLike[str], *, merge
     Raises:
         TypeError: ``model`` is not a transformers model or a peft model of one.
         ValueError: ``merge_lora=True`` for a model without adapters, or for adapters peft
-            cannot merge (prompt tuning), named.
+            cannot merge (prompt tuning), named; ``folder`` is a file, or a place no folder can be
+            written (named with the system's reason), checked before the model is copied.
 
     Example:
         >>> # was: model.merge_and_unload().save_pretrained("out")  on a CUDA box
         >>> export_pretrained(history.model, "out", merge_lora=True)   # doctest: +SKIP
         >>> AutoModelForCausalLM.from_pretrained("out")               # anywhere  # doctest: +SKIP
     """
+    model = compiled_parts(model)[0]  # torch.compile's wrapper: the module inside is the model
     if not is_transformers_model(base_model(model)):
         raise TypeError(f"export_pretrained writes a transformers model or a peft model of one, but given "
                         f"{type(model).__name__}; save other models with save_checkpoint")  # fmt: skip
@@ -95,11 +106,55 @@ def export_pretrained(model: nn.Module, folder: str | os.PathLike[str], *, merge
             f"{type(model).__name__}, which has no adapters")  # fmt: skip
         raise ValueError(f"merge_lora=True merges LoRA adapters into the base weights, but the model is {what}; "
                          f"give merge_lora=False to write it as it is")  # fmt: skip
-    copied = cpu_copy(model)
-    if checkpoint is not None:
-        load_checkpoint(os.fspath(checkpoint), model=copied)
-    if merge_lora:
-        copied = copied.merge_and_unload()
     folder = os.fspath(folder)
-    copied.save_pretrained(folder)  # safetensors: transformers 5 writes nothing else, peft by default
+    staging = _staging_folder(folder)  # before the copy: a file or an unwritable place is said at once
+    try:
+        copied = cpu_copy(model)
+        if checkpoint is not None:
+            load_checkpoint(os.fspath(checkpoint), model=copied)
+        if merge_lora:  # an int8 base (quantize_base) is dequantized first: peft merges into float weights
+            copied = dequantize_base(copied).merge_and_unload()
+        copied.save_pretrained(staging)  # safetensors: transformers 5 writes nothing else, peft by default
+        _replace(folder, staging)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
     return folder
+
+
+_WRITTEN = (".safetensors", ".bin", ".pt", ".pth", ".index.json", "config.json")  # an export's weights and configs
+
+
+def _staging_folder(folder: str) -> str:
+    """A new empty folder beside ``folder`` to write the export into; an earlier killed export's are removed."""
+    if os.path.exists(folder) and not os.path.isdir(folder):
+        raise ValueError(f"export_pretrained writes a folder, but folder={folder!r} is a file; give a new folder's "
+                         f"path (or an earlier export's, which is replaced)")  # fmt: skip
+    parent, name = os.path.split(os.path.abspath(folder))
+    try:
+        os.makedirs(parent, exist_ok=True)
+        for stale in glob.glob(os.path.join(glob.escape(parent), f".{glob.escape(name)}.export-*")):
+            shutil.rmtree(stale, ignore_errors=True)
+        return tempfile.mkdtemp(prefix=f".{name}.export-", dir=parent)
+    except OSError as error:
+        raise ValueError(f"export_pretrained cannot write folder={folder!r}: {error.strerror or error} "
+                         f"({error.filename or parent}); give a folder in a writable place") from error
+
+
+def _replace(folder: str, staging: str) -> None:
+    """``staging`` renamed to ``folder``; an earlier export there goes whole (its other files are kept)."""
+    if not os.path.isdir(folder):
+        os.rename(staging, folder)
+        return
+    written = set(os.listdir(staging))
+    for entry in os.listdir(folder):  # a tokenizer saved there, a README: not the export's to drop
+        if entry not in written and not entry.endswith(_WRITTEN):
+            source, target = os.path.join(folder, entry), os.path.join(staging, entry)
+            if os.path.isdir(source):
+                shutil.copytree(source, target, symlinks=True)
+            else:
+                shutil.copy2(source, target)
+    old = f"{staging}-replaced"
+    os.rename(folder, old)
+    os.rename(staging, folder)
+    shutil.rmtree(old, ignore_errors=True)

@@ -24,6 +24,7 @@ import warnings
 from functools import partial
 from typing import Any
 
+import torch
 from torch import nn
 
 from .backend.versions import installed_version
@@ -47,8 +48,8 @@ def transformers_too_old(version: str | None) -> str | None:
         return None
     floor = ".".join(map(str, TRANSFORMERS_FLOOR))
     return (f"transformers {version} is installed, but tpu_utility supports transformers {floor} and later (tested: "
-            f"{floor}, Colab's 5.15 and the newest); below it padded attention masks cost host syncs in every step "
-            f"on XLA, LoRA with gradient checkpointing fails and generate is untested. Upgrade with: pip install -U "
+            f"{floor}, Colab's 5.15 and the newest); below it LoRA with gradient checkpointing fails and generate "
+            f"is untested. Upgrade with: pip install -U "
             f"'transformers>={floor}'")  # fmt: skip
 
 
@@ -133,10 +134,15 @@ class SavedThroughCpu:
 
 
 def save_through_cpu(model: nn.Module) -> None:
-    """Makes ``model.save_pretrained(...)`` work while the model lives on XLA (``SavedThroughCpu``); once."""
-    save = getattr(model, "save_pretrained", None)
-    if callable(save) and not isinstance(save, SavedThroughCpu):
-        model.__dict__["save_pretrained"] = SavedThroughCpu(model, save)
+    """Makes ``model.save_pretrained(...)`` work while the model lives on XLA (``SavedThroughCpu``); once.
+
+    Every module inside that has one gets it too: peft's ``merge_and_unload()`` returns the transformers
+    model inside the peft model, and ``merged.save_pretrained(folder)`` is peft's own idiom after a run.
+    """
+    for module in model.modules():
+        save = getattr(module, "save_pretrained", None)
+        if callable(save) and not isinstance(save, SavedThroughCpu):
+            module.__dict__["save_pretrained"] = SavedThroughCpu(module, save)
 
 
 def _always_built_sdpa_mask(*args: Any, **kwargs: Any) -> Any:
@@ -195,3 +201,122 @@ def restore_masks(model: nn.Module, implementation: str | None) -> None:
     """Puts back the attention implementation ``static_masks`` replaced (nothing for None)."""
     if implementation is not None:
         base_model(model).set_attn_implementation(implementation)
+
+
+# ------------------------------------------------------------ packed rows (PackedDataset)
+PACKED_HOOK = "_tpu_utility_packed_attention"
+_MASKED_IMPLEMENTATIONS = ("sdpa", STATIC_SDPA, "eager")  # take a 4-D mask; flash_attention_* read position_ids themselves
+
+
+def packed_segments(position_ids: torch.Tensor) -> torch.Tensor:
+    """Which sample each token of a packed row belongs to, from its positions, on the device.
+
+    A new sample starts wherever a position is not the previous one + 1 (it restarts), the
+    rule transformers' own ``find_packed_sequence_indices`` uses, without its host read.
+
+    Example:
+        >>> packed_segments(torch.tensor([[0, 1, 2, 0, 1, 0]])).tolist()
+        [[0, 0, 0, 1, 1, 2]]
+    """
+    first = position_ids[:, :1] - 1
+    return (torch.diff(position_ids, prepend=first, dim=-1) != 1).cumsum(-1)
+
+
+def packed_masks(position_ids: torch.Tensor, sliding_window: int | None = None) -> dict[str, torch.Tensor]:
+    """The block-diagonal causal masks of packed rows, ``(batch, 1, length, length)`` bool (True: attend).
+
+    A token attends to the tokens before it in its own sample only; ``sliding_window`` adds
+    the window of a sliding-attention layer (a query sees the ``sliding_window`` keys ending
+    at itself, as transformers' ``sliding_window_overlay``). Static shapes, no host read.
+
+    Returns:
+        ``{"full_attention": mask}``, and ``"sliding_attention"`` with a window.
+
+    Example:
+        >>> packed_masks(torch.tensor([[0, 1, 0]]))["full_attention"][0, 0].int().tolist()
+        [[1, 0, 0], [1, 1, 0], [0, 0, 1]]
+    """
+    segments = packed_segments(position_ids)
+    index = torch.arange(segments.shape[-1], device=segments.device)
+    behind = index[:, None] - index[None, :]  # query - key
+    full = ((segments[:, :, None] == segments[:, None, :]) & (behind >= 0))[:, None]
+    masks = {"full_attention": full}
+    if sliding_window is not None:
+        masks["sliding_attention"] = full & (behind < sliding_window)
+    return masks
+
+
+def _packed_attention_hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+    """Gives a transformers decoder called with ``position_ids`` and no ``attention_mask`` (a packed row) its
+    block-diagonal masks, built on the device, so that transformers' own packed detection (a host read) never runs."""
+    position_ids = kwargs.get("position_ids")
+    if position_ids is None or kwargs.get("attention_mask") is not None or position_ids.dim() != 2:
+        return None
+    if kwargs.get("past_key_values") is not None or kwargs.get("cache") is not None:  # decoding: not packed
+        return None
+    config = module.config
+    implementation = getattr(config, "_attn_implementation", None)
+    if implementation not in _MASKED_IMPLEMENTATIONS:
+        if str(implementation).startswith("flash_attention"):
+            return None  # transformers' varlen kernels read the positions themselves
+        raise ValueError(f"packed rows (position_ids without attention_mask) need attention_implementation 'sdpa' or "
+                         f"'eager' (or a flash_attention kernel), but {type(module).__name__} uses {implementation!r}; "
+                         f"model.set_attn_implementation('sdpa')")  # fmt: skip
+    layer_types = getattr(config, "layer_types", None) or ()
+    sliding = "sliding_attention" in layer_types
+    masks = packed_masks(position_ids, getattr(config, "sliding_window", None) if sliding else None)
+    if implementation == "eager":  # added to the scores: 0 where seen, the dtype's lowest where not
+        dtype = module.dtype
+        masks = {k: torch.zeros((), dtype=dtype, device=m.device).masked_fill(~m, torch.finfo(dtype).min)
+                 for k, m in masks.items()}  # fmt: skip
+    kwargs["attention_mask"] = masks if sliding else masks["full_attention"]
+    return args, kwargs
+
+
+def packed_attention(model: nn.Module) -> Any:
+    """Makes a transformers model (or the model inside a peft wrapper) attend within each sample of packed rows.
+
+    A packed row (``PackedDataset``) holds several samples and ``position_ids`` that restart
+    at each; without a mask its attention would cross from one sample into the one before.
+    After this, a forward given ``position_ids`` and no ``attention_mask`` gets the rows'
+    block-diagonal causal masks (and sliding-window ones for Gemma 2/3's and Qwen2's sliding
+    layers), built on the device from the positions through transformers' own 4-D mask
+    argument: static shapes, no host read (transformers' own packed detection reads the host,
+    and is skipped when the model keeps a cache). Other forwards are left as they are.
+    ``one_cycle_fit``, ``evaluate`` and ``predict`` do this for the run; in a hand loop it is
+    one line.
+
+    Args:
+        model: Any module; only a transformers causal LM (or a peft model around one) changes.
+
+    Returns:
+        A handle to give to ``restore_packed_attention`` (``.remove()``), or None when nothing changed.
+
+    Example:
+        >>> handle = packed_attention(model)   # was: nothing, and packed samples attended to each other  # doctest: +SKIP
+        >>> loss = model(**packed_rows[:8]).loss                                                         # doctest: +SKIP
+    """
+    base = base_model(model)
+    if not is_causal_lm(base):  # an encoder's attention is not causal: packed rows are a causal LM's
+        return None
+    decoder = getattr(base, "base_model", base)  # the module whose forward builds the masks (LlamaModel, GPT2Model)
+    if getattr(decoder, PACKED_HOOK, None) is not None:
+        return None
+    handle = decoder.register_forward_pre_hook(_packed_attention_hook, with_kwargs=True)
+    setattr(decoder, PACKED_HOOK, handle)
+    return _PackedHandle(decoder, handle)
+
+
+class _PackedHandle:
+    def __init__(self, decoder: nn.Module, handle: Any) -> None:
+        self.decoder, self.handle = decoder, handle
+
+    def remove(self) -> None:
+        self.handle.remove()
+        self.decoder.__dict__.pop(PACKED_HOOK, None)
+
+
+def restore_packed_attention(handle: Any) -> None:
+    """Undoes ``packed_attention`` (nothing for None)."""
+    if handle is not None:
+        handle.remove()

@@ -29,7 +29,7 @@ from typing import Any, Callable, ContextManager, Iterable, Iterator, Literal, S
 import torch
 from torch.utils import _pytree as pytree
 
-from .hardware import memory_override
+from .hardware import device_name_override, memory_override
 
 ReduceOp = Literal["sum", "min", "max"]
 # What a host sync is: a value read (.item(), bool(), print), a copy of device data to the
@@ -142,6 +142,11 @@ class Devices(Group):
     def hardware(self, device: torch.device) -> str | None:
         """The hardware under ``device`` where it is not the device itself ("TPU" or "CPU" under XLA, "TPU" under TorchTPU), else None."""
         return None
+
+    def chip_name(self, device: torch.device) -> str | None:
+        """The chip under ``device`` as ``hardware.PEAK_BF16_FLOPS`` names it (a TPU kind, "v5e"; a CUDA device's
+        name), ``TPU_UTILITY_DEVICE_NAME`` first; None where unknown (the CPU)."""
+        return device_name_override()
 
     def rng_state(self) -> int:
         """The device generator's state where it is separate from torch's CPU one (XLA), else 0."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import glob
+import math
 import os
 from dataclasses import dataclass
 
@@ -95,7 +96,7 @@ def memory_override(variable: str = MEMORY_ENV) -> int | None:
         gib = float(value)
     except ValueError:
         gib = -1.0
-    if not gib > 0:
+    if not 0 < gib < math.inf:
         per = " per device" if variable == MEMORY_ENV else ""
         raise ValueError(f"{variable} must be a positive number of GiB{per} (e.g. 16), but is {value!r}")
     return int(gib * 2**30)
@@ -105,3 +106,37 @@ def tpu_device_memory(kind: str | None) -> int | None:
     """Bytes of memory of one XLA device of a TPU of ``kind`` ("v5e", "v4", ...), or None for a kind not in the table."""
     gib = _TPU_DEVICE_MEMORY_GIB.get((kind or "").lower())
     return gib * 2**30 if gib else None
+
+
+# Peak dense bf16 matrix throughput of one device, FLOP/s, as the vendors' data sheets give it (TPU: per chip,
+# one XLA device from v4 on; CUDA: the SXM part unless the name says PCIe; T4 has no bf16: its fp16 peak).
+# The denominator of MFU; a name not here gives no MFU rather than a guess.
+PEAK_BF16_FLOPS = {
+    "v4": 275e12, "v5e": 197e12, "v5litepod": 197e12, "v5p": 459e12, "v6e": 918e12,
+    "H200": 989e12, "H100 PCIe": 756e12, "H100": 989e12, "A100": 312e12, "L4": 121e12, "T4": 65e12,
+}  # fmt: skip
+DEVICE_NAME_ENV = "TPU_UTILITY_DEVICE_NAME"
+
+
+def peak_flops(name: str | None) -> float | None:
+    """The peak bf16 FLOP/s of one device called ``name`` (a TPU kind, "v5e", or a CUDA device name,
+    "NVIDIA H100 80GB HBM3"), or None where the table does not know it.
+
+    A CUDA name matches a table entry as a whole word ("L4" is not "L40S"); the longest entry that
+    matches wins ("H100 PCIe" over "H100").
+
+    Example:
+        >>> peak_flops("v5e"), peak_flops("NVIDIA H100 PCIe"), peak_flops("NVIDIA L40S")
+        (197000000000000.0, 756000000000000.0, None)
+    """
+    if not name:
+        return None
+    words = f" {name.replace('-', ' ')} ".lower()
+    found = [key for key in PEAK_BF16_FLOPS if f" {key.lower()} " in words]
+    return PEAK_BF16_FLOPS[max(found, key=len)] if found else None
+
+
+def device_name_override() -> str | None:
+    """The device name ``TPU_UTILITY_DEVICE_NAME`` sets (for MFU where the chip is not detected), or None."""
+    value = os.environ.get(DEVICE_NAME_ENV, "").strip()
+    return value or None

@@ -31,7 +31,7 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .base import Backend, Compute, Devices, Diagnosis, Processes, ReduceOp, Sharding, SyncKind, patch_tensor_methods
-from .hardware import memory_override
+from .hardware import device_name_override, memory_override
 
 # Every collective and the start-up rendezvous give up after this long (seconds): a replica
 # that died or took another path raises on the others instead of hanging them forever.
@@ -196,6 +196,13 @@ class NativeDevices(Devices):
         if override is not None or self.backend.device_type != "cuda":
             return override
         return torch.cuda.get_device_properties(device).total_memory
+
+    def chip_name(self, device: torch.device) -> str | None:
+        """The override, else a GPU's name ("NVIDIA H100 80GB HBM3"); None on the CPU."""
+        named = device_name_override()
+        if named is not None or self.backend.device_type != "cuda":
+            return named
+        return torch.cuda.get_device_name(device)
 
 
 class NativeProcesses(Processes):

@@ -25,7 +25,7 @@ import torch
 
 from . import choice
 from .base import Backend, Compute, Counters, GraphCompile, Devices, Diagnosis, Processes, ReduceOp, Sharding
-from .hardware import detect_tpu, memory_override, pjrt_device, tpu_device_memory
+from .hardware import detect_tpu, device_name_override, memory_override, pjrt_device, tpu_device_memory
 from .versions import INSTALL_HINT, module_installed, check_versions, installed_version
 
 XLA_INSTALLED: bool = module_installed("torch_xla")
@@ -152,7 +152,8 @@ def _check_autograd(dev: torch.device) -> None:
         return
     probe = torch.ones(2, device=dev, requires_grad=True)
     try:
-        (probe * 2).sum().backward()  # with an op between: a bare leaf's sum (or a 0-dim one) fails under SPMD
+        with torch.enable_grad():  # a first get_device() inside torch.no_grad() too
+            (probe * 2).sum().backward()  # with an op between: a bare leaf's sum (or a 0-dim one) fails under SPMD
     except RuntimeError as error:
         if "device_ready_queues_" in str(error):
             raise RuntimeError(CPU_BACKWARD_FIRST) from None
@@ -216,6 +217,9 @@ def use_spmd() -> None:
     torch_xla = require_xla()
     import torch_xla.runtime as xr
 
+    from .xla_log import say_once
+
+    say_once()  # GSPMD's deprecation notice, once per compiled graph: said once
     if xr.is_spmd():
         return
     if torch_xla._XLAC._xla_get_spmd_config_is_locked():
@@ -259,8 +263,12 @@ def shard_parameters(model: torch.nn.Module, blocks: Sequence[torch.nn.Module]) 
     mesh = _fsdp_mesh(global_device_count())
     for param in model.parameters():
         xs.mark_sharding(param, mesh, _prepare_spmd_partition_spec(param, shard_maximal=True))
+    # a transformers model (or a peft model of one) returns a ModelOutput, for which torch never calls a full
+    # backward hook (and warns so at every run): the root's barrier is left out where it could not act
+    transformers = sys.modules.get("transformers")
+    root = [] if _returns(model, getattr(transformers, "PreTrainedModel", ())) else [model]
     added = []
-    for module in (*blocks, model):
+    for module in (*blocks, *root):
         before = set(module._backward_hooks)
         xs.xla_sharding.apply_backward_optimization_barrier(module)
         added += [(module, key) for key in set(module._backward_hooks) - before]
@@ -271,6 +279,12 @@ def shard_parameters(model: torch.nn.Module, blocks: Sequence[torch.nn.Module]) 
             module._is_full_backward_hook = None if not module._backward_hooks else module._is_full_backward_hook
 
     return undo
+
+
+def _returns(model: torch.nn.Module, kind: Any) -> bool:
+    """Whether ``model`` (or the model inside a peft wrapper) is of ``kind``, found without importing its library."""
+    inner = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
+    return bool(kind) and isinstance(inner, kind)
 
 
 def _data_mesh(devices: int) -> Any:
@@ -572,6 +586,13 @@ class XlaDevices(Devices):
         if override is not None or self.hardware(device) != "TPU":
             return override
         return tpu_device_memory(detect_tpu().kind)
+
+    def chip_name(self, device: torch.device) -> str | None:
+        """The override, else the TPU kind found on the PCI bus ("v5e"); None on XLA:CPU."""
+        named = device_name_override()
+        if named is not None or self.hardware(device) != "TPU":
+            return named
+        return detect_tpu().kind
 
     def rng_state(self) -> int:
         import torch_xla.core.xla_model as xm

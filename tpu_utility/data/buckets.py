@@ -25,13 +25,15 @@ from __future__ import annotations
 
 import bisect
 import math
+import numbers
+import sys
 import warnings
 import zlib
 from collections.abc import Mapping
 from typing import Any, Iterable, Iterator, Literal, Sequence, get_args
 
 import torch
-from torch.utils.data import Sampler
+from torch.utils.data import DataLoader, Sampler
 from torch.utils.data.dataloader import default_collate
 
 from .. import backend
@@ -311,6 +313,9 @@ class BucketBatchSampler(Sampler[list[int]]):
         return self._batches(self._share()[0])
 
     def __iter__(self) -> Iterator[list[int]]:
+        loader = sys._getframe(1).f_locals.get("loader")  # torch's DataLoader iterator starting a pass holds its loader
+        if isinstance(loader, DataLoader) and loader.batch_sampler is self:  # a hand loop's: checked as one_cycle_fit's
+            self.check_dataset(loader.dataset, "loader", loader.collate_fn, stacklevel=4)
         replicas, rank = self._share()
         generator = torch.Generator().manual_seed(self.seed + self.epoch) if self.shuffle else None
         if replicas == 1:
@@ -400,6 +405,13 @@ def _sample_length(sample: Any, index: int, collate: Any) -> int | None:
 DICT_PAD_VALUES = {"attention_mask": 0, "labels": -100, "token_type_ids": 0}
 
 
+def _numeric(value: Any) -> bool:
+    """A value a batch can hold as a tensor: a tensor, an array, a number or a (nested) list of numbers; not text."""
+    while isinstance(value, (list, tuple)) and value:
+        value = value[0]
+    return isinstance(value, (torch.Tensor, numbers.Number, list, tuple)) or hasattr(value, "__array__")
+
+
 class BucketCollate:
     """Pads each batch of variable-length sequences to the smallest bucket that fits it.
 
@@ -415,13 +427,16 @@ class BucketCollate:
     whose first dimension is the length) or dicts holding both under ``keys``
     (``{"input_ids": [...], "label": 3}``).
 
-    With ``keys=None`` a dict sample keeps all its keys and the batch is a dict
+    By default (``keys="auto"``) a dict sample with ``input_ids`` and ``label`` is such a
+    pair, and any other dict sample (a causal LM's ``input_ids``, ``attention_mask`` and
+    ``labels``) is collated as with ``keys=None``. With ``keys=None`` a dict sample keeps all its keys and the batch is a dict
     (a tokenized Hugging Face dataset, for ``model(**batch)``): every sequence
     (a value with a first dimension; all of a sample's share one length) is
     padded to the bucket with its own value: ``attention_mask`` with 0 (added,
     all ones on real tokens, when the samples have none), ``labels`` with -100
     (ignored by the loss) where they are sequences, the rest with ``pad_value``
-    (the tokenizer's ``pad_token_id`` for ``input_ids``); scalars are collated.
+    (the tokenizer's ``pad_token_id`` for ``input_ids``); scalars are collated; columns
+    that are not numbers (a split's text) are left out, as ``one_cycle_fit`` leaves them unread.
 
     Each bucket is one shape, so at most ``len(buckets)`` graphs are compiled
     when the batch size is fixed too: ``drop_last=True`` for training; for
@@ -437,8 +452,8 @@ class BucketCollate:
         pad_value: Fills the tokens after each sequence's end.
         overflow: "error" (default) or "truncate" for sequences longer than the
             largest bucket.
-        keys: The sequence's and the target's keys in dict samples, or None for
-            dict batches with every key padded (see above).
+        keys: The sequence's and the target's keys in dict samples, None for
+            dict batches with every key padded, or "auto" (see above).
 
     Example:
         >>> # was: DataLoader(train_ds, batch_size=32, shuffle=True, collate_fn=pad_to_longest)
@@ -455,14 +470,14 @@ class BucketCollate:
     """
 
     def __init__(self, buckets: Sequence[int], pad_value: float = 0, *, overflow: Overflow = "error",
-                 keys: tuple[str, str] | None = ("input_ids", "label")) -> None:  # fmt: skip
+                 keys: tuple[str, str] | None | Literal["auto"] = "auto") -> None:  # fmt: skip
         self.buckets = _check_buckets(buckets)
         if isinstance(pad_value, bool) or not isinstance(pad_value, (int, float)):
             raise TypeError(f"pad_value must be a number, but given {pad_value!r}")
         if overflow not in get_args(Overflow):
             raise ValueError(f"overflow must be one of {get_args(Overflow)}, but given {overflow!r}")
-        if keys is not None and not (isinstance(keys, tuple) and len(keys) == 2):
-            raise TypeError(f"keys must be a (sequence_key, target_key) tuple or None, but given {keys!r}")
+        if not (keys is None or (isinstance(keys, str) and keys == "auto") or (isinstance(keys, tuple) and len(keys) == 2)):
+            raise TypeError(f"keys must be a (sequence_key, target_key) tuple, None or 'auto', but given {keys!r}")
         self.pad_value, self.overflow, self.keys = pad_value, overflow, keys
         self.data_waste: float | None = None
         self.real_tokens = self.padded_tokens = self.truncated_tokens = 0
@@ -520,10 +535,17 @@ class BucketCollate:
             )
 
     # -------------------------------------------------------------- collate
+    def _keys_for(self, sample: Any) -> tuple[str, str] | None:
+        """The keys a batch starting with ``sample`` is collated by: ``keys="auto"`` decided from it."""
+        if not (isinstance(self.keys, str) and self.keys == "auto"):
+            return self.keys
+        return None if isinstance(sample, Mapping) and not {"input_ids", "label"} <= set(sample) else ("input_ids", "label")
+
     def _length(self, sample: Any, index: int) -> int:
-        if self.keys is None:
+        keys = self._keys_for(sample)
+        if keys is None:
             return next(iter(self._sequences(sample, index).values())).shape[0]
-        return self._split(sample, index)[0].shape[0]
+        return self._split(sample, index, keys)[0].shape[0]
 
     @staticmethod
     def _sequences(sample: Any, index: int) -> dict[str, torch.Tensor]:
@@ -531,7 +553,7 @@ class BucketCollate:
         if not isinstance(sample, Mapping):
             raise TypeError(f"BucketCollate(keys=None) expects dict samples, but sample {index} of the batch is "
                             f"{type(sample).__name__}; give keys=(sequence_key, target_key) for pairs")  # fmt: skip
-        seqs = {k: torch.as_tensor(v) for k, v in sample.items()}
+        seqs = {k: torch.as_tensor(v) for k, v in sample.items() if _numeric(v)}
         seqs = {k: v for k, v in seqs.items() if v.dim() > 0}
         if not seqs:
             raise ValueError(f"sample {index} of the batch has no sequence among {sorted(sample)}")
@@ -541,17 +563,17 @@ class BucketCollate:
                              f"is padded to one bucket, so they must have one length")  # fmt: skip
         return seqs
 
-    def _split(self, sample: Any, index: int) -> tuple[torch.Tensor, Any]:
+    def _split(self, sample: Any, index: int, keys: tuple[str, str]) -> tuple[torch.Tensor, Any]:
         if isinstance(sample, Mapping):
-            missing = [k for k in self.keys if k not in sample]
+            missing = [k for k in keys if k not in sample]
             if missing:
                 raise KeyError(f"sample {index} of the batch lacks {missing}; it has {sorted(sample)}; set keys=...")
-            seq, target = sample[self.keys[0]], sample[self.keys[1]]
+            seq, target = sample[keys[0]], sample[keys[1]]
         elif isinstance(sample, (tuple, list)) and len(sample) == 2:
             seq, target = sample
         else:
             raise TypeError(
-                f"BucketCollate expects (sequence, target) pairs or dicts with keys {self.keys}, but sample "
+                f"BucketCollate expects (sequence, target) pairs or dicts with keys {keys}, but sample "
                 f"{index} of the batch is {type(sample).__name__}"
                 f"{f' of length {len(sample)}' if isinstance(sample, (tuple, list)) else ''}"
             )
@@ -563,17 +585,18 @@ class BucketCollate:
     def __call__(self, samples: Sequence[Any]) -> Any:
         if not samples:
             raise ValueError("BucketCollate got an empty batch")
-        if self.keys is None:
+        keys = self._keys_for(samples[0])
+        if keys is None:
             return self._dict_batch(samples)
-        pairs = [self._split(s, i) for i, s in enumerate(samples)]
+        pairs = [self._split(s, i, keys) for i, s in enumerate(samples)]
         tokens, mask = self._pad([seq for seq, _ in pairs], self.pad_value)
         return tokens, mask, default_collate([t for _, t in pairs])
 
     def _dict_batch(self, samples: Sequence[Any]) -> dict[str, Any]:
         sequences = [self._sequences(s, i) for i, s in enumerate(samples)]
-        names = sorted(samples[0])
+        names = sorted(k for k, v in samples[0].items() if _numeric(v))
         for i, sample in enumerate(samples):
-            if sorted(sample) != names or sorted(sequences[i]) != sorted(sequences[0]):
+            if sorted(k for k, v in sample.items() if _numeric(v)) != names or sorted(sequences[i]) != sorted(sequences[0]):
                 raise ValueError(f"sample {i} of the batch has the keys {sorted(sample)}, sample 0 {names} (sequences "
                                  f"{sorted(sequences[i])} and {sorted(sequences[0])}); every sample needs the same")  # fmt: skip
         batch: dict[str, Any] = {}

@@ -180,9 +180,14 @@ RULES_LIST: tuple[Rule, ...] = (
          "get_device())", replaces='from_pretrained(name, device_map="auto")', tools=_PORT),
     Rule("bitsandbytes", "bitsandbytes' 4-bit and 8-bit layers have CUDA kernels only, none for XLA: the load "
          "raises or the quantized layers run on the host",
-         "load in bfloat16 without quantization (from_pretrained(name, torch_dtype=torch.bfloat16)) and train "
-         "LoRA on it; a model too large for one core: shard it with tpu_utility.FSDP instead of QLoRA",
+         "an int8 base under LoRA: model = quantize_base(from_pretrained(name)) or load_quantized(path) "
+         "(tpu_utility; 4-bit is not built), or load in bfloat16 (from_pretrained(name, dtype=torch.bfloat16)) "
+         "and shard it with tpu_utility.FSDP",
          replaces="BitsAndBytesConfig(load_in_4bit=True) / load_in_8bit=True", tools=_PORT, breaks=True),
+    Rule("int8_base", "bitsandbytes' 8-bit load has CUDA kernels only: on XLA the load raises or runs on the host",
+         "model = quantize_base(from_pretrained(name)): the linear layers in int8 with a scale per output "
+         "channel, LoRA on top (tpu_utility.quantization)", replaces="from_pretrained(name, load_in_8bit=True)",
+         tools=_PORT),
     Rule("import_time_device", "a device chosen when the module is imported (a config class's attribute, a "
          "module-level line of a program that launches processes) starts the XLA runtime at import, and the "
          "launch then refuses: 'Runtime is already initialized'",
@@ -232,6 +237,17 @@ RULES_LIST: tuple[Rule, ...] = (
          "tensors lack: it raises for a model that lives on XLA",
          "give it a CPU copy of the weights: model.save_pretrained(path, state_dict={k: v.cpu() for k, v in "
          "model.state_dict().items()})", replaces="model.save_pretrained(path)", tools=_PORT, breaks=True),
+    Rule("peft_removed", "peft no longer has it (prepare_model_for_kbit_training replaced it, for 8-bit and 4-bit "
+         "loads that XLA has no kernels for): ImportError",
+         "delete the call with its load_in_8bit=True: load in bfloat16 (from_pretrained(name, dtype=torch.bfloat16)); "
+         "get_peft_model freezes the base itself, and with gradient checkpointing add "
+         "model.enable_input_require_grads()", replaces="from peft import prepare_model_for_int8_training",
+         tools=_PORT, breaks=True),
+    Rule("hf_trainer", "Hugging Face's Trainer runs a loop of its own, which port does not rewrite",
+         "give its model and datasets to one_cycle_fit (TrainingArguments' num_train_epochs -> epochs, learning_rate "
+         "-> max_lr, per_device_train_batch_size -> batch_size, warmup_steps -> warmup, lr_scheduler_type -> "
+         "schedule; docs/llm.md), or keep Trainer, which runs on XLA through accelerate",
+         replaces="Trainer(model=model, args=TrainingArguments(...), ...).train()", tools=_PORT),
     Rule("transformers_adamw", "transformers.AdamW is gone from transformers 5: ImportError",
          "torch.optim.AdamW(params, weight_decay=0.0, ...): weight_decay=0.0 was transformers' default (torch's "
          "is 0.01)", replaces="from transformers import AdamW", removed_in="", tools=_PORT),
@@ -240,6 +256,47 @@ RULES_LIST: tuple[Rule, ...] = (
          "bfloat16 autocast: with tpu_utility.autocast(): (one_cycle_fit(..., precision='bf16')), or "
          "model.to(torch.bfloat16)", replaces='os.environ["XLA_USE_BF16"] = "1"', deprecated_in="2.4",
          tools=("port", "check")),
+    # ------------------------------------------- what five more public programs did after a port said "yes" (issue 61)
+    Rule("sparse_device", "XLA has no sparse tensors: moving one to the device raises NotImplementedError "
+         "('SparseXLA' backend)", "move it dense: adj.to_dense().to(device) (torch.sparse.mm and torch.spmm take "
+         "dense tensors too; the zeros cost memory, n*n, not correctness)",
+         replaces="torch.eye(n).to_sparse().to(device)", tools=_PORT),
+    Rule("sparse_on_device", "XLA has no sparse tensors: a sparse tensor made on the device raises "
+         "NotImplementedError ('SparseXLA' backend)", "make it on the CPU and move it dense: "
+         "torch.sparse_coo_tensor(i, v, size).to_dense().to(device)",
+         replaces="torch.sparse_coo_tensor(i, v, size, device=device)", tools=_PORT, breaks=True),
+    Rule("cpu_step_first", "a backward run on the CPU before the XLA runtime starts (a CPU baseline trained "
+         "first) breaks every later backward on XLA (pytorch/xla#4174): get_device() then raises",
+         "start the runtime before the first backward: get_device() at the top of the program (the CPU steps "
+         "still run on the CPU)", replaces="model.fit on the CPU, then device = ...", tools=_PORT),
+    Rule("cpu_step_before_launch", "a backward run on the CPU in the launching process breaks every later "
+         "backward on XLA (pytorch/xla#4174), and starting the runtime there first makes the launch refuse",
+         "train the CPU baseline in the launched function, after get_device(), or in its own program",
+         replaces="loss.backward() before xmp.spawn(...)", tools=_PORT, breaks=True),
+    Rule("optimizer_in_init", "an optimizer built in a module's __init__ holds its CPU parameters; the move after "
+         "it (model.to(device)) makes new parameters on XLA, so the optimizer updates the CPU copies and the "
+         "model does not learn (step_optimizer refuses)",
+         "move the module before its optimizer is built: move_model(self, device) before self.opt = "
+         "Adam(self.parameters()) (the later move is then a no-op)",
+         replaces="self.opt = Adam(self.parameters()) in __init__; model.to(device) after", tools=_PORT),
+    Rule("flag_opt_out", "the program's opt-out flag (--no-cuda, --no-accel) and torch.cuda.is_available() "
+         "decide the device together, and the availability test is False on a TPU",
+         'keep the flag, test the device: not args.no_cuda and get_device().type != "cpu"',
+         replaces='torch.device("cuda" if use_cuda else "cpu") with use_cuda = not args.no_cuda and ...',
+         tools=_PORT),
+    Rule("cuda_seed", "torch.cuda.manual_seed seeds CUDA's generators only: on a TPU it does nothing, so the "
+         "run is not seeded", "torch.manual_seed(seed), which seeds every device's generator",
+         replaces="torch.cuda.manual_seed_all(seed)", tools=_PORT),
+    Rule("cuda_tensor_type", "torch.cuda.FloatTensor (a legacy typed-tensor constructor) builds CUDA tensors, and "
+         "there is no XLA tensor type: with a CUDA test choosing it the batches stay on the CPU",
+         "a constructor that moves its result: Tensor = lambda *args: torch.FloatTensor(*args).to(device), and "
+         "x.type(Tensor) -> x.to(device, torch.float32)",
+         replaces="Tensor = torch.cuda.FloatTensor if cuda else torch.FloatTensor", tools=_PORT),
+    Rule("item_loop", "a per-sample .item() (or an indexed write of one) over a device tensor reads the device "
+         "once per sample: a host sync each, and each indexed write compiles a graph (32 samples: 33 compiles)",
+         "read the tensor to the host once, then loop there: values = scores.cpu() (or .tolist()) before the "
+         "loop, out[i] = values[i] inside it", replaces="for i in range(n): out[i] = scores[i].item()",
+         tools=_PORT),
 )
 RULES: dict[str, Rule] = {rule.id: rule for rule in RULES_LIST}
 # the kinds of doctor's findings (doctor.Kind): its rules, less those it reports inside another's finding

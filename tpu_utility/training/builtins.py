@@ -393,12 +393,21 @@ class BestEpoch(Callback):
 
 
 class RestoreBest(Callback):
-    """``restore_best=True``: the best epoch's weights go into the model at the end, after every other callback."""
+    """``restore_best=True``: the best epoch's weights go into the model at the end, after every other callback.
+
+    The snapshot's names are checked against the model's own before the first epoch
+    (``check_snapshot_names``); a restore that still fails at the end is a warning naming what
+    failed and where the best weights are (``folder``'s ``best.pt``, if a ``checkpoint_dir``
+    was given): the run's ``History`` always comes back.
+    """
 
     order = 50
 
-    def __init__(self, best: BestEpoch) -> None:
-        self.best = best
+    def __init__(self, best: BestEpoch, folder: str | None = None) -> None:
+        self.best, self.folder = best, folder
+
+    def on_fit_start(self, loop: Loop) -> None:
+        check_snapshot_names(loop.model, "restore_best=True")
 
     def on_epoch_end(self, loop: Loop, record: Any) -> None:
         if self.best.improved and self.best.state_epoch != record.epoch:  # no checkpoint's copy to share
@@ -411,8 +420,57 @@ class RestoreBest(Callback):
             why = "" if never in history.stop_reason else f"{never}, so "
             history.stop_reason += f"; {why}no best weights were restored (the model holds the last epoch's)"
             return
-        loop.model.load_state_dict(self.best.best_state)
+        try:
+            loop.model.load_state_dict(self.best.best_state)
+        except Exception as error:  # the run is over: its history comes back, with what failed
+            where = (f"; they are in {join(self.folder, BEST_NAME)} (the last epoch's in "
+                     f"{join(self.folder, CHECKPOINT_NAME)})" if self.folder is not None else "")  # fmt: skip
+            said = f"restore_best could not load the best weights (epoch {watch.best_epoch}) into the model: " \
+                   f"{type(error).__name__}: {str(error).strip()[:500]}"
+            history.stop_reason += f"; the best weights were not restored (the model holds the last epoch's){where}"
+            if loop.master:
+                warnings.warn(f"{said}. The model holds the last epoch's weights{where}", stacklevel=2)
+            return
         history.stop_reason += f"; restored the best weights (epoch {watch.best_epoch})"
+
+
+def _overridden(model: torch.nn.Module, name: str) -> str | None:
+    """Where ``model``'s method ``name`` is not ``nn.Module``'s own: "model.NAME (assigned to the instance)" or the
+    class that overrides it; None where it is torch's."""
+    if name in vars(model):
+        return f"model.{name} (assigned to the {type(model).__name__} instance)"
+    owner = next(c for c in type(model).__mro__ if name in vars(c))
+    return None if owner is torch.nn.Module else f"{owner.__qualname__}.{name}"
+
+
+def check_snapshot_names(model: torch.nn.Module, asked: str) -> None:
+    """Refuses, before the first epoch, a ``state_dict`` override whose snapshots could not be loaded back.
+
+    ``restore_best`` and ``checkpoint_dir`` snapshot the model with ``model.state_dict()`` and load the snapshot
+    with ``model.load_state_dict``. A program that overrides ``state_dict`` alone (tloen/alpaca-lora does, to save
+    the adapter) makes snapshots under other names than the model's own, and the strict load at the end would
+    fail after every epoch had trained. The override's names are compared with ``nn.Module.state_dict``'s (names
+    only, no copy); a class that overrides both methods is trusted to pair them.
+
+    Raises:
+        ValueError: the names differ, naming the override and the first names missing and unexpected.
+    """
+    override = _overridden(model, "state_dict")
+    if override is None or _overridden(model, "load_state_dict") is not None:
+        return
+    own, given = list(torch.nn.Module.state_dict(model, keep_vars=True)), list(model.state_dict())
+    missing, unexpected = [k for k in own if k not in set(given)], [k for k in given if k not in set(own)]
+    if not (missing or unexpected):
+        return
+    shown = "; ".join(f"{len(names)} {what} ({', '.join(names[:3])}{', ...' if len(names) > 3 else ''})"
+                      for names, what in ((missing, "of the model's own left out"), (unexpected, "not the model's"))
+                      if names)  # fmt: skip
+    raise ValueError(
+        f"{asked} snapshots the model with model.state_dict() and loads the snapshot back with load_state_dict, "
+        f"but {override} is overridden and returns {len(given)} names where the model has {len(own)}: {shown}. "
+        f"The best weights could not be loaded back at the end. Override state_dict after one_cycle_fit returns "
+        f"(save an adapter alone with export_pretrained or model.save_pretrained), or run without {asked}"
+    )
 
 
 class TimeLimit(Callback):
@@ -538,6 +596,7 @@ class Checkpoints(Callback):
         self.run_id = secrets.token_hex(8)  # this run's files carry it; a resume takes last.pt's
 
     def on_fit_start(self, loop: TrainerLoop) -> None:
+        check_snapshot_names(loop.model, "checkpoint_dir")
         self.fingerprint["parameters"] = _parameter_digest(loop.model)
         if not (self.resume and exists(self.paths["last"])):
             return

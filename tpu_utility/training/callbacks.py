@@ -200,6 +200,9 @@ def _figures(record: Any) -> dict[str, float]:
     figures = {"train_loss": record.train_loss, **record.metrics, "lr": record.lr, "samples_per_s": record.samples_per_s}
     if record.valid_loss is not None:
         figures["valid_loss"] = record.valid_loss
+    for name in ("tokens_per_s", "mfu"):
+        if getattr(record, name, None) is not None:
+            figures[name] = getattr(record, name)
     return {k: v for k, v in figures.items() if isinstance(v, (int, float)) and math.isfinite(v)}
 
 

@@ -55,7 +55,7 @@ from .memory import MemoryPlan, auto_shards, first_length, memory_plan, refuse_h
 from .monitor import Mode, StopRule, parse_duration, resolve_mode
 from .precision import Precision, PrecisionName
 from .topology import available_cores, resolve_cores
-from .schedule import LrSchedule, OneCycle, ScheduleName, check_warmup
+from .schedule import LrSchedule, OneCycle, ScheduleName, check_warmup, is_default
 from .strategies import FSDP, StrategyName, choose, choose_strategy
 from .trainer import FitPlan, Steps, train
 
@@ -547,6 +547,11 @@ def resolve_schedule(schedule: Any, warmup: Any, cycle: OneCycle) -> OneCycle | 
         return cycle if isinstance(schedule, str) else _given_cycle(schedule, cycle, changed)
     if isinstance(schedule, str) and schedule not in get_args(ScheduleName):
         raise ValueError(f"schedule must be {allowed}, but given {schedule!r}")
+    if isinstance(schedule, type):  # callable, but calling it builds an object, not a multiplier
+        name = schedule.__qualname__
+        way = (f"an instance, schedule={name}() or {name}(pct_start=0.3)" if issubclass(schedule, OneCycle) else
+               "schedule=None and step your own scheduler in a callback (docs/training.md)")  # fmt: skip
+        raise TypeError(f"schedule={name} is the class {name}, not a schedule: give {way}; schedule must be {allowed}")
     if not (schedule is None or isinstance(schedule, str) or callable(schedule)):
         raise TypeError(f"schedule must be {allowed}, but given {schedule!r} of type {type(schedule).__name__}")
     chosen = LrSchedule(schedule, cycle.max_lr, warmup, cycle.scale_lr_by_cores)
@@ -560,10 +565,9 @@ def resolve_schedule(schedule: Any, warmup: Any, cycle: OneCycle) -> OneCycle | 
 
 
 def _changed_cycle_settings(cycle: OneCycle) -> list[str]:
-    """The one-cycle arguments a call changed from their defaults, as ``name=value``."""
-    defaults = OneCycle(cycle.max_lr)
+    """The one-cycle arguments a call gave (its default's value written out counts: it is given), as ``name=value``."""
     shaping = [f.name for f in dataclasses.fields(OneCycle) if f.name not in ("max_lr", "scale_lr_by_cores")]
-    return [f"{n}={getattr(cycle, n)!r}" for n in shaping if getattr(cycle, n) != getattr(defaults, n)]
+    return [f"{n}={getattr(cycle, n)!r}" for n in shaping if not is_default(getattr(cycle, n))]
 
 
 def _given_cycle(given: OneCycle, cycle: OneCycle, changed: list[str]) -> OneCycle:
@@ -595,7 +599,7 @@ def builtin_callbacks(schedule: OneCycle | LrSchedule, stop: StopRule, checkpoin
     if progress:
         chosen.append(ProgressLine(best))
     if stop.restore_best:
-        chosen.append(RestoreBest(best))
+        chosen.append(RestoreBest(best, checkpoints.folder if checkpoints is not None else None))
     return chosen
 
 

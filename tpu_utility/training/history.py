@@ -37,7 +37,10 @@ class EpochRecord:
     epoch (one per epoch is ours: the read of these figures). ``seconds`` is the
     whole epoch; ``samples_per_s`` leaves out the time spent compiling XLA graphs
     (the first epoch's first steps and first validation pass), so epoch 1 compares
-    with the rest.
+    with the rest. For token data that knows its real tokens (``PackedDataset``),
+    ``tokens_per_s`` gives the data's (non-pad) tokens per second, on the same clock, and
+    ``mfu`` the model FLOPs utilization where the chip's bf16 peak is known
+    (``training/throughput.py`` says how both are counted); None otherwise.
     """
 
     epoch: int
@@ -50,6 +53,8 @@ class EpochRecord:
     compiles: int = 0
     host_syncs: int = 0
     transfers: int = 0
+    tokens_per_s: float | None = None
+    mfu: float | None = None
 
     def line(self, epochs: int) -> str:
         parts = [f"epoch {self.epoch}/{epochs}", f"train_loss {self.train_loss:.4f}"]
@@ -57,6 +62,10 @@ class EpochRecord:
             parts.append(f"valid_loss {self.valid_loss:.4f}")
         parts += [f"{k} {v:.4f}" for k, v in self.metrics.items()]
         parts += [f"lr {self.lr:.2e}", f"{self.seconds:.1f}s", f"{self.samples_per_s:,.0f} samples/s"]
+        if self.tokens_per_s is not None:
+            parts.append(f"{self.tokens_per_s:,.0f} tokens/s")
+        if self.mfu is not None:
+            parts.append(f"MFU {self.mfu:.1%}")
         return "  ".join(parts)
 
 

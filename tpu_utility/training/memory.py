@@ -26,6 +26,7 @@ from torch import nn
 from .. import backend
 from ..backend.hardware import memory_override, tpu_device_memory
 from ..huggingface import base_model
+from ..quantization import Int8Linear
 from .precision import Precision, PrecisionName
 from ..sharding import FSDP, block_classes
 from .trace import TracedStep, TraceUnavailable, trace_step
@@ -330,6 +331,10 @@ def memory_plan(
         Term("gradients", whole(trainable, 1), split(trainable, 1)),
         Term(f"optimizer state ({opt_name}, {states} per parameter)", whole(trainable, states), split(trainable, states)),
     ]
+    dequantized = max((m.weight.numel() * m.weight_scale.element_size() for m in model.modules()
+                       if isinstance(m, Int8Linear)), default=0)  # fmt: skip
+    if dequantized:  # an int8 base (quantize_base): each matmul makes its layer's weight float for a moment
+        terms.append(Term("one layer dequantized (transient)", dequantized, dequantized))
     size, state = whole(params, 1), whole(trainable, states)
     notes = [f"host RAM: {_gb(size)} to hold the model whole before it is sharded, "
              f"{_gb(host_bytes(size, state, 1, True))} while a checkpoint gathers its parameters and optimizer state"]
@@ -643,7 +648,7 @@ def _device_memory(given: int | float | str | None) -> int | None:
             raise ValueError(f"device_memory must be {allowed}, but given {given!r}")
         return found
     if given is not None:
-        if isinstance(given, bool) or not isinstance(given, (int, float)) or not given >= 1:
+        if isinstance(given, bool) or not isinstance(given, (int, float)) or not 1 <= given < math.inf:
             raise ValueError(f"device_memory must be {allowed}, but given {given!r}")
         if given < GB:
             raise ValueError(f"device_memory={given!r} is {given!r} bytes, less than a GB: a unit slip? device_memory "

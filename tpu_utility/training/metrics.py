@@ -118,7 +118,7 @@ class EpochMetric:
 
 # the columns History and the monitor already use, and evaluate's "loss"
 RESERVED_NAMES = ("epoch", "train_loss", "valid_loss", "loss", "lr", "seconds", "samples_per_s", "compiles", "host_syncs",
-                  "transfers")  # fmt: skip
+                  "transfers", "tokens_per_s", "mfu")  # fmt: skip
 
 
 def resolve_metrics(metrics: Any, default_loss: bool) -> dict[str, Any]:

@@ -184,3 +184,24 @@ class PrecisionMode:
     def label(self) -> str:
         return {"fp32": "fp32", "autocast": "bf16 (autocast)", "cast": "bf16 (model and inputs cast)",
                 "fp16": "fp16 (autocast + GradScaler)"}[self.mode]  # fmt: skip
+
+    def words(self, model: torch.nn.Module) -> str:
+        """The summary's precision: what computes, and the dtypes the weights are held in where not all fp32.
+
+        A model loaded in bf16 (``from_pretrained(..., dtype=torch.bfloat16)``) under the default
+        ``precision="fp32"`` computes in bf16: "fp32" alone would say otherwise.
+
+        Example:
+            >>> PrecisionMode("fp32", torch.device("cpu")).words(torch.nn.Linear(2, 2).to(torch.bfloat16))
+            "no autocast (precision='fp32'): computes in the weights' dtype | weights bf16"
+        """
+        held: dict[str, set[str]] = {}
+        for parameter in model.parameters():
+            short = str(parameter.dtype).removeprefix("torch.").replace("bfloat16", "bf16").replace("float", "fp")
+            held.setdefault(short, set()).add("trained" if parameter.requires_grad else "frozen")
+        if set(held) <= {"fp32"}:
+            return self.label
+        label = "no autocast (precision='fp32'): computes in the weights' dtype" if self.mode == "fp32" else self.label
+        parts = [f"{d}{'' if len(held) == 1 or len(roles) == 2 else f' ({next(iter(roles))})'}"
+                 for d, roles in sorted(held.items())]  # fmt: skip
+        return f"{label} | weights {', '.join(parts)}"

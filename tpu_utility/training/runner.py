@@ -26,7 +26,8 @@ from ..compiler import EAGER, Compile, Compiling, compiled_parts
 from ..data.loaders import LoaderSpec, eval_loader, real_counts, train_loader
 from ..device import get_device, move_model, move_to_device
 from ..huggingface import (base_model, check_transformers, give_back_checkpoint_functions, is_transformers_model,
-                           restore_masks, static_masks, use_checkpoint_function)
+                           packed_attention, restore_masks, restore_packed_attention, static_masks,
+                           use_checkpoint_function)
 from ..progress import progress_bar
 from .metrics import MetricSet
 from .precision import Precision
@@ -104,6 +105,8 @@ class Runner:
         self.strategy.enter(model)  # a sharding strategy shards the parameters in place; a replicated one does nothing
         # a transformers model's masks built on the device: no host read per forward on XLA (given back after)
         self.found_attention = static_masks(model) if self.lazy else None
+        # packed rows (PackedDataset) attend within each sample, their masks built on the device (removed after)
+        self.packed_attention = packed_attention(model)
         # gradient_checkpointing_enable()'s torch checkpoint fails on XLA: torch_xla's in its place (given back after)
         self.found_checkpointing = use_checkpoint_function(model, backend.current().compute.checkpoint_function()) if self.lazy else []
 
@@ -117,6 +120,7 @@ class Runner:
         self.strategy.leave(self.model)
         self.found.restore(self.model)
         restore_masks(self.model, self.found_attention)
+        restore_packed_attention(self.packed_attention)
         give_back_checkpoint_functions(self.found_checkpointing)
         if self.found_weights is not None:
             self.model.load_state_dict(self.found_weights)

@@ -78,6 +78,28 @@ def _check_total_steps(total_steps: object) -> None:
         raise ValueError(f"total_steps must be between 1 and {_MAX_STEPS}, but given {total_steps}")
 
 
+class Default(float):
+    """A one-cycle default as a signature holds it: equal to the number, but told apart from the same number given.
+
+    ``one_cycle_fit(schedule=OneCycle(pct_start=0.3), pct_start=0.25)`` gives 0.25 (the default's value) beside a
+    schedule that sets it too; only a default left unwritten is a ``Default``, so the given one is refused.
+
+    Example:
+        >>> OneCycle().pct_start == 0.25, is_default(OneCycle().pct_start), is_default(OneCycle(pct_start=0.25).pct_start)
+        (True, True, False)
+    """
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return float.__repr__(self)
+
+
+def is_default(value: object) -> bool:
+    """Whether ``value`` is a default no caller wrote (``Default``)."""
+    return isinstance(value, Default)
+
+
 @dataclass(frozen=True)
 class OneCycle:
     """The one-cycle policy's settings as one value, checked once when made: the arguments of
@@ -102,11 +124,11 @@ class OneCycle:
     """
 
     max_lr: float | None = None  # None: filled by one_cycle_fit's max_lr
-    pct_start: float = 0.25
-    div_factor: float = 25.0
-    final_div_factor: float = 1e4
-    base_momentum: float = 0.85
-    max_momentum: float = 0.95
+    pct_start: float = Default(0.25)
+    div_factor: float = Default(25.0)
+    final_div_factor: float = Default(1e4)
+    base_momentum: float = Default(0.85)
+    max_momentum: float = Default(0.95)
     scale_lr_by_cores: bool = False
 
     def __post_init__(self) -> None:

@@ -31,8 +31,9 @@ from .. import backend
 from ..checkpoint import CHECKPOINT_NAME
 from ..compiler import EAGER, Compile
 from ..data.loaders import LabelCheck, LoaderSpec, dropped_per_epoch, refuse_uncounted, set_epoch
+from ..data.packing import PackedDataset
 from ..files import folder_lock, join, remove, remove_stale_temporaries
-from ..huggingface import is_causal_lm, restore_masks
+from ..huggingface import is_causal_lm, restore_masks, restore_packed_attention
 from ..optim import on_xla, take_step
 from ..progress import CompileNotice, progress_bar
 from .builtins import BEST_NAME, HISTORY_NAME
@@ -43,6 +44,7 @@ from .metrics import MetricSet
 from .precision import Precision
 from .runner import Runner
 from .strategies import Single, Strategy
+from .throughput import Throughput
 from .steps import EvalStep, LossStep
 from .schedule import peak_ratios, total_optimizer_steps
 
@@ -124,6 +126,9 @@ class Trainer:
         runner.compile_for(self.total_steps)
         self.events = Events([*plan.builtins, *plan.callbacks])
         self.history = History(steps_per_epoch=per_epoch)
+        # real tokens/s and MFU for token data that knows its tokens (a PackedDataset), where the chip's peak is known
+        self.throughput = Throughput.of(plan.train.dataset, runner.model, backend.current().devices.chip_name(runner.device),
+                                        self.cores)
         self.history.summary = _summary(self)
         self.graphs = GraphLog(self.history.graphs) if runner.lazy else None  # XLA's graphs, each with its cause
         # what the loop and the callbacks update as the run goes
@@ -246,6 +251,7 @@ def _train(model: nn.Module, plan: FitPlan) -> tuple[nn.Module, History]:
         return _run(loop, model, plan)
     finally:  # a transformers model leaves with its own attention implementation (see static_masks)
         restore_masks(model, loop.runner.found_attention)
+        restore_packed_attention(loop.runner.packed_attention)
         loop.runner.strategy.leave(model)  # its hooks off: history.model is the plain model
 
 
@@ -309,6 +315,7 @@ def _epoch(loop: Trainer, epoch: int, started: float) -> EpochRecord:
         samples_per_s=loop.batches * runner.topology.global_batch(loop.plan.train.batch_size)
         / max(seconds - compile_seconds, 1e-9),
     )  # fmt: skip
+    record.tokens_per_s, record.mfu = loop.throughput.figures(record.samples_per_s)
     if loop.metrics is not None:
         record.valid_loss, record.metrics = loop.metrics.values(values[2:], synced[:-1])
     record.compiles = backend.current().diagnosis.compile_count()
@@ -480,12 +487,14 @@ def _summary(loop: Trainer) -> str:
         + (f"{plan.memory} | " if plan.memory else "")
         + "".join(f"{part} | " for part in schedule)
         + (f"{runner.compiling.words} | " if runner.compiling.words else "")
-        + f"{runner.precision.label} | {plan.optimizer_name}{' (torch_xla sync-free, fused)' if loop.fused else ''}"
+        + f"{runner.precision.words(loop.model)} | {plan.optimizer_name}{' (torch_xla sync-free, fused)' if loop.fused else ''}"
         + (" (fused)" if loop.optimizer.defaults.get("fused") else "")
         + (f" | peak lr per param group x{[round(r, 6) for r in loop.lr_ratios]}" if set(loop.lr_ratios) != {1.0} else "")
         + (f" | callbacks {', '.join(map(_named, users))}" if users else "")
         + f" | {workers} loader worker(s)"
         + (f" | {dropped} sample(s) an epoch left out{where} to keep one batch shape" if dropped else "")
+        + (f" | {plan.train.dataset.summary()}" if isinstance(plan.train.dataset, PackedDataset) else "")
+        + (f" | {loop.throughput.describe()}" if loop.throughput.describe() else "")
     )
 
 

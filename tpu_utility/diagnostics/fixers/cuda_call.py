@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from .cuda_seed import FINE as SEEDS
 from .device_calls import HANDLED
 from .registry import Porter, fixes
 from .tree import call_names
 
-_FINE = {"is_available", "current_accelerator", *HANDLED}  # answered, or given their XLA meaning by device_calls
+# answered, given their XLA meaning by device_calls, or harmless without CUDA and handled by cuda_seed
+_FINE = {"is_available", "current_accelerator", *HANDLED, *SEEDS}
 
 
 @fixes("Call", order=30)

@@ -31,6 +31,12 @@ def fix_ifexp(porter: Porter, original: Any, updated: Any) -> Any:
         typed = any(code(b).replace(" ", "").endswith(f"{_ACCELERATOR}.type") for b in branches)
         return _new(porter, original, "get_device().type" if typed else "get_device()")
     cuda = cuda_string(original.body) or cuda_string(original.orelse)
+    out = porter.plan.opt_outs.get(dotted(original.test))
+    if cuda and out and cuda_string(original.body):  # "cuda" if use_cuda else "cpu": the user's --no-cuda holds
+        porter.need("get_device")
+        new = libcst().parse_expression(f"{device_string(cuda)} if {out} else {code(original.orelse)}")
+        porter.change("flag_opt_out", original, new)
+        return new
     if cuda and "cuda" in code(original.test):
         return _new(porter, original, device_string(cuda))
     return None

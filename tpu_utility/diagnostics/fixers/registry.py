@@ -36,7 +36,7 @@ if TYPE_CHECKING:
 
 # the LibCST node types the walk hands to fixers (port/walk.py has one leave_ a type)
 NodeType = Literal["Call", "Arg", "IfExp", "Assign", "If", "Assert", "Subscript", "Import", "ImportFrom",
-                   "SimpleStatementLine"]  # fmt: skip
+                   "SimpleStatementLine", "For"]  # fmt: skip
 Hook = Literal["analyse", "plan", "after_walk", "opens", "magic"]
 
 

@@ -10,12 +10,14 @@ from __future__ import annotations
 from typing import Any
 
 from .registry import Porter, fixes
-from .tree import assigned, call_names, code, dotted, keyword, libcst, value
+from .tree import assigned, call_names, code, dotted, keyword, libcst, own, value
 
 
 @fixes("Call", order=190)
 def fix_call(porter: Porter, original: Any, updated: Any) -> Any:
     """``DistributedSampler(ds, shuffle=...)`` and a ``DataLoader(..., sampler=<a make_sampler's name>)``."""
+    if own(updated, porter.plan):
+        return None  # the program's own class DistributedSampler / DataLoader shadows torch's
     last = call_names(updated, porter.plan)[1]
     if last == "DistributedSampler":
         return _sampler(porter, original, updated)

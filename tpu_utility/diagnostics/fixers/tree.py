@@ -95,6 +95,11 @@ def canonical(name: str, plan: Any) -> str:
     return name
 
 
+def own(call: Any, plan: Any) -> bool:
+    """Whether a call's function is one the program defines itself (``class Generator(nn.Module)``): not torch's."""
+    return dotted(call.func).split(".")[0] in plan.defined
+
+
 def call_names(call: Any, plan: Any) -> tuple[str, str]:
     """(canonical dotted name, last part) of a call's function: ``torch.cuda.amp.autocast``, ``autocast``."""
     name = canonical(dotted(call.func), plan)

@@ -7,6 +7,7 @@ from typing import Any
 
 from .. import fixers
 from ..fixers.tree import OPTIMIZERS, assigned, canonical, cuda_string, dotted, launched, libcst, mentions_cuda, value
+from ..fixers.tensor_type import cuda_type
 
 
 @dataclass
@@ -28,9 +29,19 @@ class Plan:
     imports: list[tuple[str, str | None, str | None]] = field(default_factory=list)  # others: (module, name, alias)
     models: set[str] = field(default_factory=set)  # names the program uses as modules (fixers.move_model)
     hf_adamw: set[str] = field(default_factory=set)  # names bound to transformers.AdamW
+    hf_trainers: set[str] = field(default_factory=set)  # names bound to transformers' or trl's Trainer classes
     launches: bool = False  # the program starts processes itself (fixers.import_device)
     host_values: set[str] = field(default_factory=set)  # names bound to DataFrames, arrays, lists (fixers.dynamic_shape)
     device_flags: set[str] = field(default_factory=set)  # names bound to a comparison of device metrics (fixers.bookkeeping)
+    defined: set[str] = field(default_factory=set)  # classes and functions the program defines: they shadow torch's names
+    opt_outs: dict[str, str] = field(default_factory=dict)  # use_accel = not args.no_accel and ...: name -> the opt-out's code
+    sparse: set[str] = field(default_factory=set)  # names bound to sparse tensors (fixers.sparse)
+    device_modules: set[str] = field(default_factory=set)  # names bound to getattr(torch, device_type, ...) (fixers.device_calls)
+    before: dict[int, tuple[str, str]] = field(default_factory=dict)  # id(stmt) -> (rule, a line the walk puts before it)
+    named: dict[int, str] = field(default_factory=dict)  # id(stmt) -> the rule a fixer names it by in the walk
+    seeds_all_devices: bool = False  # the program calls torch.manual_seed itself (fixers.cuda_seed)
+    device_tests: set[str] = field(default_factory=set)  # `if train_on_gpu: model.cuda()`: names so tested (fixers.cuda_flag)
+    tensor_types: dict[str, str] = field(default_factory=dict)  # Tensor = torch.cuda.FloatTensor if ...: name -> type
 
 
 def _names(module: Any, plan: Plan) -> None:
@@ -46,6 +57,12 @@ def _names(module: Any, plan: Plan) -> None:
                     plan.xm.add(bound)
                 if name == "torch_xla.distributed.xla_multiprocessing":
                     plan.xmp.add(bound)
+
+        def visit_ClassDef(self, node: Any) -> None:
+            plan.defined.add(node.name.value)  # class Generator(nn.Module) is the user's, not torch.Generator
+
+        def visit_FunctionDef(self, node: Any) -> None:
+            plan.defined.add(node.name.value)
 
         def visit_ImportFrom(self, node: Any) -> None:
             module = dotted(node.module) if node.module is not None else ""
@@ -63,8 +80,9 @@ def _names(module: Any, plan: Plan) -> None:
 
 def _device_expression(node: Any, plan: Plan) -> bool:
     cst = libcst()
-    if isinstance(node, cst.IfExp):
-        return mentions_cuda(node.test)
+    if isinstance(node, cst.IfExp):  # a device, not a flag (cuda = True if torch.cuda.is_available() else False)
+        flag = all(isinstance(b, cst.Name) and b.value in ("True", "False") for b in (node.body, node.orelse))
+        return mentions_cuda(node.test) and not flag and cuda_type(node) is None  # nor a tensor type (fixers.tensor_type)
     if isinstance(node, cst.Call):
         callee = canonical(dotted(node.func), plan)
         if callee == "torch.device":
@@ -78,6 +96,8 @@ def make_plan(modules: list[Any]) -> Plan:
     plan = Plan()
     for module in modules:
         _names(module, plan)
+    for name in plan.defined:  # the program's own class or function shadows a name imported from torch
+        plan.imported.pop(name, None)
     for module in modules:
         for analyse in fixers.analyses():
             analyse(module, plan)

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from ..rules import RULES
 
-EXIT_RUNS, EXIT_LEFT_BREAKS, EXIT_USAGE, EXIT_DOES_NOT_PARSE = 0, 1, 2, 3
+EXIT_RUNS, EXIT_LEFT_BREAKS, EXIT_USAGE, EXIT_DOES_NOT_PARSE, EXIT_CHECK_FAILED = 0, 1, 2, 3, 4
 
 
 @dataclass
@@ -46,6 +46,7 @@ class PortReport:
     left: list[Left] = field(default_factory=list)
     untouched: list[str] = field(default_factory=list)
     failed: list[str] = field(default_factory=list)  # code that does not parse: where, why; nothing ported there
+    ran: str = "not run: ported only (python -m tpu_utility.port runs its first steps)"  # the run's word (port/check.py)
 
     def host_syncs(self) -> list[Left]:
         return [item for item in self.left if item.rule == "host_sync"]
@@ -61,11 +62,18 @@ class PortReport:
     def summary(self) -> str:
         changed = len({c.where for c in self.changes if c.rule != "imports"})
         left, breaking = len({i.where for i in self.left}), len({i.where for i in self.breaking()})
-        verdict = {EXIT_RUNS: "yes (what is left only costs speed)",
+        verdict = {EXIT_RUNS: f"{self.ran}; what is left only costs speed" if self.ran.startswith("yes") else (
+                       f"{self.ran}; the port left nothing that stops it"),
+                   EXIT_CHECK_FAILED: f"{self.ran}",
                    EXIT_LEFT_BREAKS: f"no: {breaking} line(s) left stop it or change what it computes on XLA",
                    EXIT_DOES_NOT_PARSE: "no: part of the input does not parse, and nothing was ported there"}  # fmt: skip
+        status = self.exit_status()
         return (f"summary: {changed} line(s) changed, {left} left; expected to run unchanged on XLA: "
-                f"{verdict[self.status()]} (exit {self.status()})")
+                f"{verdict[status]} (exit {status})")
+
+    def exit_status(self) -> int:
+        """The command's exit status once the run (if any) is known: 4 where the port's output ran and failed."""
+        return EXIT_CHECK_FAILED if self.status() == EXIT_RUNS and self.ran.startswith("no:") else self.status()
 
     def text(self) -> str:
         lines = [f"tpu_utility.port: {self.source} -> {self.output or '(diff only, nothing written)'}"]

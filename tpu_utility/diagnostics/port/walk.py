@@ -136,14 +136,17 @@ class Porter(cst.CSTTransformer):
 
     def leave_For(self, original: Any, updated: Any) -> Any:
         self.loops.pop()
-        return updated
+        return self._before(original, self._fixed("For", original, updated))
 
     def visit_While(self, node: Any) -> None:
         self.loops.append(per_step(node))
 
     def leave_While(self, original: Any, updated: Any) -> Any:
         self.loops.pop()
-        return updated
+        return self._before(original, updated)
+
+    def leave_With(self, original: Any, updated: Any) -> Any:
+        return self._before(original, updated)
 
     def visit_If(self, node: Any) -> None:
         """A CUDA test guards its body, unless the port opens it to the accelerator (then its body runs on a TPU)."""
@@ -151,7 +154,7 @@ class Porter(cst.CSTTransformer):
 
     def leave_If(self, original: Any, updated: Any) -> Any:
         self.guards.pop()
-        return fixers.apply("If", self, original, updated) or updated
+        return self._before(original, fixers.apply("If", self, original, updated) or updated)
 
     def visit_BooleanOperation(self, node: Any) -> None:
         """``torch.cuda.is_available() and torch.cuda.is_bf16_supported()``: the right side is guarded."""
@@ -191,4 +194,16 @@ class Porter(cst.CSTTransformer):
         return self._fixed("ImportFrom", original, updated)
 
     def leave_SimpleStatementLine(self, original: Any, updated: Any) -> Any:
-        return self._fixed("SimpleStatementLine", original, updated)
+        return self._before(original, self._fixed("SimpleStatementLine", original, updated))
+
+    def _before(self, original: Any, result: Any) -> Any:
+        """A statement with the line a fixer planned before it (``plan.before``), the change reported."""
+        if id(original) not in self.plan.before or isinstance(result, cst.RemovalSentinel):
+            return result
+        rule, line = self.plan.before.pop(id(original))
+        self.note(rule, original, f"{short(line.split('  # ')[0])} before it")
+        head = cst.parse_statement(line + "\n")
+        if isinstance(result, cst.FlattenSentinel):
+            return cst.FlattenSentinel([head, *result.nodes])
+        # the new line takes the statement's blank lines and comments above it
+        return cst.FlattenSentinel([head.with_changes(leading_lines=result.leading_lines), result.with_changes(leading_lines=())])

@@ -1,0 +1,204 @@
+"""Packed rows (PackedDataset, packed_attention): nearly every token computed is data, and training is the same.
+
+First-fit decreasing fills rows of 1,024 tokens to >= 0.95 on the issue's Alpaca-like lengths; a row
+carries positions restarting at each sample and -100 at each sample's first label. Through
+``packed_attention`` (which the trainer switches on) a sample never attends to the one packed
+before it: per-sample losses of packed rows equal each sample run alone (fp32, 1e-5) for tiny
+Llama, Gemma 2 (sliding window and soft-caps, eager), Gemma 3 (sliding window, sdpa), Qwen2, GPT-2 and a LoRA model, on the plain CPU
+and on one XLA core with 0 host syncs; a packed run trains as the plain CPU loop over the same
+rows, with flat compiles and 0 host syncs, and its packed validation loss is the unpacked one.
+"""
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import Dataset
+
+from llm_models import VOCAB, adamw, causal_lm, counting, lora, plain_cpu_losses
+from one_thread import one_torch_thread  # noqa: F401
+from tpu_utility import PackedDataset, backend, evaluate, get_device, move_model, one_cycle_fit, packed_attention
+from tpu_utility.backend.hardware import peak_flops
+from tpu_utility.data.packing import first_fit_decreasing
+from tpu_utility.training.throughput import training_flops_per_token
+
+
+def alpaca_lengths(n, seed=0):
+    """The issue's instruction-data lengths: log-normal, median 150, sigma 0.8, clipped to 16..1024."""
+    rng = np.random.default_rng(seed)
+    return np.clip(np.round(rng.lognormal(np.log(150), 0.8, n)), 16, 1024).astype(int).tolist()
+
+
+def test_first_fit_decreasing_fills_rows_of_alpaca_like_lengths_and_refuses_a_sample_longer_than_a_row():
+    lengths = alpaca_lengths(3000)
+    bins = first_fit_decreasing(lengths, 1024, seed=0)
+    assert sorted(i for b in bins for i in b) == list(range(len(lengths)))  # every sample once
+    assert max(sum(lengths[i] for i in b) for b in bins) <= 1024
+    fill = sum(lengths) / (1024 * len(bins))
+    assert fill >= 0.95, fill
+    assert first_fit_decreasing(lengths, 1024, seed=0) == bins  # the same rows in every process
+    with pytest.raises(ValueError, match=r"^sample 2 has 1025 tokens, longer than the row length 1024"):
+        first_fit_decreasing([5, 7, 1025], 1024)
+
+
+class Samples(Dataset):
+    def __init__(self, samples):
+        self.samples = samples
+
+    def __len__(self):
+        return len(self.samples)
+
+    def __getitem__(self, i):
+        return self.samples[i]
+
+
+def test_a_packed_row_restarts_positions_and_ignores_each_samples_first_label_and_its_prompt():
+    import datasets
+
+    samples = [{"input_ids": [5, 6, 7, 8], "labels": [-100, -100, 7, 8]}, {"input_ids": [9, 10, 11], "labels": [9, 10, 11]},
+               {"input_ids": [12, 13], "labels": [12, 13]}]  # fmt: skip
+    split = datasets.Dataset.from_list(samples)
+    for data in (samples, split, Samples(samples)):
+        packed = PackedDataset(data, length=5, pad_token_id=1)
+        rows = {tuple(packed[r]["input_ids"].tolist()): packed[r] for r in range(len(packed))}
+        assert sorted(rows) == [(5, 6, 7, 8, 1), (9, 10, 11, 12, 13)]
+        first, second = rows[(5, 6, 7, 8, 1)], rows[(9, 10, 11, 12, 13)]
+        assert first["labels"].tolist() == [-100, -100, 7, 8, -100] and first["position_ids"].tolist() == [0, 1, 2, 3, 0]
+        assert second["labels"].tolist() == [-100, 10, 11, -100, 13] and second["position_ids"].tolist() == [0, 1, 2, 0, 1]
+        assert packed.fill == 9 / 10 and "90.0% real tokens" in packed.summary()
+    with pytest.raises(ValueError, match=r"^sample 1 has 3 tokens, longer than the row length 2"):
+        PackedDataset([{"input_ids": [1, 2]}, {"input_ids": [1, 2, 3]}], length=2)
+    with pytest.raises(ValueError, match=r"also hold \['text'\].*split.remove_columns\(\['text'\]\)"):
+        PackedDataset(split.add_column("text", ["a", "b", "c"]), length=8)
+    with pytest.raises(ValueError, match=r"^sample 0's attention_mask is not all ones"):
+        PackedDataset([{"input_ids": [1, 2, 0], "attention_mask": [1, 1, 0]}], length=8)
+    with pytest.raises(ValueError, match=r"^sample 0 has 2 labels for 3 input_ids"):
+        PackedDataset([{"input_ids": [1, 2, 3], "labels": [2, 3]}], length=8)
+
+
+def gemma2():
+    import transformers as t
+
+    torch.manual_seed(0)
+    config = t.Gemma2Config(num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                            num_key_value_heads=2, head_dim=8, vocab_size=VOCAB, max_position_embeddings=64,
+                            sliding_window=4, attn_logit_softcapping=50.0, final_logit_softcapping=30.0)  # fmt: skip
+    config._attn_implementation = "eager"  # Gemma 2's soft-cap needs it
+    return t.Gemma2ForCausalLM(config)
+
+
+def gemma3():
+    import transformers as t
+
+    torch.manual_seed(0)
+    return t.Gemma3ForCausalLM(t.Gemma3TextConfig(
+        num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=8, vocab_size=VOCAB, max_position_embeddings=64, sliding_window=4,
+        layer_types=["sliding_attention", "full_attention"]))  # fmt: skip
+
+
+MODELS = {"llama": lambda: causal_lm("llama"), "gemma2": gemma2, "gemma3": gemma3, "qwen2": lambda: causal_lm("qwen2"),
+          "gpt2": lambda: causal_lm("gpt2"), "lora": lambda: lora(causal_lm("llama"))}  # fmt: skip
+
+
+def instructions(n, seed):
+    """``n`` samples of 3 to 19 tokens, the first 0-2 labels -100 (a prompt)."""
+    g = torch.Generator().manual_seed(seed)
+    samples = []
+    for i in range(n):
+        ids = torch.randint(0, VOCAB, (int(torch.randint(3, 20, (1,), generator=g)),), generator=g)
+        labels = ids.clone()
+        labels[: i % 3] = -100
+        samples.append({"input_ids": ids.tolist(), "labels": labels.tolist()})
+    return samples
+
+
+def per_sample_losses(model, packed, samples, device):
+    """Each sample's mean loss over its targets, read from the logits of every packed row at once."""
+    batch = {k: torch.stack([packed[r][k] for r in range(len(packed))]).to(device) for k in ("input_ids", "position_ids")}
+    logits = model(**batch).logits
+    labels = torch.stack([packed[r]["labels"] for r in range(len(packed))])
+    ce = torch.nn.functional.cross_entropy(logits[:, :-1].cpu().float().transpose(1, 2), labels[:, 1:], reduction="none")
+    losses = {}
+    for r, row in enumerate(packed.rows):
+        at = 0
+        for i in row:
+            n = len(samples[i]["input_ids"])
+            counted = labels[r, at + 1 : at + n] != -100
+            losses[i] = (ce[r, at : at + n - 1][counted].sum() / counted.sum()).item()
+            at += n
+    return [losses[i] for i in range(len(samples))]
+
+
+@pytest.mark.parametrize("kind", list(MODELS))
+def test_per_sample_losses_of_packed_rows_equal_each_sample_run_alone_on_the_cpu_and_on_xla(kind):
+    samples = instructions(10, seed=0)
+    packed = PackedDataset(samples, length=24)
+    model = MODELS[kind]().eval()
+    with torch.no_grad():
+        alone = [model(input_ids=torch.tensor([s["input_ids"]]), labels=torch.tensor([s["labels"]])).loss.item()
+                 for s in samples]  # fmt: skip
+        handle = packed_attention(model)
+        assert packed_attention(model) is None, "once"
+        on_cpu = per_sample_losses(model, packed, samples, "cpu")
+        device = get_device()
+        on_xla = move_model(copy.deepcopy(model), device)
+        backend.current().devices.sync()
+        syncs = backend.host_sync_count()
+        on_xla = per_sample_losses(on_xla, packed, samples, device)
+        assert backend.host_sync_count() == syncs, "no read of the positions on the host"
+        handle.remove()
+        crossing = per_sample_losses(model, packed, samples, "cpu")
+    assert on_cpu == pytest.approx(alone, abs=1e-5)
+    assert on_xla == pytest.approx(alone, abs=1e-5)
+    assert crossing != pytest.approx(alone, abs=1e-3), "without packed_attention the samples attend to each other"
+
+
+def test_a_packed_run_trains_as_the_plain_cpu_loop_with_flat_compiles_no_host_syncs_and_the_unpacked_valid_loss(
+        monkeypatch, tmp_path):  # fmt: skip
+    monkeypatch.setenv("TPU_UTILITY_DEVICE_NAME", "v5e")  # the chip's name, as a TPU VM's PCI scan gives it
+    train = PackedDataset(instructions(64, seed=1), length=32)
+    # equal-length samples, so the unpacked ones batch as they are: 3 to a packed row of 48
+    valid = counting(24, seed=2, ignored=3)
+    valid_packed = PackedDataset([{k: s[k] for k in ("input_ids", "labels")} for s in valid], length=48)
+    assert valid_packed.fill == 1.0 and len(valid_packed) == 8
+    history = one_cycle_fit(lora(causal_lm("llama")), train, valid_data=valid_packed, epochs=2, max_lr=3e-3,
+                            batch_size=4, schedule="constant", optimizer=adamw(3e-3), progress=False)  # fmt: skip
+    assert [r.host_syncs for r in history.records] == [0, 0]
+    assert history.records[1].compiles == history.records[0].compiles  # flat after epoch 1
+    cpu = lora(causal_lm("llama"))
+    packed_attention(cpu)
+    rows = [train[i] for i in range(len(train))]
+    assert [r.train_loss for r in history.records] == pytest.approx(plain_cpu_losses(cpu, rows, 2, 4, 3e-3), rel=1e-4)
+    unpacked = evaluate(history.model, valid, batch_size=8)["loss"]
+    assert history.records[-1].valid_loss == pytest.approx(unpacked, rel=1e-5)
+    assert not hasattr(history.model.get_base_model().model, "_tpu_utility_packed_attention"), "given back after"
+    # real tokens/s and MFU on the epoch line, in the records and the CSV; the summary says the real-token share
+    flops = training_flops_per_token(history.model, 32)
+    for record in history.records:
+        assert record.tokens_per_s == pytest.approx(record.samples_per_s * train.real_tokens / len(train))
+        assert record.mfu == pytest.approx(record.tokens_per_s * flops / 197e12)
+        assert f"{record.tokens_per_s:,.0f} tokens/s" in record.line(2) and f"MFU {record.mfu:.1%}" in record.line(2)
+    assert f"{train.fill:.1%} real tokens" in history.summary and "MFU against v5e's bf16 peak" in history.summary
+    history.to_csv(tmp_path / "h.csv")
+    header = (tmp_path / "h.csv").read_text().splitlines()[0].split(",")
+    assert "tokens_per_s" in header and "mfu" in header
+
+
+def test_the_flops_of_a_token_count_full_training_as_6n_and_lora_as_what_it_computes():
+    full, rows = causal_lm("llama"), 64
+    config = full.config
+    embedding = config.vocab_size * config.hidden_size
+    attention = 12 * config.num_hidden_layers * config.num_attention_heads * config.head_dim * rows
+    n = sum(p.numel() for p in full.parameters()) - embedding  # the lookup computes nothing
+    assert training_flops_per_token(full, rows) == 6 * n + attention
+    adapted = lora(causal_lm("llama"))
+    adapters = sum(p.numel() for p in adapted.parameters() if p.requires_grad)
+    assert 0 < adapters < n / 10
+    n = sum(p.numel() for p in adapted.parameters()) - embedding
+    assert training_flops_per_token(adapted, rows) == 4 * n + 2 * adapters + attention  # no frozen weight's gradient
+    tied = causal_lm("llama", tied=True)  # the head is the embedding's matrix: counted once, as a matmul
+    assert training_flops_per_token(tied, rows) == 6 * sum(p.numel() for p in tied.parameters()) + attention
+    assert peak_flops("v5e") == 197e12 and peak_flops("v6e") == 918e12 and peak_flops("NVIDIA H100 80GB HBM3") == 989e12
+    assert peak_flops("NVIDIA L4") == 121e12 and peak_flops("NVIDIA L40S") is None and peak_flops(None) is None
