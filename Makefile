@@ -163,6 +163,7 @@ bench: venv
 	$(PINNED)/bin/python bench/host_bench.py
 	$(PINNED)/bin/python bench/native_bench.py
 	$(PINNED)/bin/python bench/compile_bench.py
+	$(PINNED)/bin/python bench/scan_bench.py
 	$(PINNED)/bin/python bench/instructions.py xla
 	$(PINNED)/bin/python bench/instructions.py native
 	$(PINNED)/bin/python bench/resnet_bench.py

@@ -224,6 +224,7 @@ def pytest_sessionfinish(session, exitstatus):
 TORCH_RELEASE = {  # code whose behaviour moved between torch/torch_xla 2.8 and 2.9, or that a library branches on
     "test_setup.py": "the version check, 2.8's jax warning probe, platform detection",
     "test_errors.py": "the version-mismatch and PJRT_DEVICE errors",
+    "test_graphs.py": "torch_xla's CompileTime and TensorsGraphSize samples, read for each graph's seconds and size",
     "test_device.py": "torch.accelerator's device choice",
     "test_loop.py": "the device loader, launch, use_all_cores and step_optimizer's graph cut",
     "test_amp.py": "autocast and GradScaler",

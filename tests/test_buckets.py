@@ -377,9 +377,16 @@ def test_one_cycle_fit_with_buckets_through_train_step_and_eval_step(text_task):
 def test_one_cycle_fit_default_step_takes_tokens_mask_target(text_task):
     collate = BucketCollate.from_lengths([len(s) for s, _ in text_task[0]], num_buckets=4, batch_size=BATCH)
     torch.manual_seed(0)
-    history, compiles = _fit(MarkerClassifier(), text_task, collate, 3)
+    history, compiles = _fit(MarkerClassifier(width=20), text_task, collate, 3)  # a width of its own: no graph
+    # another test compiled already (torch_xla reuses those in the process, and History lists only what compiled)
     assert compiles[0] == compiles[1] == compiles[2], compiles
     assert history.records[-1].metrics["accuracy"] == pytest.approx(text_task[2], abs=0.03)
+    # issue 59: each bucket's train graph in History, timed and sized, the later ones caused by their new shapes
+    train = [g for g in history.graphs if g.graph == "train step"]
+    shapes = {str(g.shapes) for g in train}
+    assert len(shapes) >= 2 and {g.epoch for g in history.graphs} <= {0, 1}, history.graphs  # none after epoch 1
+    assert all(g.seconds > 0 and g.nodes > 0 for g in train), train
+    assert sum(g.cause.startswith("new input shapes") for g in train) == len(shapes) - 1, train
 
 
 def test_one_cycle_fit_keeps_a_bucket_batch_sampler(text_task):

@@ -68,6 +68,10 @@ def test_changing_shapes_are_named_as_recompiles():
     assert report.kinds() == {"recompile"}, str(report)
     assert any("(32, 1, 8, 8) -> (17, 1, 8, 8)" in w for w in report.findings[0].where)
     assert "drop_last=True" in report.findings[0].fix
+    # issue 59: each compile's own seconds and graph size, at the step that compiled it (the 17-sample batch: step 3)
+    assert 3 in {step for step, _ in report.graphs}, report.graphs
+    assert all(g.seconds > 0 and g.nodes > 0 for _, g in report.graphs)
+    assert "compiled at step 3 (counting warm-up): " in str(report) and " IR nodes" in str(report)
 
 
 def test_item_every_step_is_named_with_its_line():

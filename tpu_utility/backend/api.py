@@ -35,7 +35,7 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 
 from . import choice, xla
-from .base import Backend, Counters, ReduceOp, SyncKind, patch_tensor_methods
+from .base import Backend, Counters, GraphCompile, ReduceOp, SyncKind, patch_tensor_methods
 from .hardware import MEMORY_ENV, TpuHardware, detect_tpu, memory_override, pjrt_device
 from .native import NativeBackend
 from .tpu import TorchTpuBackend

@@ -38,6 +38,14 @@ SyncKind = Literal["read", "copy", "shape"]
 
 
 @dataclass(frozen=True)
+class GraphCompile:
+    """One graph the backend compiled: how long compiling it took, and its size (IR nodes, None where unknown)."""
+
+    seconds: float
+    nodes: int | None = None
+
+
+@dataclass(frozen=True)
 class Counters:
     """What a backend has counted so far in this process.
 
@@ -298,6 +306,14 @@ class Diagnosis(Group):
         return self.counters().compiles
 
     def fallback_ops(self) -> list[str]:
+        return []
+
+    def last_compiles(self, n: int) -> list[GraphCompile]:
+        """The last ``n`` graphs compiled in this process, oldest first: each one's compile seconds and size.
+
+        Empty where the backend does not time its compiles (an eager backend compiles nothing), so a caller
+        that counted ``n`` new graphs with ``compile_count`` may get fewer.
+        """
         return []
 
     def recompile_causes(self) -> dict[str, str]:

@@ -24,7 +24,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from . import choice
-from .base import Backend, Compute, Counters, Devices, Diagnosis, Processes, ReduceOp, Sharding
+from .base import Backend, Compute, Counters, GraphCompile, Devices, Diagnosis, Processes, ReduceOp, Sharding
 from .hardware import detect_tpu, device_name_override, memory_override, pjrt_device, tpu_device_memory
 from .versions import INSTALL_HINT, module_installed, check_versions, installed_version
 
@@ -376,6 +376,26 @@ def compile_count() -> int:
     return int(data[0]) if data else 0
 
 
+def last_compiles(n: int) -> list[GraphCompile]:
+    """The last ``n`` graphs compiled in this process, oldest first, from torch_xla's own metrics: each
+    CompileTime sample (one per compile, in nanoseconds) with the TensorsGraphSize sample (the IR nodes of
+    the graph synced) that torch_xla records just after it, at the end of the same sync. torch_xla keeps a window of the last
+    samples (1,024 by default), so ask right after the compiles; reading them starts nothing."""
+    if n <= 0 or not xla_loaded():
+        return []
+    import bisect
+
+    import torch_xla.debug.metrics as met
+
+    times, sizes = met.metric_data("CompileTime"), met.metric_data("TensorsGraphSize")
+    stamps = [stamp for stamp, _ in sizes[2]] if sizes else []
+    found = []
+    for stamp, nanoseconds in (times[2][-n:] if times else ()):
+        at = bisect.bisect_left(stamps, stamp)
+        found.append(GraphCompile(nanoseconds / 1e9, int(sizes[2][at][1]) if at < len(stamps) else None))
+    return found
+
+
 def execute_count() -> int:
     """Graphs run on the device so far (torch_xla's ExecuteTime metric): one per graph cut with work."""
     if not xla_loaded():
@@ -706,6 +726,7 @@ class XlaDiagnosis(Diagnosis):
         return Counters(compile_count(), execute_count(), host_sync_count(), transfer_from_device_count(), True)
 
     compile_count = staticmethod(compile_count)  # one metric read, not the four of counters()
+    last_compiles = staticmethod(last_compiles)
 
     def fallback_ops(self) -> list[str]:
         """Ops that ran on the host CPU because XLA has no lowering for them.

@@ -45,6 +45,7 @@ from torch.utils import _pytree as pytree
 from torch.utils.data import DataLoader
 
 from .. import backend
+from ..backend import GraphCompile
 from ..data.buckets import choose_buckets
 from ..device import move_to_device
 from ..loop import INFERENCE_MODE_ERROR
@@ -88,7 +89,8 @@ class Finding:
 class DoctorReport:
     """What doctor measured, and its findings; ``clean`` when there are none.
 
-    ``step_compiles`` holds the compiles of each measured step; ``notes`` say what
+    ``step_compiles`` holds the compiles of each measured step; ``graphs`` each compile's seconds and size in
+    IR nodes, with its step (counting warm-up), where the backend times its compiles (XLA); ``notes`` say what
     was seen but needs no fix (a one-time compile); ``error`` is the exception your
     step raised (then doctor raised :class:`DoctorError` with this report).
     On an eager backend (native PyTorch, TorchTPU) ``compiles_per_step`` is None and
@@ -109,6 +111,7 @@ class DoctorReport:
     error_step: int | None = None
     measured_on: str = "xla"
     unmeasured: list[str] = field(default_factory=list)
+    graphs: list[tuple[int, GraphCompile]] = field(default_factory=list)
 
     @property
     def clean(self) -> bool:
@@ -146,6 +149,8 @@ class DoctorReport:
                 "model's parameters, no split ties, the batch divides across the cores."
             )
         lines += map(str, self.findings)
+        lines += [f"compiled at step {step} (counting warm-up): {g.seconds:.2f}s" + (f", {g.nodes:,} IR nodes" if g.nodes is not None else "")
+                  for step, g in self.graphs]  # fmt: skip
         lines += [f"not measured: {u}" for u in self.unmeasured]
         lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)
@@ -431,6 +436,7 @@ class _Step:
     shapes: list[tuple[int, ...]]
     compiles: int
     pending: int
+    graphs: list[GraphCompile] = field(default_factory=list)  # each compile's seconds and size, where timed
 
 
 @dataclass
@@ -461,7 +467,8 @@ def _run_one(step: Callable, batch: Any, into: list[_Step]) -> None:
     diagnosis = backend.current().diagnosis
     before = diagnosis.compile_count()
     step(batch)
-    into.append(_Step(_shapes(batch), diagnosis.compile_count() - before, diagnosis.pending_ir_nodes()))
+    compiled = diagnosis.compile_count() - before
+    into.append(_Step(_shapes(batch), compiled, diagnosis.pending_ir_nodes(), diagnosis.last_compiles(compiled)))
 
 
 def _run(step: Callable, plan: Iterator[Any], warmup: int, run: _Run) -> None:
@@ -729,6 +736,7 @@ def _report(run: _Run, mode: Mode, findings: list[Finding | None], notes: list[s
         notes=notes + (_eager_notes() if run.eager else []),
         measured_on=backend.current().name,
         unmeasured=list(backend.current().diagnosis.unmeasured()),
+        graphs=[(i, g) for i, s in enumerate(run.records, 1) for g in s.graphs],
     )
 
 

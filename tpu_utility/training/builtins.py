@@ -500,8 +500,9 @@ class RecompileNotice(Callback):
     guard: a shape, a dtype, a Python value) where it gives one, once per new reason (the master only).
 
     Epoch 1 compiles the training and evaluation graphs; every later epoch should reuse them, so a new graph
-    there is a recompile that comes back whenever its cause does. On XLA, whose compiler gives no reason,
-    ``doctor`` names the cause.
+    there is a recompile that comes back whenever its cause does. XLA's compiler gives no reason: there the
+    cause is the one ``History.graphs`` gives each graph (new input shapes, or the same shapes with a changed
+    graph), and ``doctor`` names the line.
     """
 
     order = 25
@@ -517,6 +518,8 @@ class RecompileNotice(Callback):
         causes = backend.current().diagnosis.recompile_causes()
         new = [cause for key, cause in causes.items() if key not in self.seen]
         self.seen.update(causes)
+        if not new:  # XLA: the graph log's cause of each graph this epoch compiled
+            new = [f"{g.graph} {g.shapes}: {g.cause}" for g in loop.history.graphs if g.epoch == record.epoch]
         if new and loop.master:
             reasons = "; ".join(dict.fromkeys(re.sub(r"^\d+/\d+: ", "", " ".join(cause.split())) for cause in new))
             warnings.warn(

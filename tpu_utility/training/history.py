@@ -8,6 +8,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ..files import check_file_path
+from .graphs import CompiledGraph
 
 
 
@@ -72,11 +73,15 @@ class EpochRecord:
 class History:
     """Per-epoch records of a run, the per-step schedule, why it stopped, and the model.
 
+    On XLA, ``graphs`` lists each graph the run compiled (``CompiledGraph``: the train step, the eval step, each
+    bucket's, the epoch's read), with its compile seconds, its size in IR nodes and why it compiled.
+
     Example:
         >>> history = one_cycle_fit(model, train_ds, epochs=5, max_lr=3e-3)  # doctest: +SKIP
         >>> history.records[-1].metrics["accuracy"]                          # doctest: +SKIP
         >>> history.to_csv("history.csv")                                   # doctest: +SKIP
         >>> history.plot("history.png")                                     # doctest: +SKIP
+        >>> print(*history.graphs, sep="\n")                                # doctest: +SKIP
     """
 
     records: list[EpochRecord] = field(default_factory=list)
@@ -88,6 +93,7 @@ class History:
     step_momenta: list[float] = field(default_factory=list, repr=False)
     momentum_name: str = "momentum"  # the optimizer's own name for it: "beta1" for Adam-likes
     steps_per_epoch: int = 0
+    graphs: list[CompiledGraph] = field(default_factory=list, repr=False)  # XLA's, each with its seconds and cause
 
     def __len__(self) -> int:
         return len(self.records)

@@ -201,8 +201,10 @@ class Runner:
             return step(model, batch)
 
     # -- the loops that do not train
-    def eval_sums(self, loader: Any, metrics: MetricSet, eval_step: Step) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Evaluates every sample once; returns ``metrics.figures()`` (on the device, not read)."""
+    def eval_sums(self, loader: Any, metrics: MetricSet, eval_step: Step,
+                  after_batch: Callable[[Batch], None] | None = None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:  # fmt: skip
+        """Evaluates every sample once; returns ``metrics.figures()`` (on the device, not read). ``after_batch``
+        is called with each batch once it is traced (the loop's ``GraphLog``)."""
         self.model.eval()
         metrics.reset()
         counts = real_counts(loader)
@@ -210,6 +212,8 @@ class Runner:
             for (batch, index), real in zip(self.batches(loader), counts):
                 output, target = self.run(eval_step, batch)
                 metrics.update(output.float(), target, index, real)
+                if after_batch is not None:
+                    after_batch(batch)
         if metrics.whole:  # every output and target, gathered to the host in one transfer
             if self.lazy:
                 backend.current().devices.sync()  # the last batch's graph runs as every other batch's did (no new compile)

@@ -38,6 +38,7 @@ from ..optim import on_xla, take_step
 from ..progress import CompileNotice, progress_bar
 from .builtins import BEST_NAME, HISTORY_NAME
 from .events import Events, StopFit
+from .graphs import GraphLog
 from .history import EpochRecord, History
 from .metrics import MetricSet
 from .precision import Precision
@@ -129,6 +130,7 @@ class Trainer:
         self.throughput = Throughput.of(plan.train.dataset, runner.model, backend.current().devices.chip_name(runner.device),
                                         self.cores)
         self.history.summary = _summary(self)
+        self.graphs = GraphLog(self.history.graphs) if runner.lazy else None  # XLA's graphs, each with its cause
         # what the loop and the callbacks update as the run goes
         self.start_epoch = self.step = 0  # a resume sets them
         self.saved_epoch = 0  # the epoch last.pt holds
@@ -291,8 +293,17 @@ def _epoch(loop: Trainer, epoch: int, started: float) -> EpochRecord:
     t0 = time.perf_counter()
     train_sums, compile_seconds = _train_epoch(loop, epoch)
     graphs, t1 = backend.current().diagnosis.compile_count(), time.perf_counter()
-    sums, computed = runner.eval_sums(loop.valid_loader, loop.metrics, loop.eval_step) if loop.valid_loader else ([], [])
+    log = loop.graphs
+    if log is not None and loop.valid_loader:
+        log.begin("eval step", epoch + 1)
+    sums, computed = (runner.eval_sums(loop.valid_loader, loop.metrics, loop.eval_step,
+                                       log.step if log is not None else None)
+                      if loop.valid_loader else ([], []))  # fmt: skip
+    if log is not None:
+        log.begin("epoch figures", epoch + 1)
     values, synced, bad_step = _read_epoch(runner.device, train_sums, sums, [*computed, torch.tensor(_clock() - started)])
+    if log is not None:
+        log.end()
     if backend.current().diagnosis.compile_count() > graphs:  # the first validation pass and read compile their graphs: counted as compiling
         compile_seconds += time.perf_counter() - t1
     del train_sums, sums, computed  # lazy views kept alive would run as a graph of their own at the next sync
@@ -326,6 +337,8 @@ def _train_epoch(loop: Trainer, epoch: int) -> tuple[list[torch.Tensor], float]:
     # the run's first epoch on XLA compiles: say so before the first batch's compile, not after
     notice = CompileNotice(bar, desc, backend.current().diagnosis.compile_count, expect=runner.compiles and epoch == loop.start_epoch, speak=speak)
     watch = runner.compiles  # XLA's or torch.compile's graphs: an eager step's count never moves
+    if loop.graphs is not None:
+        loop.graphs.begin("train step", epoch + 1)
     done = 0
     try:
         for i, batch in enumerate(runner.batches(loop.train_loader)):
@@ -334,10 +347,14 @@ def _train_epoch(loop: Trainer, epoch: int) -> tuple[list[torch.Tensor], float]:
             bar.update(1)
             if watch:
                 notice.after_step()
+            if loop.graphs is not None:
+                loop.graphs.step(batch)
             done = i + 1
     finally:
         notice.close()
         bar.close()
+    if loop.graphs is not None:
+        loop.graphs.end()  # the loader's end cut the last batch's graph
     loop.optimizer.zero_grad(set_to_none=True)  # a partial accumulation at the epoch's end is dropped
     loop.events.fire("on_train_epoch_end", loop)
     return [*losses.sums(), torch.tensor(float(done))], notice.compile_seconds
