@@ -31,13 +31,10 @@ import tempfile
 import time
 import xml.etree.ElementTree as ET
 
-os.environ.setdefault("TPU_UTILITY_BACKEND", "native")  # transformers imports torch_xla where it is installed
-
-import torch  # noqa: E402
+import torch
 
 BENCH = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(BENCH)
-sys.path[:0] = [ROOT, BENCH, os.path.join(ROOT, "tests")]
 TEST_SECONDS = 420  # the CUDA-marked tests' share of the 8 minutes; a hang is stopped and reported as such
 
 Row = tuple[str, str, str, str]  # (check, figure, target, verdict: "ok", "FAILED", "skipped" or "dry run")
@@ -137,6 +134,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dry-run", action="store_true", help="the CPU at small shapes, even where CUDA is")
     args = parser.parse_args()
+    # here, not at import (a test imports this module): transformers imports torch_xla where it is installed
+    os.environ.setdefault("TPU_UTILITY_BACKEND", "native")
+    sys.path[:0] = [ROOT, BENCH, os.path.join(ROOT, "tests")]
     dry = args.dry_run or not torch.cuda.is_available()
     start = time.perf_counter()
     if dry:
