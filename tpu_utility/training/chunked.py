@@ -13,6 +13,7 @@ from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 
 from .. import backend
@@ -23,9 +24,9 @@ from .steps import LossStep, call_model, split_batch, without_labels
 
 
 def chunked_causal_lm_loss(hidden: torch.Tensor, labels: torch.Tensor, head: nn.Module, chunk_tokens: int,
-                           softcap: float | None = None, checkpoint: Callable[..., Any] | None = None) -> torch.Tensor:  # fmt: skip
+                           softcap: float | None = None, recompute: bool = True) -> torch.Tensor:  # fmt: skip
     """A causal LM's own loss from its final hidden states: the mean cross-entropy over the labels that are not
-    -100, position t predicting label t + 1, the head (and Gemma's final logit soft-cap) applied per chunk.
+    -100, position t predicting label t + 1, the head (and Gemma 2's final logit soft-cap) applied per chunk.
 
     Args:
         hidden: ``(batch, seq, hidden)``: the LM head's input.
@@ -33,8 +34,9 @@ def chunked_causal_lm_loss(hidden: torch.Tensor, labels: torch.Tensor, head: nn.
         head: The LM head (``get_output_embeddings()``), called on ``(chunk_tokens, hidden)`` rows.
         chunk_tokens: Rows of logits computed at a time.
         softcap: ``config.final_logit_softcapping`` (``tanh(logits / c) * c``), or None.
-        checkpoint: The backend's checkpoint function (``torch.utils.checkpoint.checkpoint`` natively), which
-            recomputes each chunk in the backward; None keeps every chunk's logits for the backward.
+        recompute: Recompute each chunk's logits in the backward (the backend's activation checkpointing; on
+            XLA the chunks are also ordered by optimization barriers, else its scheduler runs them side by side);
+            False keeps every chunk's logits for the backward.
 
     Example:
         >>> head = nn.Linear(8, 11, bias=False)
@@ -45,6 +47,11 @@ def chunked_causal_lm_loss(hidden: torch.Tensor, labels: torch.Tensor, head: nn.
     """
     rows = hidden[:, :-1].reshape(-1, hidden.shape[-1])
     targets = labels[:, 1:].reshape(-1)
+    chosen = backend.current()
+    lazy = chosen.devices.is_lazy(rows.device)
+    # torch's own checkpoint without reentry (it works with autograd.grad); torch_xla's is reentrant only
+    checkpoint = chosen.compute.checkpoint_function() if lazy else torch.utils.checkpoint.checkpoint
+    barrier = chosen.compute.optimization_barrier() if lazy else None
 
     def summed(h: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         logits = head(h).float()
@@ -52,13 +59,34 @@ def chunked_causal_lm_loss(hidden: torch.Tensor, labels: torch.Tensor, head: nn.
             logits = torch.tanh(logits / softcap) * softcap
         return F.cross_entropy(logits, y, ignore_index=IGNORE_INDEX, reduction="sum")
 
-    # torch's own checkpoint without reentry (it works with autograd.grad); torch_xla's is reentrant only
-    reentrant = {"use_reentrant": getattr(checkpoint, "__module__", "") != "torch.utils.checkpoint"}
-    total = hidden.new_zeros((), dtype=torch.float32)
+    total = rows.new_zeros((), dtype=torch.float32)
     for start in range(0, rows.shape[0], chunk_tokens):
         h, y = rows[start : start + chunk_tokens], targets[start : start + chunk_tokens]
-        total = total + (checkpoint(summed, h, y, **reentrant) if checkpoint and h.requires_grad else summed(h, y))
+        if not (recompute and h.requires_grad):
+            total = total + summed(h, y)
+            continue
+        if barrier is not None:  # this chunk after the last one's loss; in the backward, the last one's after this
+            h, total = _Ordered.apply(barrier, h, total)
+        total = total + checkpoint(summed, h, y, use_reentrant=lazy)
     return total / (targets != IGNORE_INDEX).sum()  # on the device: no host read
+
+
+class _Ordered(torch.autograd.Function):
+    """The identity on two tensors whose values (forward) and gradients (backward) pass an optimization barrier
+    together: neither is used before both are computed."""
+
+    @staticmethod
+    def forward(ctx: Any, barrier: Callable[[list[torch.Tensor]], None], a: torch.Tensor, b: torch.Tensor) -> Any:
+        ctx.barrier = barrier
+        a, b = a.clone(), b.clone()
+        barrier([a, b])
+        return a, b
+
+    @staticmethod
+    def backward(ctx: Any, grad_a: torch.Tensor, grad_b: torch.Tensor) -> Any:
+        grad_a, grad_b = grad_a.clone(), grad_b.clone()
+        ctx.barrier([grad_a, grad_b])
+        return None, grad_a, grad_b
 
 
 class ChunkedLoss(Callback):
@@ -97,7 +125,7 @@ class ChunkedLoss(Callback):
             raise TypeError(f"ChunkedLoss needs a Hugging Face causal LM (or a peft model around one), but the model is "
                             f"{type(loop.model).__name__}")  # fmt: skip
         self._replaced = step
-        loop.train_step = ChunkedLossStep(self.chunk_tokens, step.labels, backend.current().compute.checkpoint_function())
+        loop.train_step = ChunkedLossStep(self.chunk_tokens, step.labels)
 
     def on_fit_end(self, loop: TrainerLoop) -> None:
         if self._replaced is not None:
@@ -108,8 +136,8 @@ class ChunkedLossStep:
     """The train step ``ChunkedLoss`` puts in place of ``LossStep``: the model is called without its labels, its
     head's forward replaced for the call by one that keeps its input (and returns no logits)."""
 
-    def __init__(self, chunk_tokens: int, labels: Any, checkpoint: Callable[..., Any]) -> None:
-        self.chunk_tokens, self.labels, self.checkpoint = chunk_tokens, labels, checkpoint
+    def __init__(self, chunk_tokens: int, labels: Any = None) -> None:
+        self.chunk_tokens, self.labels = chunk_tokens, labels
 
     def __call__(self, model: nn.Module, batch: Any) -> torch.Tensor:
         inputs, target = split_batch(batch, "train_step")
@@ -135,7 +163,7 @@ class ChunkedLossStep:
         if self.labels is not None:  # the label check learns the vocabulary from the head, not from logits
             self.labels.see(torch.empty(1, 1, head.weight.shape[0], device="meta"), target, own_loss=True)
         softcap = getattr(inner.config.get_text_config(decoder=True), "final_logit_softcapping", None)
-        return chunked_causal_lm_loss(kept[-1], target, head, self.chunk_tokens, softcap, self.checkpoint)
+        return chunked_causal_lm_loss(kept[-1], target, head, self.chunk_tokens, softcap)
 
 
 __all__ = ["ChunkedLoss", "ChunkedLossStep", "chunked_causal_lm_loss"]

@@ -326,11 +326,10 @@ def memory_plan(
     if fsdp is not None and not isinstance(fsdp, FSDP):
         raise TypeError(f"fsdp must be FSDP(...) options or None, but given {fsdp!r}")
     fsdp = fsdp or FSDP()
-    from .chunked import ChunkedLoss  # noqa: PLC0415 (it imports the steps, which need the loop's modules)
-
-    if chunked_loss is not None and not isinstance(chunked_loss, ChunkedLoss):
+    # read, not imported: ChunkedLoss is a train step's callback, a layer above the plan
+    loss_chunk = getattr(chunked_loss, "chunk_tokens", None)
+    if chunked_loss is not None and not (isinstance(loss_chunk, int) and type(chunked_loss).__name__ == "ChunkedLoss"):
         raise TypeError(f"chunked_loss must be the run's ChunkedLoss(...) or None, but given {chunked_loss!r}")
-    loss_chunk = chunked_loss.chunk_tokens if chunked_loss is not None else None
     states, opt_name = optimizer_states(optimizer)
     params = list({id(p): p for p in model.parameters()}.values())  # tied weights once
     trainable = [p for p in params if p.requires_grad]
