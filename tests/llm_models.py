@@ -40,7 +40,7 @@ def padded(n: int, seed: int) -> list[dict[str, torch.Tensor]]:
 
 
 def causal_lm(kind: str, tied: bool | None = None, seed: int = 0) -> torch.nn.Module:
-    """A 2-layer causal LM of ``kind`` ("gpt2", "llama", "gemma", "qwen2"), weights drawn under ``seed``."""
+    """A 2-layer causal LM of ``kind`` ("gpt2", "llama", "gemma", "gemma2", "qwen2"), weights drawn under ``seed``."""
     import transformers as t
 
     torch.manual_seed(seed)
@@ -54,6 +54,8 @@ def causal_lm(kind: str, tied: bool | None = None, seed: int = 0) -> torch.nn.Mo
         return t.LlamaForCausalLM(t.LlamaConfig(**small, tie_word_embeddings=bool(tied)))
     if kind == "gemma":
         return t.GemmaForCausalLM(t.GemmaConfig(**small, head_dim=8))
+    if kind == "gemma2":  # its final logits soft-capped (tanh(x / c) * c): c small enough to matter here
+        return t.Gemma2ForCausalLM(t.Gemma2Config(**small, head_dim=8, final_logit_softcapping=2.0))
     if kind == "qwen2":
         return t.Qwen2ForCausalLM(t.Qwen2Config(**small, tie_word_embeddings=bool(tied)))
     raise ValueError(kind)

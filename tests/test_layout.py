@@ -27,7 +27,7 @@ LAYERS = [
     {"training.memory"},
     {"data.loaders", "data.packing", "training.metrics", "training.callbacks", "training.builtins", "training.agreement"},
     {"data", "loop"},
-    {"training.steps", "training.runner"},  # the runner's rooms
+    {"training.steps", "training.runner", "training.chunked"},  # the runner's rooms
     {"training.trainer", "training.inference", "training.generate", "diagnostics.doctor"},
     {"training.fit"},
     {"training.lr_finder", "training", "diagnostics.check", "diagnostics"},

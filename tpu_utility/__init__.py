@@ -31,7 +31,7 @@ from .data import (BucketBatchSampler, BucketCollate, CachedDataset, PackedDatas
                    choose_buckets, group_batches, make_sampler, padding_waste, presize_images)
 
 # the trainer: one call that trains, keeps the best epoch and predicts (or generates)
-from .training import (EMA, Callback, CSVLogger, DeviceBytes, EpochMetric, EpochRecord, GradientCheckpointing, History,
+from .training import (EMA, Callback, ChunkedLoss, CSVLogger, DeviceBytes, EpochMetric, EpochRecord, GradientCheckpointing, History,
                        Loop, LRFinderResult, MemoryPlan, StopFit, TensorBoardLogger, device_bytes, evaluate, find_lr,
                        generate, memory_plan,
                        OneCycle, one_cycle, one_cycle_curve, one_cycle_fit, predict)
@@ -75,6 +75,7 @@ __all__ = [
     "get_device",
     "grad_scaler",
     "GradientCheckpointing",
+    "ChunkedLoss",
     "group_batches",
     "History",
     "inference_mode",

@@ -259,6 +259,12 @@ class Compute(Group):
 
         return checkpoint
 
+    def optimization_barrier(self) -> Callable[[list[torch.Tensor]], None] | None:
+        """A function that makes the compiler finish every one of a list of tensors before any op that reads one
+        of them (in place), so independent parts of a step run one after another, not all at once; None where
+        ops run in the order they are called, as here."""
+        return None
+
     def checkpoint_module(self, module: torch.nn.Module) -> Callable[[], None]:
         """Recomputes ``module``'s activations in the backward (gradient checkpointing of one block), in place:
         its ``forward`` runs under ``checkpoint_function()`` when an input needs gradients. Returns the undo.

@@ -700,6 +700,11 @@ class XlaCompute(Compute):
     def checkpoint_function(self) -> Callable[..., Any]:
         return checkpoint
 
+    def optimization_barrier(self) -> Callable[[list[torch.Tensor]], None] | None:
+        import torch_xla.core.xla_model as xm
+
+        return xm.optimization_barrier_
+
     def fused_optimizer(self, name: str) -> type | None:
         """torch_xla's sync-free Adam / AdamW for ``name``, or None.
 

@@ -21,6 +21,7 @@ Read it top down:
 """
 
 from .callbacks import EMA, CSVLogger, GradientCheckpointing, TensorBoardLogger
+from .chunked import ChunkedLoss
 from .events import Callback, Loop, StopFit
 from .fit import one_cycle_fit
 from .generate import generate
@@ -33,6 +34,7 @@ from .schedule import OneCycle, one_cycle, one_cycle_curve
 
 __all__ = [
     "Callback",
+    "ChunkedLoss",
     "CSVLogger",
     "EMA",
     "GradientCheckpointing",

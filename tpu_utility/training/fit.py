@@ -45,6 +45,7 @@ from ..data.loaders import LoaderSpec, unpack_loader
 from ..environment import choose_start_method, is_interactive
 from ..files import exists, join
 from .callbacks import GradientCheckpointing
+from .chunked import ChunkedLoss
 from .builtins import (BestEpoch, Checkpoints, MultiplierSchedule, OneCycleSchedule, OwnLearningRates, ProgressLine,
                        RecompileNotice, RestoreBest, StopOnNaN, TimeLimit)  # fmt: skip
 from .agreement import ReplicaAgreement
@@ -514,7 +515,8 @@ def _memory_plan(model: nn.Module, a: FitArguments, chosen: Any, precision: Prec
     if seq_len is None:  # no length to plan activations for
         return plan
     ckpt = True if any(isinstance(c, GradientCheckpointing) for c in callbacks) else None
-    return memory_plan(model, **run, seq_len=seq_len, checkpointing=ckpt)
+    chunked = next((c for c in callbacks if isinstance(c, ChunkedLoss)), None)
+    return memory_plan(model, **run, seq_len=seq_len, checkpointing=ckpt, chunked_loss=chunked)
 
 
 def _check_resume(checkpoint_dir: Any, resume: Any, overwrite: Any) -> None:
