@@ -211,6 +211,7 @@ def pytest_sessionfinish(session, exitstatus):
             zygote.process.stdin.write(json.dumps({"quit": True}).encode() + b"\n")
             zygote.process.stdin.close()
         zygote.process.wait(timeout=60)
+        zygote.process.stdout.close()
 
 
 # What the other stacks run (make test-kaggle, make test-colab): the tests whose result can differ there.

@@ -53,7 +53,10 @@ def test_history_lists_each_graph_and_a_later_recompile_is_warned_with_its_cause
                                 max_lr=1e-2, batch_size=16, progress=False, callbacks=[Narrower()])
     first = [g for g in history.graphs if g.epoch == 1]
     kinds = {g.graph for g in first}
-    assert {"train step", "eval step", "epoch figures"} <= kinds, history.graphs
+    # the model's own graphs; the epoch's figures (loss sums of these batch counts) are a graph another run of this
+    # process may have compiled already, which torch_xla reuses (not listed then)
+    assert {"train step", "eval step"} <= kinds, history.graphs
+    assert all(k in ("setup", "epoch figures") or k.endswith(("train step", "eval step")) for k in kinds), kinds
     assert all(g.seconds > 0 and g.nodes > 0 for g in history.graphs), history.graphs
     train = next(g for g in first if g.graph == "train step")
     assert train.shapes == [(16, 8), (16,)] and train.cause == "the first train step"
