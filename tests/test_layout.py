@@ -614,3 +614,16 @@ def test_one_optimizer_table():
            '_NAMED = {"adamw": "AdamW", "adam": "Adam", "sgd": "SGD"}\n_NAMED_MOMENTUM = {"sgd": 0.9}\n')
     assert sorted(line for line, _ in _optimizer_tables(old, names)) == [1, 1, 2, 3]
 
+
+def _asks_compile_pays(source):
+    return [n.lineno for n in ast.walk(ast.parse(source)) if isinstance(n, ast.Attribute) and n.attr == "compile_pays"]
+
+
+def test_one_place_settles_compile_auto():
+    """Whether ``compile="auto"`` compiles is asked of the backend in compiler.py alone (``Compile.settled``); find_lr
+    asked it again for its sweep (issue 64). The backend, which answers, is the other place the name appears."""
+    asking = [f"{os.path.relpath(path, ROOT)}:{line}" for path, unit, _ in _modules()
+              if unit != "compiler" and unit.split(".")[0] != "backend"
+              for line in _asks_compile_pays(open(path, encoding="utf-8").read())]  # fmt: skip
+    assert not asking, "settle compile='auto' with Compile.settled(steps):\n" + "\n".join(asking)
+    assert _asks_compile_pays("x = backend.current().compute.compile_pays(num_steps)\n") == [1]  # the check can fail
