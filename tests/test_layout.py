@@ -21,7 +21,7 @@ LAYERS = [
     {"arguments", "remote", "files", "progress", "device", "environment", "diagnostics.port", "diagnostics.fixers",
      "huggingface", "quantization"},
     {"optim", "sharding", "amp", "checkpoint", "compiler", "export", "data.buckets", "data.cache", "data.presize", "training.schedule",
-     "training.topology", "training.precision",
+     "training.optimizers", "training.topology", "training.precision",
      "training.monitor", "training.history", "training.graphs", "training.events", "training.strategies",
      "training.trace", "training.throughput"},
     {"training.memory"},
@@ -574,3 +574,56 @@ def test_outside_the_kit_the_package_asks_the_group_not_a_one_line_forward():
     assert _forwards(sample) == ["sync", "rank"]
     assert _backend_names("backend.sync()\nf(backend.compile_count)\nbackend.current().devices.sync()\n") == {
         "sync", "compile_count", "current"}  # fmt: skip
+
+
+def _optimizer_tables(source, names):
+    """Lines of a module that write optimizer knowledge down again: a dict keyed by one of the table's names
+    (``{"sgd": ...}``), or a ``momentum=<number>`` default."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Dict):
+            keys = [k.value for k in node.keys if isinstance(k, ast.Constant) and isinstance(k.value, str)]
+            if set(keys) & names:
+                found.append((node.lineno, tuple(keys)))
+        if isinstance(node, ast.keyword) and node.arg == "momentum" and isinstance(node.value, ast.Constant):
+            found.append((node.value.lineno, ("momentum",)))
+    return found
+
+
+def test_one_optimizer_table():
+    """The named optimizers (their classes, default keywords, state per parameter) are written once, in
+    training/optimizers.py, and fit, memory_plan and trace_step read it (issue 64: three tables had drifted apart).
+    The backend, below the table, may map the table's names to its own fused classes, and only those names."""
+    from tpu_utility.training.optimizers import OPTIMIZERS
+
+    names = set(OPTIMIZERS)
+    table = os.path.join(PACKAGE, "training", "optimizers.py")
+    copies, backend_keys = [], set()
+    for path, unit, _ in _modules():
+        if path == table:
+            continue
+        for line, keys in _optimizer_tables(open(path, encoding="utf-8").read(), names):
+            if unit.split(".")[0] == "backend" and "momentum" not in keys:
+                backend_keys.update(keys)
+            else:
+                copies.append(f"{os.path.relpath(path, ROOT)}:{line} {keys}")
+    assert not copies, "read training/optimizers.py's OPTIMIZERS instead:\n" + "\n".join(copies)
+    assert backend_keys <= names, f"the backend names optimizers the table lacks: {sorted(backend_keys - names)}"
+    # the check can fail: today's three old tables are each seen
+    old = ('OPTIMIZERS = {"adamw": torch.optim.AdamW, "sgd": partial(torch.optim.SGD, lr=0.1, momentum=0.9)}\n'
+           '_NAMED = {"adamw": "AdamW", "adam": "Adam", "sgd": "SGD"}\n_NAMED_MOMENTUM = {"sgd": 0.9}\n')
+    assert sorted(line for line, _ in _optimizer_tables(old, names)) == [1, 1, 2, 3]
+
+
+def _asks_compile_pays(source):
+    return [n.lineno for n in ast.walk(ast.parse(source)) if isinstance(n, ast.Attribute) and n.attr == "compile_pays"]
+
+
+def test_one_place_settles_compile_auto():
+    """Whether ``compile="auto"`` compiles is asked of the backend in compiler.py alone (``Compile.settled``); find_lr
+    asked it again for its sweep (issue 64). The backend, which answers, is the other place the name appears."""
+    asking = [f"{os.path.relpath(path, ROOT)}:{line}" for path, unit, _ in _modules()
+              if unit != "compiler" and unit.split(".")[0] != "backend"
+              for line in _asks_compile_pays(open(path, encoding="utf-8").read())]  # fmt: skip
+    assert not asking, "settle compile='auto' with Compile.settled(steps):\n" + "\n".join(asking)
+    assert _asks_compile_pays("x = backend.current().compute.compile_pays(num_steps)\n") == [1]  # the check can fail

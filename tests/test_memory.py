@@ -31,6 +31,27 @@ def test_optimizer_states_by_name_class_and_partial():
         optimizer_states("lamb")
 
 
+@pytest.mark.parametrize("name", ["adamw", "adam", "sgd"])
+def test_fit_memory_and_trace_build_and_count_the_same_named_optimizer(name):
+    """The one optimizer table: one_cycle_fit's optimizer, the traced step's, and the plan's state count agree."""
+    from tpu_utility.training.fit import resolve_optimizer
+    from tpu_utility.training.trace import _optimizer
+
+    model = nn.Linear(4, 3)
+    fitted = resolve_optimizer(name)[0](list(model.parameters()))
+    traced = _optimizer(name, model)
+    count, class_name = optimizer_states(name)
+    assert type(fitted) is type(traced) and type(fitted).__name__ == class_name
+    assert fitted.defaults == {**traced.defaults, "lr": fitted.defaults["lr"]}  # the trace's own lr aside
+    x = torch.randn(8, 4)
+    for opt in (fitted, traced):
+        model(x).square().mean().backward()
+        opt.step()
+    assert all(len(traced.state[p]) - ("step" in traced.state[p]) == count for p in model.parameters())
+    with pytest.raises(ValueError, match=r"optimizer must be one of \['adam', 'adamw', 'sgd'\] or a callable, but given 'lamb'"):
+        _optimizer("lamb", model)
+
+
 def test_shard_bytes_pads_to_divide_evenly():
     assert shard_bytes(16, 2, 4) == 8
     assert shard_bytes(17, 2, 4) == 10  # ceil(17 / 4) = 5 elements of 2 bytes

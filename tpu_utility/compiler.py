@@ -16,7 +16,7 @@ user compiled already (``torch.compile(model)`` or ``model.compile()``) is train
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Any, Literal, NamedTuple
 
 from torch import nn
@@ -92,6 +92,19 @@ class Compile:
         return {f.name: getattr(self, f.name) for f in fields(self)
                 if f.name != "enabled" and getattr(self, f.name) != f.default}  # fmt: skip
 
+    def settled(self, steps: int) -> Compile:
+        """This setting with ``"auto"`` settled, True or False, for a run of ``steps`` steps: the one place that asks
+        whether compiling pays (``compute.compile_pays``). ``decide`` settles it so; a caller that knows its run's
+        length better than the loop that decides settles it first (``find_lr``: its sweep stops after ``num_steps``).
+
+        Example:
+            >>> Compile.of(True).settled(10).enabled, Compile.of("auto").settled(10).enabled  # the CPU: never
+            (True, False)
+        """
+        if self.enabled != "auto":
+            return self
+        return replace(self, enabled=backends.current().compute.compile_pays(steps))
+
     def decide(self, steps: int) -> Compiling:
         """Whether this process's run of ``steps`` steps compiles its step with torch.compile, and the words the
         summary line says for it ("" where there is nothing to say: XLA compiles every step itself).
@@ -113,7 +126,7 @@ class Compile:
         if self.enabled is True:
             return Compiling(True, compiled + ")")
         device = backends.current().device_type
-        if compute.compile_pays(steps):
+        if self.settled(steps).enabled:
             return Compiling(True, f"{compiled}; compile='auto': {steps} steps on {device}, compile=False runs eagerly)")
         why = "the CPU" if device == "cpu" else f"{steps} steps, too few to pay for compiling"
         return Compiling(False, f"eager (compile='auto': {why}; compile=True compiles)")

@@ -31,7 +31,6 @@ import io
 import math
 import os
 import tempfile
-from functools import partial
 from typing import Any, Callable, Literal, Sequence, get_args
 
 import torch
@@ -54,6 +53,7 @@ from .history import History
 from .metrics import METRICS, CrossEntropy, accuracy, check_loss_fn, per_sample_loss, resolve_metrics
 from .memory import MemoryPlan, auto_shards, first_length, memory_plan, refuse_host_shortage, refuse_replicating
 from .monitor import Mode, StopRule, parse_duration, resolve_mode
+from .optimizers import OPTIMIZERS, named_optimizer
 from .precision import Precision, PrecisionName
 from .topology import available_cores, resolve_cores
 from .schedule import LrSchedule, OneCycle, ScheduleName, check_warmup, is_default
@@ -68,20 +68,12 @@ TrainStep = Callable[[nn.Module, Batch], torch.Tensor]
 EvalStep = Callable[[nn.Module, Batch], "tuple[torch.Tensor, torch.Tensor]"]
 Metric = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
-OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {
-    "adamw": torch.optim.AdamW,
-    "adam": torch.optim.Adam,
-    "sgd": partial(torch.optim.SGD, lr=0.1, momentum=0.9),
-}
-
 
 # ----------------------------------------------------------- pure choices
 def resolve_optimizer(optimizer: Any) -> tuple[Callable[..., torch.optim.Optimizer], str]:
     """An optimizer name or ``params -> Optimizer`` callable as (factory, name)."""
     if isinstance(optimizer, str):
-        if optimizer not in OPTIMIZERS:
-            raise ValueError(f"optimizer must be one of {sorted(OPTIMIZERS)} or a callable, but given {optimizer!r}")
-        return OPTIMIZERS[optimizer], optimizer
+        return named_optimizer(optimizer).factory, optimizer
     if callable(optimizer):
         return optimizer, getattr(optimizer, "__name__", type(optimizer).__name__)
     raise TypeError(f"optimizer must be a name or a callable params -> Optimizer, but given {optimizer!r}")
@@ -183,7 +175,7 @@ def _optimizer_args(optimizer: Any, weight_decay: float | None) -> dict[str, Any
     check_number("weight_decay", weight_decay, 0, math.inf, closed="[)")
     if not isinstance(optimizer, str):
         raise ValueError(
-            f"weight_decay={weight_decay} applies to a named optimizer ('adamw', 'adam', 'sgd'); "
+            f"weight_decay={weight_decay} applies to a named optimizer {tuple(OPTIMIZERS)}; "
             f"give it to your own optimizer factory instead"
         )
     return {"weight_decay": float(weight_decay)}

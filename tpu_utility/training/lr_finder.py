@@ -8,7 +8,6 @@ is a peak for any ``schedule=`` of one_cycle_fit."""
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import random
 from dataclasses import dataclass, field
@@ -163,9 +162,7 @@ def find_lr(
     if isinstance(read_every, bool) or not isinstance(read_every, int) or read_every < 1:
         raise ValueError(f"read_every must be a positive int, but given {read_every!r}")
     make_opt, name = resolve_optimizer(optimizer)
-    compiling = Compile.of(compile)
-    if compiling.enabled == "auto":  # the plan's steps are num_steps epochs': the sweep's length decides
-        compiling = dataclasses.replace(compiling, enabled=backend.current().compute.compile_pays(num_steps))
+    compiling = Compile.of(compile).settled(num_steps)  # the plan counts num_steps epochs: the sweep's length decides
     sweep = _Sweep(_SweepArgs(start_lr, end_lr, num_steps, smooth, diverge_factor, read_every))
     # the one_cycle_fit loop with the sweep as its schedule; a dict batch with labels and the default
     # loss trains on a Hugging Face model's own output.loss

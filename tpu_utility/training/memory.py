@@ -5,8 +5,8 @@
     plan.fits_replicated, plan.fits_sharded
 
 The model may live on the ``meta`` device (``with torch.device("meta"): AutoModelForCausalLM.from_config(cfg)``),
-so a 7B plan costs no RAM. The math is plain functions of numbers (``optimizer_states``, ``shard_bytes``,
-``activation_bytes``, ``host_bytes``), tested alone; the chip's memory comes from the backend (its hardware table,
+so a 7B plan costs no RAM. The math is plain functions of numbers (``optimizer_states``, from the one optimizer
+table in ``optimizers.py``, ``shard_bytes``, ``activation_bytes``, ``host_bytes``), tested alone; the chip's memory comes from the backend (its hardware table,
 the GPU's own, or ``TPU_UTILITY_DEVICE_MEMORY_GB``), the host's from ``/proc/meminfo`` (``MemAvailable``) or
 ``TPU_UTILITY_HOST_MEMORY_GB``.
 """
@@ -29,6 +29,7 @@ from ..huggingface import base_model
 from ..quantization import Int8Linear
 from .precision import Precision, PrecisionName
 from ..sharding import FSDP, block_classes
+from .optimizers import optimizer_states
 from .trace import TracedStep, TraceUnavailable, trace_step
 
 # the share of a chip's memory a plan may fill: XLA's own buffers, fragmentation and the compiler's temporaries
@@ -41,46 +42,8 @@ GB = 1e9
 PlanMethod = Literal["trace", "estimate"]  # how memory_plan finds the activations: a traced step, or the formulas
 HOST_MEMORY_ENV = "TPU_UTILITY_HOST_MEMORY_GB"  # the host's available RAM in GiB, read in place of /proc/meminfo
 
-# optimizer state tensors per trainable parameter, each in the parameter's dtype (as torch keeps them)
-_STATES = {"Adam": 2, "AdamW": 2, "NAdam": 2, "RAdam": 2, "Adamax": 2, "Adagrad": 1, "Adadelta": 2, "ASGD": 2,
-           "Rprop": 2, "LBFGS": 2, "SGD": 0, "RMSprop": 1, "Lion": 1}  # fmt: skip
-_NAMED = {"adamw": "AdamW", "adam": "Adam", "sgd": "SGD"}  # one_cycle_fit's names
-_NAMED_MOMENTUM = {"sgd": 0.9}  # one_cycle_fit's "sgd" is SGD(momentum=0.9)
-
 
 # ----------------------------------------------------------------- pure math
-def optimizer_states(optimizer: Any) -> tuple[int, str]:
-    """(state tensors kept per parameter, the optimizer's name) for a name, a class or a ``functools.partial``.
-
-    AdamW and Adam keep two moments; SGD one momentum buffer when ``momentum`` is set (one_cycle_fit's
-    ``"sgd"`` has 0.9), none without; RMSprop one (two with momentum, three centered). A factory whose
-    class cannot be read is counted as AdamW, the largest common case, and named so.
-
-    Example:
-        >>> optimizer_states("adamw"), optimizer_states(functools.partial(torch.optim.SGD, momentum=0))
-        ((2, 'AdamW'), (0, 'SGD'))
-    """
-    keywords: dict[str, Any] = {}
-    if isinstance(optimizer, str):
-        name = _NAMED.get(optimizer)
-        if name is None:
-            raise ValueError(f"optimizer must be one of {sorted(_NAMED)} or a callable, but given {optimizer!r}")
-        keywords = {"momentum": _NAMED_MOMENTUM.get(optimizer, 0)}
-    else:
-        while isinstance(optimizer, functools.partial):
-            keywords = {**optimizer.keywords, **keywords}
-            optimizer = optimizer.func
-        name = getattr(optimizer, "__name__", "")
-        if not (isinstance(optimizer, type) and name in _STATES):
-            return 2, f"{name or type(optimizer).__name__} (counted as AdamW)"
-    count = _STATES[name]
-    if name == "SGD":
-        count = 1 if keywords.get("momentum", 0) else 0
-    if name == "RMSprop":
-        count += bool(keywords.get("momentum", 0)) + bool(keywords.get("centered", False))
-    return count, name
-
-
 def shard_bytes(numel: int, itemsize: int, shards: int) -> int:
     """Bytes one of ``shards`` devices holds of a tensor split on its first dimension, padded to divide evenly.
 

@@ -20,7 +20,6 @@ tensors cannot run) ``TraceUnavailable`` says why, and ``memory_plan`` falls bac
 from __future__ import annotations
 
 import copy
-import functools
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -31,10 +30,8 @@ from torch import nn
 from .. import backend
 from ..huggingface import base_model, is_causal_lm
 from ..sharding import block_classes
+from .optimizers import named_optimizer
 from .precision import Precision
-
-_OPTIMIZERS = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam,
-               "sgd": functools.partial(torch.optim.SGD, momentum=0.9)}  # fmt: skip  # one_cycle_fit's names
 
 
 class TraceUnavailable(RuntimeError):
@@ -210,7 +207,7 @@ def _checkpoint_blocks(model: nn.Module) -> None:
 def _optimizer(optimizer: Any, model: nn.Module) -> torch.optim.Optimizer:
     trainable = [p for p in model.parameters() if p.requires_grad]
     if isinstance(optimizer, str):
-        return _OPTIMIZERS[optimizer](trainable, lr=1e-3)
+        return named_optimizer(optimizer).factory(trainable, lr=1e-3)
     made = optimizer(trainable)
     if not isinstance(made, torch.optim.Optimizer):
         raise TraceUnavailable(f"the optimizer factory gave {type(made).__name__}, not a torch.optim.Optimizer")

@@ -41,6 +41,7 @@ from .events import Events, StopFit
 from .graphs import GraphLog
 from .history import EpochRecord, History
 from .metrics import MetricSet
+from .optimizers import OPTIMIZERS
 from .precision import Precision
 from .runner import Runner
 from .strategies import Single, Strategy
@@ -177,7 +178,7 @@ def _optimizer(runner: Runner, plan: FitPlan) -> tuple[torch.optim.Optimizer, bo
         raise ValueError("the model has no trainable parameters (all have requires_grad=False); unfreeze some layers")
     if fused:
         return fused(params, **plan.optimizer_args), True
-    own = runner.compiling.on and plan.optimizer_name in ("adam", "adamw", "sgd")  # one_cycle_fit's own, by name
+    own = runner.compiling.on and plan.optimizer_name in OPTIMIZERS  # one_cycle_fit's own, by name
     extra = backend.current().compute.compiled_optimizer_options(plan.optimizer_name) if own else {}
     return build_optimizer(plan.optimizer, runner.model, {**plan.optimizer_args, **extra}), False
 
