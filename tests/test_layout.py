@@ -235,6 +235,17 @@ def test_the_lanes_lists_name_test_files_that_exist():
     assert all(TORCH_RELEASE.values()) and all(PYTHON_RELEASE.values()) and all(HF_RELEASE.values()), "each file says why"
 
 
+def test_each_slow_test_conftest_explains_exists():
+    """conftest.SLOW says why each slow test is where it is; a renamed test would leave a reason for nothing."""
+    from conftest import SLOW
+
+    for nodeid, why in SLOW.items():
+        path, name = nodeid.split("::")
+        with open(os.path.join(ROOT, "tests", path)) as f:
+            assert f"def {name.split('[')[0]}(" in f.read(), nodeid
+        assert "CPU-s" in why, nodeid  # what it costs, beside why
+
+
 def test_no_function_in_diagnostics_is_longer_than_80_lines():
     """The porter, doctor and check stay readable: a long function is split (issue 40: a 305-line closure was)."""
     long = []
