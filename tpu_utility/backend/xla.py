@@ -40,6 +40,23 @@ def xla_requested() -> bool:
     return XLA_INSTALLED and choice.native_job() is None and (pjrt_device() is not None or detect_tpu().chips > 0)
 
 
+def spawn_in_this_process() -> None:
+    """Makes ``xmp.spawn`` (and ``torch_xla.launch``, which calls it) run its function in this process, on the
+    runtime already started, as torch_xla's own one-process path does: ``port --check`` runs a launching program's
+    first steps this way. Nothing where torch_xla is not installed."""
+    try:
+        import torch_xla.distributed.xla_multiprocessing as xmp
+    except ImportError:
+        return
+    spawn = xmp.spawn
+
+    def one_process(fn: Any, args: tuple = (), nprocs: int | None = None, join: bool = True, daemon: bool = False,
+                    start_method: str = "spawn") -> Any:  # fmt: skip
+        return spawn(fn, args=args, nprocs=1, join=join, daemon=daemon, start_method=start_method)
+
+    xmp.spawn = one_process
+
+
 def xla_loaded() -> bool:
     """True when torch_xla has already been imported in this process."""
     return "torch_xla" in sys.modules

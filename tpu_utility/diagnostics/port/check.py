@@ -28,22 +28,13 @@ import json, os, runpy, sys, traceback
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 from tpu_utility import backend, get_device
+from tpu_utility.backend.xla import spawn_in_this_process
 
 limit, path = int(sys.argv[1]), sys.argv[2]
 sys.argv = [path, *sys.argv[3:]]
 sys.path.insert(0, os.path.dirname(os.path.abspath(path)))  # as `python path` would: the program's own modules import
 get_device()  # the runtime first: a CPU backward before it would break every XLA backward (pytorch/xla#4174)
-try:  # a launch runs its function here, in this process (torch_xla's own one-process path): the runtime started above
-    import torch_xla.distributed.xla_multiprocessing as xmp
-
-    _spawn = xmp.spawn
-
-    def _one_process(fn, args=(), nprocs=None, join=True, daemon=False, start_method="spawn"):
-        return _spawn(fn, args=args, nprocs=1, join=join, daemon=daemon, start_method=start_method)
-
-    xmp.spawn = _one_process  # torch_xla.launch calls xmp.spawn too
-except ImportError:
-    pass
+spawn_in_this_process()  # a launch runs its function here (torch_xla's one-process path), on the runtime started above
 seen = {"steps": 0, "devices": set(), "on_xla": True}
 
 
