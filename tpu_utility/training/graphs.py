@@ -103,16 +103,17 @@ class GraphLog:
             self._take([], "setup" if all(g.graph == "setup" for g in self.graphs) else f"after the {self.last}")
         else:
             self._take(self.previous, self.graph)
-        self.previous = batch_shapes(batch)
+        self.previous = batch  # its shapes are read only if its graph compiled: no work per step on the hot path
 
     def end(self) -> None:
-        self._take(self.previous or [], self.graph)
+        self._take(self.previous if self.previous is not None else [], self.graph)
 
-    def _take(self, shapes: list[tuple[int, ...]], graph: str) -> None:
+    def _take(self, batch: Any, graph: str) -> None:
         now = self.count()
         new, self.seen = now - self.seen, now
         if new <= 0:
             return
+        shapes = batch_shapes(batch)
         timed = self.diagnosis.last_compiles(new)
         timed = [None] * (new - len(timed)) + list(timed)
         for compiled in timed:
