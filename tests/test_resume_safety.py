@@ -2,6 +2,7 @@
 
 import csv
 import json
+import multiprocessing
 import os
 import warnings
 
@@ -172,6 +173,7 @@ def test_a_missing_damaged_or_foreign_best_pt_is_found_before_the_first_resumed_
     from tpu_utility.training import trainer
 
     monkeypatch.setattr(trainer, "_clock", _FakeClock())
+    children = set(multiprocessing.active_children())
     run = tmp_path / "run"
     stopped = _fit(run, data, time_limit="4m10s")
     assert [r.epoch for r in stopped.records] == [1, 2] and stopped.best_epoch == 1
@@ -185,6 +187,9 @@ def test_a_missing_damaged_or_foreign_best_pt_is_found_before_the_first_resumed_
         with pytest.raises(ValueError, match=match) as e:
             _fit(run, (train, data[1]), time_limit="4m10s", resume=True, restore_best=True, **kwargs)
         assert train.started == []  # refused before the first resumed epoch
+        # the validation loader's worker, started to check eval_step, is stopped: not left for a garbage
+        # collection to wait out (5 s a worker) once the queues it listens on are finalized
+        assert set(multiprocessing.active_children()) <= children
         assert load_checkpoint(str(run))["epoch"] == 2
         return str(e.value)
 

@@ -23,7 +23,7 @@ from torch.utils import _pytree as pytree
 
 from .. import backend
 from ..compiler import EAGER, Compile, Compiling, compiled_parts
-from ..data.loaders import LoaderSpec, eval_loader, real_counts, train_loader
+from ..data.loaders import LoaderSpec, eval_loader, real_counts, stop_workers, train_loader
 from ..device import get_device, move_model, move_to_device
 from ..huggingface import (base_model, check_transformers, give_back_checkpoint_functions, is_transformers_model,
                            packed_attention, restore_masks, restore_packed_attention, static_masks,
@@ -95,6 +95,7 @@ class Runner:
         self.device = get_device()
         self.model = model
         self._train_model: nn.Module | None = None
+        self._loaders: list[Any] = []  # the loaders built here, their workers stopped by ``stop_workers``
         self.precision = Precision.of(precision, self.device).on(self.device)
         self.found_weights = None
         if self.precision.mode == "cast":  # bf16 -> fp32 would not give the weights back exactly
@@ -124,15 +125,26 @@ class Runner:
         give_back_checkpoint_functions(self.found_checkpointing)
         if self.found_weights is not None:
             self.model.load_state_dict(self.found_weights)
+        self.stop_workers()
+
+    def stop_workers(self) -> None:
+        """Stops the worker processes of the loaders built here, now (see ``data.loaders.stop_workers``)."""
+        for loader in self._loaders:
+            stop_workers(loader)
+        self._loaders = []
 
     # -- loaders
     def train_loader(self, spec: LoaderSpec, seed: int) -> Any:
         loaders, index = self.topology.loaders
-        return train_loader(spec, self.topology.loader_batch(spec.batch_size), replicas=loaders, rank=index, seed=seed)
+        loader = train_loader(spec, self.topology.loader_batch(spec.batch_size), replicas=loaders, rank=index, seed=seed)
+        self._loaders.append(loader)
+        return loader
 
     def eval_loader(self, spec: LoaderSpec) -> Any:
         loaders, index = self.topology.loaders
-        return eval_loader(spec, self.topology.loader_batch(spec.batch_size), replicas=loaders, rank=index)
+        loader = eval_loader(spec, self.topology.loader_batch(spec.batch_size), replicas=loaders, rank=index)
+        self._loaders.append(loader)
+        return loader
 
     def batches(self, loader: Any) -> Iterator[Batch]:
         """Device batches (sharded over the mesh under SPMD); Dataset errors reach the caller."""

@@ -254,6 +254,7 @@ def _train(model: nn.Module, plan: FitPlan) -> tuple[nn.Module, History]:
         restore_masks(model, loop.runner.found_attention)
         restore_packed_attention(loop.runner.packed_attention)
         loop.runner.strategy.leave(model)  # its hooks off: history.model is the plain model
+        loop.runner.stop_workers()  # persistent loaders' workers stopped now, not waited out at a garbage collection
 
 
 def _run(loop: Trainer, model: nn.Module, plan: FitPlan) -> tuple[nn.Module, History]:
