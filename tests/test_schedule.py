@@ -152,9 +152,17 @@ def test_schedule_takes_the_one_cycle_settings_as_one_value():
     given = resolve_schedule(OneCycle(pct_start=0.3, max_momentum=0.9), 0, OneCycle(3e-3))
     assert given == separate  # the call's max_lr filled in; the same schedule as the separate arguments make
     assert resolve_schedule(OneCycle(3e-3, scale_lr_by_cores=True), 0, OneCycle(3e-3)).scale_lr_by_cores
-    history = _fit(small_mlp(), flat_digits(320), epochs=2, schedule=OneCycle(pct_start=0.3, max_momentum=0.9))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)  # the one value: no deprecation
+        history = _fit(small_mlp(), flat_digits(320), epochs=2, schedule=OneCycle(pct_start=0.3, max_momentum=0.9))
     lrs, momenta = separate.curve(len(history.step_lrs))
     assert history.step_lrs == pytest.approx(lrs, rel=1e-6) and history.step_momenta == pytest.approx(momenta)
+    # the separate arguments, deprecated, still give the same schedule, with a warning naming the value to write
+    with pytest.warns(FutureWarning, match=r"^pct_start=0.3, max_momentum=0.9 are deprecated: write "
+                                           r"schedule=OneCycle\(pct_start=0.3, max_momentum=0.9\)$") as caught:  # fmt: skip
+        old = _fit(small_mlp(), flat_digits(320), epochs=2, pct_start=0.3, max_momentum=0.9)
+    assert [w.filename for w in caught if w.category is FutureWarning] == [__file__]  # it points at the call
+    assert (old.step_lrs, old.step_momenta) == (history.step_lrs, history.step_momenta)
     with pytest.raises(ValueError, match="OneCycle\\(\\) has no max_lr to draw a curve of"):
         OneCycle(pct_start=0.3).curve(10)
     with pytest.raises(TypeError, match="scale_lr_by_cores must be True or False, but given 1"):
