@@ -681,3 +681,24 @@ def test_one_cycle_fits_arguments_are_read_from_its_signature_once_and_typed_as_
     untyped = {f.name: f.type for f in dataclasses.fields(FitArguments) if "Any" in str(f.type) or f.type in ("", "object")}
     assert not untyped, f"FitArguments fields typed loosely: {untyped}"
     assert len(dataclasses.fields(FitArguments)) < 30  # checked values (the schedule, the stop rule), not the 38 names
+
+
+def _definitions():
+    """{name: [module:line, ...]} of every function, method and class the package defines."""
+    found = {}
+    for path, _, _ in _modules():
+        for node in ast.walk(ast.parse(open(path, encoding="utf-8").read())):
+            if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+                found.setdefault(node.name, []).append(f"{os.path.relpath(path, ROOT)}:{node.lineno}")
+    return found
+
+
+def test_the_compile_names_say_one_thing_each():
+    """compile_model is the public function alone (the backend's member is ``compute.torch_compile``); the
+    decision ``Compile.decide`` returns is a ``CompileDecision``, not a ``Compiling`` beside ``compiling`` values
+    holding a ``Compile``; the live bar's notice is ``CompileProgress``, apart from the ``RecompileNotice`` callback."""
+    defined = _definitions()
+    assert defined["compile_model"] == [d for d in defined["compile_model"] if d.startswith("tpu_utility/compiler.py")]
+    assert len(defined["compile_model"]) == 1, defined["compile_model"]
+    assert not {"Compiling", "CompileNotice"} & set(defined), "renamed in issue 64: CompileDecision, CompileProgress"
+    assert {"CompileDecision", "CompileProgress", "RecompileNotice", "torch_compile"} <= set(defined)

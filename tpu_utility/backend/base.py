@@ -243,14 +243,14 @@ class Compute(Group):
         where steps run eagerly, op by op, unless ``compile_model`` compiles them."""
         return None
 
-    def compile_model(self, model: torch.nn.Module, options: dict[str, Any]) -> torch.nn.Module:
+    def torch_compile(self, model: torch.nn.Module, options: dict[str, Any]) -> torch.nn.Module:
         """``torch.compile(model, **options)`` with this backend's compiler (``compile_backend`` unless
         ``options`` names one): a wrapper whose calls run compiled graphs; the model itself is unchanged (its
         class, its state-dict keys). A backend whose ``graph_compiler`` compiles every step returns the model.
 
         Example:
             >>> # was: model = torch.compile(model)
-            >>> compiled = backend.current().compute.compile_model(model, {})   # doctest: +SKIP
+            >>> compiled = backend.current().compute.torch_compile(model, {})   # doctest: +SKIP
         """
         if self.graph_compiler() is not None:
             return model

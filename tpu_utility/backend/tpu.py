@@ -88,10 +88,10 @@ class TorchTpuCompute(NativeCompute):
             f"(first cell: import os; os.environ[{variable!r}] = '/kaggle/working/tpu_cache')"
         )
 
-    def compile_model(self, model: torch.nn.Module, options: dict[str, Any]) -> torch.nn.Module:
+    def torch_compile(self, model: torch.nn.Module, options: dict[str, Any]) -> torch.nn.Module:
         """``torch.compile(model, backend="tpu", dynamic=False)``: TorchTPU compiles static shapes (a new shape is
         a new graph, as on XLA; buckets keep them few)."""
-        return super().compile_model(model, {"dynamic": False, **options})
+        return super().torch_compile(model, {"dynamic": False, **options})
 
 
 class TorchTpuDiagnosis(NativeDiagnosis):
