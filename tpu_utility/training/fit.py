@@ -381,7 +381,8 @@ def one_cycle_fit(
     _check_reduced(loss_fn)
     metric_table = resolve_metrics(metrics, loss_fn is None)
     _check_resume(checkpoint_dir, resume, overwrite)
-    cycle = OneCycle(max_lr, pct_start, div_factor, final_div_factor, base_momentum, max_momentum, scale_lr_by_cores)
+    cycle = OneCycle(max_lr=max_lr, pct_start=pct_start, div_factor=div_factor, final_div_factor=final_div_factor,
+                     base_momentum=base_momentum, max_momentum=max_momentum, scale_lr_by_cores=scale_lr_by_cores)  # fmt: skip
     checked = FitArguments(  # every argument checked once, here, before any launch, compile or epoch
         model=built, factory=factory, epochs=_positive("epochs", epochs, int),
         precision=Precision.of(precision),  # fp16 where the device has no float16 path: refused before any launch
