@@ -25,7 +25,7 @@ torch.set_num_threads(1)
 from torch import nn
 from torch.utils.data import TensorDataset
 import tpu_utility.files as files
-from tpu_utility import load_checkpoint, one_cycle_fit
+from tpu_utility import OneCycle, load_checkpoint, one_cycle_fit
 from tpu_utility.demo import digits_datasets
 
 root = sys.argv[1]
@@ -37,7 +37,7 @@ train = TensorDataset(x[:160], y[:160])
 def fit(folder, resume=False):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Flatten(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
-    history = one_cycle_fit(model, train, valid_data=valid, epochs=6, max_lr=0.03, batch_size=16, pct_start=0.5,
+    history = one_cycle_fit(model, train, valid_data=valid, epochs=6, max_lr=0.03, batch_size=16, schedule=OneCycle(pct_start=0.5),
                             monitor="accuracy", restore_best=True, checkpoint_dir=folder, resume=resume,
                             progress=False)
     return model, history

@@ -22,7 +22,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from .. import backend
-from ..compiler import EAGER, Compile, Compiling, compiled_parts
+from ..compiler import EAGER, Compile, CompileDecision, compiled_parts
 from ..data.loaders import LoaderSpec, eval_loader, real_counts, stop_workers, train_loader
 from ..device import get_device, move_model, move_to_device
 from ..huggingface import (base_model, check_transformers, give_back_checkpoint_functions, is_transformers_model,
@@ -87,7 +87,7 @@ class Runner:
         if is_transformers_model(base_model(model)):
             check_transformers()
         self.compile = compile if compile is not None else EAGER
-        self.compiling = Compiling(False, "")  # decided for the run's length (compile_for)
+        self.decision = CompileDecision(False, "")  # decided for the run's length (compile_for)
         self._compiled_model: nn.Module | None = None
         self.found = Placement.of(model)
         self.strategy = strategy if strategy is not None else Single()
@@ -164,34 +164,34 @@ class Runner:
         """Decides whether the steps of a run of ``steps`` steps are compiled (``compile=``; a model the caller
         compiled is trained as it is) before the first; returns the summary line's words for it."""
         if self.own_compiled is not None:
-            self.compiling = Compiling(True, "compiled by the caller (torch.compile(model)): trained as it is")
+            self.decision = CompileDecision(True, "compiled by the caller (torch.compile(model)): trained as it is")
         else:
-            self.compiling = self.compile.decide(steps)
+            self.decision = self.compile.decide(steps)
         self._train_model = self._compiled_model = None
-        return self.compiling.words
+        return self.decision.words
 
     @property
     def compiles(self) -> bool:
         """Whether the steps compile graphs as they run: XLA's lazy graphs, or torch.compile's."""
-        return self.lazy or self.compiling.on
+        return self.lazy or self.decision.on
 
     @property
     def train_model(self) -> nn.Module:
         """The model a training step calls: the backend's replica wrapper (DDP on CUDA/CPU) when replicas train,
         compiled where the run compiles (the wrapper around the model, which is left as it is)."""
         if self._train_model is None:
-            own = self.compiling.on and self.own_compiled is not None
+            own = self.decision.on and self.own_compiled is not None
             called = self.own_compiled if own else self.model
             if self.topology.replicas > 1:  # DDP; a model FSDP2 shards averages its gradients itself: as it is
                 called = backend.current().processes.wrap_replica(called, self.device)
-            ours = self.compiling.on and not own  # torch.compile of DDP splits its graphs at the gradient buckets
+            ours = self.decision.on and not own  # torch.compile of DDP splits its graphs at the gradient buckets
             self._train_model = self._compile(_Training(called)) if ours else called
         return self._train_model
 
     @property
     def step_model(self) -> nn.Module:
         """The model an evaluation or prediction step calls: compiled where the run compiles."""
-        if not self.compiling.on:
+        if not self.decision.on:
             return self.model
         if self.own_compiled is not None:
             return self.own_compiled
@@ -200,7 +200,7 @@ class Runner:
         return self._compiled_model
 
     def _compile(self, model: nn.Module) -> nn.Module:
-        return backend.current().compute.compile_model(model, self.compile.options)
+        return backend.current().compute.torch_compile(model, self.compile.options)
 
     def run(self, step: Step, batch: Batch, training: bool = False) -> Any:
         """``step(model, batch)`` under this precision (the replica wrapper when ``training``), compiled where the
