@@ -87,6 +87,39 @@ def test_natively_an_int8_base_lora_trains_as_the_plain_cpu_loop_and_so_with_a_c
     assert chunked == pytest.approx(expected_gemma2, rel=1e-5)  # Gemma 2's soft-capped loss, in chunks of 5 tokens
 
 
+FSDP_CHILD = """
+import json, sys
+sys.path.insert(0, "tests")
+import torch
+torch.set_num_threads(1)  # the plain CPU loop (tests/one_thread.py says why)
+from llm_models import adamw, causal_lm, counting, lora, plain_cpu_losses
+from tpu_utility import one_cycle_fit, quantize_base
+data = counting(32, seed=0)
+model = lora(quantize_base(causal_lm("llama")))
+base = {k: v.clone() for k, v in model.state_dict().items() if "lora_" not in k}
+h = one_cycle_fit(model, data, epochs=2, max_lr=3e-3, batch_size=2, cores="all", strategy="fsdp",
+                  schedule="constant", optimizer=adamw(3e-3), progress=False)
+after = {k: v.cpu() for k, v in h.model.state_dict().items() if "lora_" not in k}
+print("RESULT", json.dumps({
+    "losses": [r.train_loss for r in h.records], "syncs": [r.host_syncs for r in h.records],
+    "compiles": [r.compiles for r in h.records], "summary": h.summary,
+    "trainable": [n for n, p in h.model.named_parameters() if p.requires_grad],
+    "base_kept": sorted(base) == sorted(after) and all(torch.equal(base[k], after[k]) for k in base),
+    "int8": sum(v.dtype == torch.int8 for v in after.values()),
+    "plain": plain_cpu_losses(lora(quantize_base(causal_lm("llama"))), data, 2, 8, 3e-3)}))
+"""
+
+
+@pytest.mark.multidevice
+def test_on_four_devices_under_fsdp_an_int8_base_lora_trains_as_the_plain_cpu_loop_reading_nothing_on_the_host():
+    run = child_result(FSDP_CHILD, env={"CPU_NUM_DEVICES": "4"})
+    assert "fsdp on 4 CPU core(s)" in run["summary"] and "int8 (frozen)" in run["summary"], run["summary"]
+    assert run["losses"] == pytest.approx(run["plain"], rel=1e-4) and run["losses"][-1] < run["losses"][0], run
+    assert run["syncs"] == [0, 0] and run["compiles"][-1] == run["compiles"][0], run  # flat after epoch 1
+    assert run["trainable"] and all("lora_" in n for n in run["trainable"]), run["trainable"]
+    assert run["base_kept"] and run["int8"] == 14, "the sharded int8 base comes back as it was, in int8"
+
+
 @pytest.mark.parametrize("kind", ["llama", "gemma2"])
 def test_the_chunked_loss_is_the_models_own_loss_with_its_gradients(kind):
     from tpu_utility import get_device
