@@ -1,6 +1,7 @@
 """An int8 frozen base under LoRA (QLoRA on XLA): it trains as the float base does, reads nothing on the host,
 checkpoints and exports, loads from a checkpoint one tensor at a time, and an 8B model's plan fits a v5e chip."""
 
+import json
 import os
 
 import pytest
@@ -118,6 +119,45 @@ def test_on_four_devices_under_fsdp_an_int8_base_lora_trains_as_the_plain_cpu_lo
     assert run["syncs"] == [0, 0] and run["compiles"][-1] == run["compiles"][0], run  # flat after epoch 1
     assert run["trainable"] and all("lora_" in n for n in run["trainable"]), run["trainable"]
     assert run["base_kept"] and run["int8"] == 14, "the sharded int8 base comes back as it was, in int8"
+
+
+# the public QLoRA recipe (tests/kernels/qlora_clm.py: a 4-bit NF4 BitsAndBytesConfig, device_map, checkpointing,
+# prepare_model_for_kbit_training, LoRA, a plain loop), ported, run on XLA:CPU over a tiny Llama saved as its MODEL_ID
+QLORA_RUN = """
+import json, runpy, sys, torch
+torch.set_num_threads(1)
+sys.argv = [PATH, "2"]
+found = runpy.run_path(PATH, run_name="__main__")
+from tpu_utility.quantization import Int8Linear
+model = found["model"]
+print("QLORA " + json.dumps({"int8": sum(isinstance(m, Int8Linear) for m in model.modules()),
+                             "trainable": [n for n, p in model.named_parameters() if p.requires_grad]}))
+"""
+
+
+def test_a_public_qlora_script_ports_to_the_int8_base_saying_4bit_is_mapped_and_trains_on_xla(tmp_path):
+    from conftest import ROOT, run_python
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from tpu_utility.diagnostics.port import port_file
+
+    report, _ = port_file(os.path.join(ROOT, "tests", "kernels", "qlora_clm.py"), str(tmp_path / "qlora_clm.py"))
+    assert not report.left and report.status() == 0, report.text()
+    said = {(c.rule, c.where): c.after for c in report.changes}
+    assert {"int8_base", "gradient_checkpointing", "optimizer_step"} <= {rule for rule, _ in said}, report.text()
+    config_line = said[("int8_base", "line 26")]  # the BitsAndBytesConfig: not dropped in silence
+    assert "4-bit asked: mapped to the int8 base" in config_line and "bnb_4bit_quant_type=\"nf4\"" in config_line
+    assert said[("int8_base", "line 32")] == "move_model(quantize_base(AutoModelForCausalLM.from_pretrained(model_id)), get_device())"
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                 num_key_value_heads=2, vocab_size=48, max_position_embeddings=64)).save_pretrained(
+        tmp_path / "tiny")  # fmt: skip
+    r = run_python(QLORA_RUN.replace("PATH", repr(str(tmp_path / "qlora_clm.py"))), env={"MODEL_ID": str(tmp_path / "tiny")},
+                   cwd=str(tmp_path))  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    result = json.loads(r.stdout.split("RESULT ")[1].splitlines()[0])
+    model = json.loads(r.stdout.split("QLORA ")[1].splitlines()[0])
+    assert result["device"].startswith("xla") and result["last_loss"] < result["first_loss"], result
+    assert model["int8"] == 14 and model["trainable"] and all("lora_" in n for n in model["trainable"]), model
 
 
 @pytest.mark.parametrize("kind", ["llama", "gemma2"])
