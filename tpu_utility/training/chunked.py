@@ -163,7 +163,12 @@ class ChunkedLossStep:
         if self.labels is not None:  # the label check learns the vocabulary from the head, not from logits
             self.labels.see(torch.empty(1, 1, head.weight.shape[0], device="meta"), target, own_loss=True)
         softcap = getattr(inner.config.get_text_config(decoder=True), "final_logit_softcapping", None)
-        return chunked_causal_lm_loss(kept[-1], target, head, self.chunk_tokens, softcap)
+        return chunked_causal_lm_loss(kept[-1], target, self.head_function(head), self.chunk_tokens, softcap)
+
+    def head_function(self, head: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+        """What each chunk's logits are computed with: the head module itself (the memory trace calls its
+        ``forward`` directly: torch's ``MemTracker`` refuses a module called more than once a step)."""
+        return head
 
 
 __all__ = ["ChunkedLoss", "ChunkedLossStep", "chunked_causal_lm_loss"]

@@ -4,7 +4,7 @@
     step.peak, step.saved, step.seconds
 
 The model is copied onto fake tensors (``torch._subclasses.fake_tensor.FakeTensorMode``: shapes and dtypes, no
-storage), so a 7B model on the ``meta`` device traces on a laptop. One step (forward, the model's own loss,
+storage), so a 7B model on the ``meta`` device traces on a laptop. One step (forward, the model's own loss or ``ChunkedLoss``'s,
 backward, the optimizer's step) runs after a first optimizer step has made the optimizer's state, under torch's
 own tracker (``torch.distributed._tools.mem_tracker.MemTracker``), which records every storage alive at each op
 and keeps the peak. Autocast, the attention implementation and per-block checkpointing are the run's. The trace
@@ -85,6 +85,7 @@ def trace_step(
     optimizer: str | Callable[..., torch.optim.Optimizer] = "adamw",
     precision: str | Precision = "fp32",
     checkpointing: bool = False,
+    loss_chunk: int | None = None,
 ) -> TracedStep:
     """Traces one training step of ``model`` on fake tensors and returns the bytes it held at its peak.
 
@@ -100,6 +101,8 @@ def trace_step(
         optimizer: "adamw", "adam", "sgd" (momentum 0.9), or a factory of parameters (a class, a partial).
         precision: "fp32", "bf16" or "fp16" (autocast, the weights in their own dtype).
         checkpointing: Checkpoint each block.
+        loss_chunk: The loss as ``ChunkedLoss(loss_chunk)`` computes it (the head and the cross-entropy over
+            chunks of tokens, each recomputed in the backward), or None: the model's own loss.
 
     Returns:
         A ``TracedStep``: ``.peak``, ``.activations``, ``.saved`` bytes and the seconds the trace took.
@@ -143,7 +146,7 @@ def trace_step(
             with tracker:  # forward and backward: the peak of the activations
                 with torch.autograd.graph.saved_tensors_hooks(saved.pack, _unpack), saved.blocks(checkpointing):
                     with _autocast(precision):
-                        loss = fake(input_ids=ids, labels=ids).loss
+                        loss = _loss(fake, ids, loss_chunk)
                 loss.backward()
             backward = _by_kind(tracker.get_tracker_snapshot("peak"))
             with tracker:  # entered again: the peak starts afresh, from what is live now (the gradients); the step's
@@ -159,6 +162,19 @@ def trace_step(
                       parameters=backward.get("Parameter", 0) + backward.get("Buffer", 0),
                       gradients=optimizer.get("Gradient", 0), optimizer_state=backward.get("Optstate", 0),
                       saved=saved.total, device="cpu", seconds=time.perf_counter() - start)  # fmt: skip
+
+
+def _loss(model: nn.Module, ids: torch.Tensor, loss_chunk: int | None) -> torch.Tensor:
+    """The step's loss: the model's own, or in chunks of ``loss_chunk`` tokens as ``ChunkedLoss`` runs it."""
+    if loss_chunk is None:
+        return model(input_ids=ids, labels=ids).loss
+    from .chunked import ChunkedLossStep
+
+    class Traced(ChunkedLossStep):  # the head's forward called directly: MemTracker refuses a module called twice
+        def head_function(self, head: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+            return head.forward
+
+    return Traced(loss_chunk)(model, {"input_ids": ids, "labels": ids})
 
 
 def _by_kind(snapshot: dict[Any, dict[Any, int]]) -> dict[str, int]:
