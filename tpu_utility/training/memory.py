@@ -327,9 +327,9 @@ def memory_plan(
         if method == "trace":
             try:
                 for ckpt in {repl_ckpt, shard_ckpt}:
-                    steps[ckpt] = trace_step(model, batch_size=batch_size, seq_len=seq_len, optimizer=optimizer,
+                    steps[ckpt] = trace_step(model, tokens=(batch_size, seq_len), optimizer=optimizer,
                                              precision=precision, checkpointing=ckpt and not own,
-                                             loss_chunk=loss_chunk)  # fmt: skip
+                                             loss=chunked_loss.traced_loss() if chunked_loss else None)  # fmt: skip
             except TraceUnavailable as error:
                 steps, why = {}, str(error)
         else:

@@ -1,6 +1,6 @@
 """One training step traced on fake tensors: the bytes a chip holds at the step's peak, measured, not estimated.
 
-    step = trace_step(model, batch_size=16, seq_len=1024, optimizer="adamw", precision="bf16", checkpointing=False)
+    step = trace_step(model, tokens=(16, 1024), optimizer="adamw", precision="bf16", checkpointing=False)
     step.peak, step.saved, step.seconds
 
 The model is copied onto fake tensors (``torch._subclasses.fake_tensor.FakeTensorMode``: shapes and dtypes, no
@@ -80,29 +80,27 @@ class TracedStep:
 def trace_step(
     model: nn.Module,
     *,
-    batch_size: int,
-    seq_len: int,
+    tokens: tuple[int, int],
     optimizer: str | Callable[..., torch.optim.Optimizer] = "adamw",
     precision: str | Precision = "fp32",
     checkpointing: bool = False,
-    loss_chunk: int | None = None,
+    loss: Callable[[nn.Module, torch.Tensor], torch.Tensor] | None = None,
 ) -> TracedStep:
     """Traces one training step of ``model`` on fake tensors and returns the bytes it held at its peak.
 
     The model is only read (a fake copy is traced; it may live on ``meta``). A transformers causal LM gets a
-    ``batch_size x seq_len`` batch of token ids as its ``input_ids`` and ``labels``, and its own loss, as
+    ``tokens`` (rows x length) batch of token ids as its ``input_ids`` and ``labels``, and its own loss, as
     ``one_cycle_fit`` trains it. ``checkpointing`` recomputes each block (``block_classes``) in backward, as
     ``strategy="fsdp"`` does; the model's own ``gradient_checkpointing_enable()`` is kept as it is.
 
     Args:
         model: A transformers causal LM (a peft model around one included), on any device.
-        batch_size: Rows per chip.
-        seq_len: Tokens per row.
+        tokens: ``(batch_size, seq_len)``: rows per chip and tokens per row.
         optimizer: "adamw", "adam", "sgd" (momentum 0.9), or a factory of parameters (a class, a partial).
         precision: "fp32", "bf16" or "fp16" (autocast, the weights in their own dtype).
         checkpointing: Checkpoint each block.
-        loss_chunk: The loss as ``ChunkedLoss(loss_chunk)`` computes it (the head and the cross-entropy over
-            chunks of tokens, each recomputed in the backward), or None: the model's own loss.
+        loss: ``(model, token_ids) -> loss`` in place of the model's own (``ChunkedLoss.traced_loss()``: the
+            head and the cross-entropy over chunks of tokens), or None.
 
     Returns:
         A ``TracedStep``: ``.peak``, ``.activations``, ``.saved`` bytes and the seconds the trace took.
@@ -113,7 +111,7 @@ def trace_step(
 
     Example:
         >>> # was: run one step on the chip and read torch.cuda.max_memory_allocated()
-        >>> step = trace_step(model, batch_size=8, seq_len=1024, precision="bf16")   # doctest: +SKIP
+        >>> step = trace_step(model, tokens=(8, 1024), precision="bf16")   # doctest: +SKIP
         >>> step.peak / 1e9                                                       # doctest: +SKIP
     """
     if not is_causal_lm(model):
@@ -137,7 +135,7 @@ def trace_step(
                 config = getattr(base_model(fake), "config", None)  # the copy's own: as strategy="fsdp" does, no
                 if getattr(config, "use_cache", False):  # KV cache, where a recomputed block would append to it
                     config.use_cache = False
-            ids = torch.randint(0, vocab, (batch_size, seq_len))
+            ids = torch.randint(0, vocab, tokens)
             opt = _optimizer(optimizer, fake)
             _make_state(fake, opt)
             tracker = MemTracker()
@@ -146,7 +144,7 @@ def trace_step(
             with tracker:  # forward and backward: the peak of the activations
                 with torch.autograd.graph.saved_tensors_hooks(saved.pack, _unpack), saved.blocks(checkpointing):
                     with _autocast(precision):
-                        loss = _loss(fake, ids, loss_chunk)
+                        loss = fake(input_ids=ids, labels=ids).loss if loss is None else loss(fake, ids)
                 loss.backward()
             backward = _by_kind(tracker.get_tracker_snapshot("peak"))
             with tracker:  # entered again: the peak starts afresh, from what is live now (the gradients); the step's
@@ -162,19 +160,6 @@ def trace_step(
                       parameters=backward.get("Parameter", 0) + backward.get("Buffer", 0),
                       gradients=optimizer.get("Gradient", 0), optimizer_state=backward.get("Optstate", 0),
                       saved=saved.total, device="cpu", seconds=time.perf_counter() - start)  # fmt: skip
-
-
-def _loss(model: nn.Module, ids: torch.Tensor, loss_chunk: int | None) -> torch.Tensor:
-    """The step's loss: the model's own, or in chunks of ``loss_chunk`` tokens as ``ChunkedLoss`` runs it."""
-    if loss_chunk is None:
-        return model(input_ids=ids, labels=ids).loss
-    from .chunked import ChunkedLossStep
-
-    class Traced(ChunkedLossStep):  # the head's forward called directly: MemTracker refuses a module called twice
-        def head_function(self, head: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
-            return head.forward
-
-    return Traced(loss_chunk)(model, {"input_ids": ids, "labels": ids})
 
 
 def _by_kind(snapshot: dict[Any, dict[Any, int]]) -> dict[str, int]:
