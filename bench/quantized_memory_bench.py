@@ -24,9 +24,15 @@ def _peaks(dump: str, seen: set[str]) -> list[int]:
     peaks = []
     for path in sorted(set(glob.glob(os.path.join(dump, "*buffer-assignment.txt"))) - seen):
         seen.add(path)
-        found = re.search(r"Stack trace breakdown for peak usage: ([\d ]+) bytes", open(path).read())
+        text = open(path).read()
+        found = re.search(r"Stack trace breakdown for peak usage: ([\d ]+) bytes", text)
         if found:
             peaks.append(int(found[1].replace(" ", "")))
+            continue
+        # torch_xla 2.8's XLA writes no breakdown line: the buffers live at the peak, with their running sum
+        block = re.search(r"Live ranges at \d+ \(peak\):\n((?:    .*\n?)+)", text)
+        if block:
+            peaks.append(max(int(n) for n in re.findall(r"cumulative: (\d+) bytes", block[1])))
     return peaks
 
 
