@@ -258,7 +258,7 @@ def memory_plan(
         method: "trace" (one step of a transformers causal LM traced on fake tensors, ``trace_step``; where it
             cannot run, the formulas, and the plan says why) or "estimate" (the formulas alone: instant).
         chunked_loss: The run's ``ChunkedLoss(...)`` callback, or None: the loss's logits rows count one chunk's
-            tokens, not all of them (planned by the formulas: the traced step would run the model's own loss).
+            tokens, not all of them (traced as ``ChunkedLoss`` runs it, or by the formulas).
 
     Returns:
         A ``MemoryPlan``: ``.replicated`` and ``.sharded`` (bytes per chip), ``.fits_replicated`` and
@@ -324,18 +324,22 @@ def memory_plan(
         shard_ckpt = shard_ckpt if shards > 1 else repl_ckpt  # one core: the sharded column is the replicated one
         checkpointed = (repl_ckpt, shard_ckpt)
         steps, why = {}, None
-        if method == "trace" and loss_chunk is None:
+        if method == "trace":
             try:
                 for ckpt in {repl_ckpt, shard_ckpt}:
-                    steps[ckpt] = trace_step(model, batch_size=batch_size, seq_len=seq_len, optimizer=optimizer,
-                                             precision=precision, checkpointing=ckpt and not own)  # fmt: skip
+                    steps[ckpt] = trace_step(model, tokens=(batch_size, seq_len), optimizer=optimizer,
+                                             precision=precision, checkpointing=ckpt and not own,
+                                             loss=chunked_loss.traced_loss() if chunked_loss else None)  # fmt: skip
             except TraceUnavailable as error:
                 steps, why = {}, str(error)
         else:
-            why = "method='estimate'" if method != "trace" else f"{chunked_loss!r} (the traced step runs the model's own loss)"
+            why = "method='estimate'"
         if steps:
             seconds = sum(step.seconds for step in steps.values())
-            how = f"traced one step ({batch_size} x {seq_len} tokens on fake tensors, {seconds:.1f} s)"
+            chunks = f", the loss in chunks of {loss_chunk}" if loss_chunk else ""
+            how = f"traced one step ({batch_size} x {seq_len} tokens{chunks} on fake tensors, {seconds:.1f} s)"
+            if dequantized:  # the traced step holds each layer's dequantized weight as its matmul makes it
+                terms = [t for t in terms if not t.name.startswith("one layer dequantized")]
             terms.append(Term("activations and temporaries at the step's peak (traced)",
                               _traced_row(steps[repl_ckpt], terms[1].replicated, 1),
                               _traced_row(steps[shard_ckpt], terms[1].sharded, shards)))  # fmt: skip
