@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from tpu_utility import memory_plan
+from tpu_utility import get_device, memory_plan
 from tpu_utility.training.memory import (GB, TransformerShape, activation_bytes, auto_shards, loss_bytes,
                                          optimizer_states, refuse_replicating, shard_bytes)  # fmt: skip
 from tpu_utility.training.strategies import block_classes, repeated_class
@@ -37,6 +37,7 @@ def test_fit_memory_and_trace_build_and_count_the_same_named_optimizer(name):
     from tpu_utility.training.fit import resolve_optimizer
     from tpu_utility.training.trace import _optimizer
 
+    get_device()  # the XLA runtime first: a CPU backward before it would break this process's XLA backwards
     model = nn.Linear(4, 3)
     fitted = resolve_optimizer(name)[0](list(model.parameters()))
     traced = _optimizer(name, model)
