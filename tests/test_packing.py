@@ -202,3 +202,60 @@ def test_the_flops_of_a_token_count_full_training_as_6n_and_lora_as_what_it_comp
     assert training_flops_per_token(tied, rows) == 6 * sum(p.numel() for p in tied.parameters()) + attention
     assert peak_flops("v5e") == 197e12 and peak_flops("v6e") == 918e12 and peak_flops("NVIDIA H100 80GB HBM3") == 989e12
     assert peak_flops("NVIDIA L4") == 121e12 and peak_flops("NVIDIA L40S") is None and peak_flops(None) is None
+
+
+def test_a_segment_id_kernel_through_attention_interface_gives_each_sample_its_unpacked_loss_and_is_chosen_where_it_fits(
+        monkeypatch):  # fmt: skip
+    """The kernel cannot run here (torch_xla's flash attention needs a TPU): the reference stands in at its seam."""
+    from tpu_utility.huggingface import SEGMENT_ATTENTION, reference_segment_attention
+
+    calls = []
+
+    def kernel(q, k, v, segment_ids, scale):
+        calls.append((tuple(q.shape), tuple(k.shape), tuple(segment_ids.shape)))
+        return reference_segment_attention(q, k, v, segment_ids, scale)
+
+    samples = instructions(10, seed=0)
+    packed = PackedDataset(samples, length=24)
+    model = causal_lm("llama").eval()
+    with torch.no_grad():
+        alone = [model(input_ids=torch.tensor([s["input_ids"]]), labels=torch.tensor([s["labels"]])).loss.item()
+                 for s in samples]  # fmt: skip
+        compute = backend.current().compute
+        monkeypatch.setattr(compute, "segment_attention", lambda device: kernel)  # a TPU whose torch_xla has the kernel
+        handle = packed_attention(model)
+        assert model.config._attn_implementation == SEGMENT_ATTENTION and "segment-id kernel" in handle.attention
+        on_cpu = per_sample_losses(model, packed, samples, "cpu")
+        # 4 query heads, the 2 key heads repeated for the kernel; one call per layer
+        assert calls == [((len(packed), 4, 24, 8), (len(packed), 4, 24, 8), (len(packed), 24))] * 2
+        padded = model(input_ids=torch.tensor([[3, 4, 5]]), attention_mask=torch.tensor([[1, 1, 1]])).logits
+        assert len(calls) == 2, "an unpacked forward runs transformers' SDPA"
+        handle.remove()
+        assert model.config._attn_implementation == "sdpa", "given back"
+        assert torch.allclose(padded, model(input_ids=torch.tensor([[3, 4, 5]])).logits, atol=1e-6)
+        monkeypatch.setattr(compute, "segment_attention", lambda device: None)  # no kernel: the dense masks
+        handle = packed_attention(model)
+        assert model.config._attn_implementation == "sdpa" and "sdpa with block-diagonal masks" in handle.attention
+        handle.remove()
+        monkeypatch.setattr(compute, "segment_attention", lambda device: kernel)
+        soft = gemma2()  # soft-capped scores and sliding windows: not plain causal attention, so the masks
+        handle = packed_attention(soft)
+        assert soft.config._attn_implementation == "eager" and "block-diagonal" in handle.attention
+        handle.remove()
+        with pytest.raises(ValueError, match="segment-id attention kernel runs plain causal attention, but the model "
+                                             "has attention implementation 'eager'"):  # fmt: skip
+            packed_attention(soft, kernel=kernel)
+    assert on_cpu == pytest.approx(alone, abs=1e-5)
+
+
+def test_the_xla_backend_offers_torch_xlas_segment_id_flash_attention_only_on_a_tpu_with_jax(monkeypatch):
+    from tpu_utility.backend import xla
+
+    current = backend.current()
+    device = get_device()
+    assert current.compute.segment_attention(device) is None  # XLA:CPU
+    monkeypatch.setattr(current.devices, "hardware", lambda device: "TPU")
+    monkeypatch.setattr(xla, "module_installed", lambda name: name != "jax")
+    assert current.compute.segment_attention(device) is None, "its Pallas kernels are JAX's"
+    monkeypatch.setattr(xla, "module_installed", lambda name: True)
+    assert callable(current.compute.segment_attention(device)), "the installed torch_xla's flash_attention takes segment ids"
