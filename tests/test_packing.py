@@ -259,3 +259,35 @@ def test_the_xla_backend_offers_torch_xlas_segment_id_flash_attention_only_on_a_
     assert current.compute.segment_attention(device) is None, "its Pallas kernels are JAX's"
     monkeypatch.setattr(xla, "module_installed", lambda name: True)
     assert callable(current.compute.segment_attention(device)), "the installed torch_xla's flash_attention takes segment ids"
+
+
+class StopBefore:
+    """Interrupts a run as the ``epoch``-th epoch starts (after the one before was saved)."""
+
+    def __init__(self, epoch):
+        self.epoch = epoch
+
+    def on_train_epoch_start(self, loop, epoch):
+        if epoch + 1 == self.epoch:
+            raise KeyboardInterrupt
+
+
+def test_a_packed_run_with_checkpointing_and_accumulation_resumed_from_its_checkpoint_equals_the_uninterrupted_run(
+        tmp_path):  # fmt: skip
+    from tpu_utility import GradientCheckpointing
+
+    train = PackedDataset(instructions(48, seed=3), length=32)
+
+    def fit(folder, *callbacks, **kwargs):
+        return one_cycle_fit(lora(causal_lm("llama")), train, epochs=2, max_lr=3e-3, batch_size=2, accumulate_steps=2,
+                             callbacks=[GradientCheckpointing(), *callbacks], checkpoint_dir=str(tmp_path / folder),
+                             progress=False, **kwargs)  # fmt: skip
+
+    straight = fit("straight")
+    with pytest.raises(KeyboardInterrupt):
+        fit("resumed", StopBefore(2))
+    resumed = fit("resumed", resume=True)
+    assert [r.epoch for r in resumed.records] == [1, 2] and [r.host_syncs for r in straight.records] == [0, 0]
+    assert resumed.records[1].train_loss == pytest.approx(straight.records[1].train_loss, rel=1e-6)
+    for a, b in zip(straight.model.state_dict().values(), resumed.model.state_dict().values()):
+        assert torch.allclose(a.cpu(), b.cpu(), atol=1e-6)  # the same rows in the same seeded order after the resume
