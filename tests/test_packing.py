@@ -291,3 +291,38 @@ def test_a_packed_run_with_checkpointing_and_accumulation_resumed_from_its_check
     assert resumed.records[1].train_loss == pytest.approx(straight.records[1].train_loss, rel=1e-6)
     for a, b in zip(straight.model.state_dict().values(), resumed.model.state_dict().values()):
         assert torch.allclose(a.cpu(), b.cpu(), atol=1e-6)  # the same rows in the same seeded order after the resume
+
+
+def test_rows_of_several_lengths_fill_as_one_length_does_with_shorter_rows_and_batch_one_length_at_a_time():
+    lengths = alpaca_lengths(3000)
+    capacities = [128, 256, 512, 1024]
+    bins = first_fit_decreasing(lengths, capacities, seed=0)
+    assert sorted(i for b in bins for i in b) == list(range(len(lengths)))
+    rooms = [min(c for c in capacities if c >= lengths[b[0]]) for b in bins]  # the smallest room its first sample fits
+    assert all(sum(lengths[i] for i in b) <= room for b, room in zip(bins, rooms))
+    assert sum(lengths) / sum(rooms) >= 0.95
+    assert sum(r * r for r in rooms) / sum(rooms) < 0.6 * 1024, "attention over shorter rows than 1,024"
+    packed = PackedDataset([{"input_ids": [s + 1] * n} for s, n in enumerate([3, 3, 7, 8, 1])], length=[4, 8], pad_token_id=9)
+    assert packed.row_lengths == [8, 8, 4, 4] and "4 rows of 4/8 (2/2)" in packed.summary()
+    assert packed.attention_length == (2 * 64 + 2 * 16) / 24
+    assert [tuple(b["input_ids"].shape) for b in packed.loader(2, shuffle=False)] == [(2, 4), (2, 8)]
+    carried = packed.collate([packed[3], packed[0]])  # a short row joining a batch of long ones: padded
+    assert carried["input_ids"][0].tolist() == packed[3]["input_ids"][:3].tolist() + [9] * 5
+    assert carried["labels"][0, 3:].eq(-100).all() and carried["input_ids"][1].tolist() == packed[0]["input_ids"].tolist()
+    assert carried["position_ids"][0].tolist() == [0, 1, 2, 0, 0, 1, 2, 3], "the padding added: a segment of its own"
+    with pytest.raises(ValueError, match=r"length must be an int or increasing ints, but given length=\[8, 4\]"):
+        PackedDataset([{"input_ids": [1]}], length=[8, 4])
+
+
+def test_a_sample_longer_than_the_row_is_cut_into_pieces_when_asked_each_a_sample_of_its_own():
+    samples = [{"input_ids": list(range(1, 12)), "labels": [-100] * 3 + list(range(4, 12))},
+               {"input_ids": [7, 8], "labels": [7, 8]}]  # fmt: skip
+    with pytest.raises(ValueError, match=r"^sample 0 has 11 tokens, longer than the row length 4"):
+        PackedDataset(samples, length=4)
+    packed = PackedDataset(samples, length=4, split=True)
+    assert packed.origin == [0, 0, 0, 1] and "2 samples (13 tokens, 1 longer than 4 cut into 3 pieces)" in packed.summary()
+    rows = [{k: v.tolist() for k, v in packed[r].items()} for r in range(len(packed))]
+    assert rows[1] == {"input_ids": [5, 6, 7, 8], "labels": [-100, 6, 7, 8], "position_ids": [0, 1, 2, 3]}
+    assert rows[2] == {"input_ids": [9, 10, 11, 0], "labels": [-100, 10, 11, -100], "position_ids": [0, 1, 2, 0]}
+    with pytest.raises(TypeError, match=r"split must be True or False, but given 1"):
+        PackedDataset(samples, length=4, split=1)

@@ -24,6 +24,7 @@ block-diagonal causal mask on the device from ``position_ids``.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Mapping
 from typing import Any, Iterable, Sequence
 
@@ -170,6 +171,18 @@ def _tokens(value: Any, index: int, column: str) -> torch.Tensor:
     return tokens.long()
 
 
+def _split(tokens: list[torch.Tensor], targets: list[torch.Tensor],
+           length: int) -> tuple[list[torch.Tensor], list[torch.Tensor], list[int]]:  # fmt: skip
+    """Every sample cut into pieces of at most ``length`` tokens: (ids, labels, the sample of each piece)."""
+    ids, labels, origin = [], [], []
+    for i, (t, y) in enumerate(zip(tokens, targets)):
+        for at in range(0, max(len(t), 1), length):
+            ids.append(t[at : at + length])
+            labels.append(y[at : at + length])
+            origin.append(i)
+    return ids, labels, origin
+
+
 # ------------------------------------------------------------ the dataset
 class PackedDataset(Dataset):
     """Token samples of any lengths packed into rows of ``length`` tokens (first-fit decreasing).
@@ -187,12 +200,22 @@ class PackedDataset(Dataset):
             counts, a prompt) and ``attention_mask`` (all ones: unpadded samples). Without
             ``labels`` the labels are the ids, as ``DataCollatorForLanguageModeling(mlm=False)``
             makes them.
-        length: Tokens per row; a sample longer than it is refused, named with its index.
+        length: Tokens per row; a sample longer than it is refused, named with its index (or cut,
+            with ``split``). Several increasing lengths (``[128, 256, 512, 1024]``): rows of each,
+            a row as short as its longest sample allows and its tail filled with shorter ones;
+            train on them through ``loader(batch_size)`` (batches of one length, one graph each).
         pad_token_id: Fills each row's tail after its last sample.
         seed: Orders samples of equal length before they are placed.
+        split: Cut a sample longer than the (longest) row into pieces of the row's length, the last
+            shorter, each packed as a sample of its own: its positions restart at 0 and its first
+            label is -100 (a piece is a new context: its tokens cannot attend to the piece before,
+            which sits in another row or behind a mask, so positions continuing from it would
+            claim a context the model does not see; one target is lost per cut). The summary says
+            how many were cut. Default: refused.
 
     Attributes:
-        rows: The sample indices in each row, in row order.
+        rows: The sample indices in each row, in row order (with ``split``, indices of pieces:
+            ``origin[i]`` is the sample piece ``i`` comes from).
         real_tokens: Tokens of the data, over all rows.
         fill: ``real_tokens / (rows x length)``: the share of a step's tokens that are data.
 
@@ -207,7 +230,8 @@ class PackedDataset(Dataset):
         ([5, 6, 7, 8, 9, 0], [-100, 6, 7, -100, 9, -100], [0, 1, 2, 0, 1, 0])
     """
 
-    def __init__(self, data: Any, length: int | Sequence[int], *, pad_token_id: int = 0, seed: int = 0) -> None:
+    def __init__(self, data: Any, length: int | Sequence[int], *, pad_token_id: int = 0, seed: int = 0,
+                 split: bool = False) -> None:  # fmt: skip
         self.lengths = _row_lengths(length)
         self.length = self.lengths[-1]
         self.pad_token_id = _check_int("pad_token_id", pad_token_id, 0)
@@ -228,6 +252,13 @@ class PackedDataset(Dataset):
                     raise ValueError(f"sample {i}'s attention_mask is not all ones over its {len(tokens[i])} "
                                      f"input_ids: PackedDataset packs unpadded samples (tokenize without "
                                      f"padding=..., or drop the padding first)")  # fmt: skip
+        if not isinstance(split, bool):
+            raise TypeError(f"split must be True or False, but given {split!r}")
+        self.samples, self.split = len(tokens), {}  # samples given; those cut: {sample: pieces}
+        self.origin = list(range(len(tokens)))  # the sample each packed piece comes from
+        if split:
+            tokens, targets, self.origin = _split(tokens, targets, self.length)
+            self.split = {i: n for i, n in Counter(self.origin).items() if n > 1}
         sizes = [len(t) for t in tokens]
         _check_sizes(sizes, self.length)  # an empty or too long sample, by index
         self.rows = first_fit_decreasing(sizes, self.lengths, seed=self.seed)
@@ -247,7 +278,6 @@ class PackedDataset(Dataset):
                 at += n
             self._positions[r, at:] = torch.arange(self.length - at)  # the tail: a segment of its own
         self.real_tokens = sum(sizes)
-        self.samples = len(tokens)
         computed = sum(self.row_lengths)
         self.fill = self.real_tokens / computed
         # the row length a computed token's attention runs over, on average: T for one length
@@ -301,7 +331,10 @@ class PackedDataset(Dataset):
             >>> PackedDataset([{"input_ids": [1, 2, 3]}, {"input_ids": [4]}], length=4).summary()
             'packed 2 samples (4 tokens) into 1 rows of 4: 100.0% real tokens'
         """
-        return f"packed {self.samples} samples ({self.real_tokens} tokens) into {self._rows()}: {self.fill:.1%} real tokens"
+        cut = (f", {len(self.split)} longer than {self.length} cut into {sum(self.split.values())} pieces" if self.split
+               else "")  # fmt: skip
+        return (f"packed {self.samples} samples ({self.real_tokens} tokens{cut}) into {self._rows()}: {self.fill:.1%} real "
+                f"tokens")  # fmt: skip
 
     def _rows(self) -> str:
         if len(self.lengths) == 1:
