@@ -19,7 +19,13 @@ sample is padding: ``pad_token_id``, labels -100, positions from 0 (a segment of
 own, attending only to itself). Rows carry no ``attention_mask``: the attention must
 not cross samples, and ``packed_attention(model)`` (which ``one_cycle_fit``,
 ``evaluate`` and ``predict`` switch on for a Hugging Face model) builds each row's
-block-diagonal causal mask on the device from ``position_ids``.
+block-diagonal causal mask on the device from ``position_ids`` (on a TPU with torch_xla's
+flash attention, its segment ids instead).
+
+Rows of several lengths (``length=[128, 256, 512, 1024]``) make each row as short as its
+longest sample allows, its tail filled with shorter samples, and train through
+``packed.loader(batch_size)``, one graph per row length; ``split=True`` cuts a sample longer
+than a row into pieces instead of refusing it.
 """
 
 from __future__ import annotations
@@ -68,8 +74,8 @@ def first_fit_decreasing(lengths: Sequence[int], capacity: int | Sequence[int], 
     Example:
         >>> first_fit_decreasing([3, 8, 5, 2, 6], capacity=10)   # lengths 8+2, 6+3, 5
         [[1, 3], [4, 0], [2]]
-        >>> first_fit_decreasing([3, 8, 5, 2, 6], capacity=[6, 10])   # 8+2 in a 10; 6, 5 and 3 in 6s
-        [[1, 3], [4], [2, 0]]
+        >>> first_fit_decreasing([3, 8, 5, 2, 6], capacity=[6, 10])   # 8+2 in a 10; 6, 5 and 3 each in a 6
+        [[1, 3], [4], [2], [0]]
     """
     capacities = _row_lengths(capacity, "capacity", low=1)
     sizes = _check_sizes(lengths, capacities[-1])
