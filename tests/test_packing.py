@@ -326,3 +326,28 @@ def test_a_sample_longer_than_the_row_is_cut_into_pieces_when_asked_each_a_sampl
     assert rows[2] == {"input_ids": [9, 10, 11, 0], "labels": [-100, 10, 11, -100], "position_ids": [0, 1, 2, 0]}
     with pytest.raises(TypeError, match=r"split must be True or False, but given 1"):
         PackedDataset(samples, length=4, split=1)
+
+
+def test_rows_of_several_lengths_through_their_loader_give_each_sample_its_loss_run_alone():
+    samples = instructions(12, seed=4)
+    packed = PackedDataset(samples, length=[12, 24])
+    assert set(packed.row_lengths) == {12, 24}
+    model = causal_lm("llama").eval()
+    losses = {}
+    with torch.no_grad():
+        alone = [model(input_ids=torch.tensor([s["input_ids"]]), labels=torch.tensor([s["labels"]])).loss.item()
+                 for s in samples]  # fmt: skip
+        packed_attention(model)
+        order = [r for b in packed.loader(2, shuffle=False, drop_last=False).batch_sampler for r in b]
+        for batch, rows in zip(packed.loader(2, shuffle=False, drop_last=False), zip(*[iter(order)] * 2)):
+            logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
+            ce = torch.nn.functional.cross_entropy(logits[:, :-1].transpose(1, 2), batch["labels"][:, 1:], reduction="none")
+            for k, r in enumerate(rows):
+                at = 0
+                for i in packed.rows[r]:
+                    n = len(samples[i]["input_ids"])
+                    counted = batch["labels"][k, at + 1 : at + n] != -100
+                    losses[i] = (ce[k, at : at + n - 1][counted].sum() / counted.sum()).item()
+                    at += n
+    assert [losses[i] for i in sorted(losses)] == pytest.approx([alone[i] for i in sorted(losses)], abs=1e-5)
+    assert len(losses) >= 10, "the batches hold most samples"
