@@ -181,6 +181,7 @@ def test_a_packed_run_trains_as_the_plain_cpu_loop_with_flat_compiles_no_host_sy
         assert record.mfu == pytest.approx(record.tokens_per_s * flops / 197e12)
         assert f"{record.tokens_per_s:,.0f} tokens/s" in record.line(2) and f"MFU {record.mfu:.1%}" in record.line(2)
     assert f"{train.fill:.1%} real tokens" in history.summary and "MFU against v5e's bf16 peak" in history.summary
+    assert "real tokens; packed rows attend through sdpa with block-diagonal masks" in history.summary
     history.to_csv(tmp_path / "h.csv")
     header = (tmp_path / "h.csv").read_text().splitlines()[0].split(",")
     assert "tokens_per_s" in header and "mfu" in header
@@ -211,7 +212,7 @@ def test_a_segment_id_kernel_through_attention_interface_gives_each_sample_its_u
 
     calls = []
 
-    def kernel(q, k, v, segment_ids, scale):
+    def reference_kernel(q, k, v, segment_ids, scale):
         calls.append((tuple(q.shape), tuple(k.shape), tuple(segment_ids.shape)))
         return reference_segment_attention(q, k, v, segment_ids, scale)
 
@@ -222,9 +223,9 @@ def test_a_segment_id_kernel_through_attention_interface_gives_each_sample_its_u
         alone = [model(input_ids=torch.tensor([s["input_ids"]]), labels=torch.tensor([s["labels"]])).loss.item()
                  for s in samples]  # fmt: skip
         compute = backend.current().compute
-        monkeypatch.setattr(compute, "segment_attention", lambda device: kernel)  # a TPU whose torch_xla has the kernel
+        monkeypatch.setattr(compute, "segment_attention", lambda device: reference_kernel)  # a TPU whose torch_xla has the kernel
         handle = packed_attention(model)
-        assert model.config._attn_implementation == SEGMENT_ATTENTION and "segment-id kernel" in handle.attention
+        assert model.config._attn_implementation == SEGMENT_ATTENTION and "segment-id kernel reference_kernel" in handle.attention
         on_cpu = per_sample_losses(model, packed, samples, "cpu")
         # 4 query heads, the 2 key heads repeated for the kernel; one call per layer
         assert calls == [((len(packed), 4, 24, 8), (len(packed), 4, 24, 8), (len(packed), 24))] * 2
@@ -237,14 +238,14 @@ def test_a_segment_id_kernel_through_attention_interface_gives_each_sample_its_u
         handle = packed_attention(model)
         assert model.config._attn_implementation == "sdpa" and "sdpa with block-diagonal masks" in handle.attention
         handle.remove()
-        monkeypatch.setattr(compute, "segment_attention", lambda device: kernel)
+        monkeypatch.setattr(compute, "segment_attention", lambda device: reference_kernel)
         soft = gemma2()  # soft-capped scores and sliding windows: not plain causal attention, so the masks
         handle = packed_attention(soft)
         assert soft.config._attn_implementation == "eager" and "block-diagonal" in handle.attention
         handle.remove()
         with pytest.raises(ValueError, match="segment-id attention kernel runs plain causal attention, but the model "
                                              "has attention implementation 'eager'"):  # fmt: skip
-            packed_attention(soft, kernel=kernel)
+            packed_attention(soft, kernel=reference_kernel)
     assert on_cpu == pytest.approx(alone, abs=1e-5)
 
 
@@ -258,7 +259,8 @@ def test_the_xla_backend_offers_torch_xlas_segment_id_flash_attention_only_on_a_
     monkeypatch.setattr(xla, "module_installed", lambda name: name != "jax")
     assert current.compute.segment_attention(device) is None, "its Pallas kernels are JAX's"
     monkeypatch.setattr(xla, "module_installed", lambda name: True)
-    assert callable(current.compute.segment_attention(device)), "the installed torch_xla's flash_attention takes segment ids"
+    kernel = current.compute.segment_attention(device)  # the installed torch_xla's flash_attention takes segment ids
+    assert callable(kernel) and kernel.__name__ == "torch_xla_flash_attention"
 
 
 class StopBefore:

@@ -386,19 +386,20 @@ def packed_attention(model: nn.Module, kernel: Any = None) -> Any:
         base.set_attn_implementation(SEGMENT_ATTENTION)
     handle = decoder.register_forward_pre_hook(_packed_attention_hook, with_kwargs=True)
     setattr(decoder, PACKED_HOOK, handle)
-    return _PackedHandle(decoder, handle, base, found)
+    return _PackedHandle(decoder, handle, base, found, kernel)
 
 
 class _PackedHandle:
     """What ``packed_attention`` changed; ``attention`` names the attention packed rows run."""
 
-    def __init__(self, decoder: nn.Module, handle: Any, model: nn.Module, found: str | None) -> None:
+    def __init__(self, decoder: nn.Module, handle: Any, model: nn.Module, found: str | None, kernel: Any = None) -> None:
         self.decoder, self.handle, self.model, self.found = decoder, handle, model, found
         if found is not None:
-            self.attention = "packed rows attend through the segment-id kernel (torch_xla's flash attention)"
+            self.attention = f"packed rows attend through the segment-id kernel {getattr(kernel, '__name__', kernel)}"
         else:
-            self.attention = (f"packed rows attend through {getattr(model.config, '_attn_implementation', None)} with "
-                              f"block-diagonal masks")  # fmt: skip
+            implementation = getattr(model.config, "_attn_implementation", None)
+            implementation = "sdpa" if implementation == STATIC_SDPA else implementation
+            self.attention = f"packed rows attend through {implementation} with block-diagonal masks"
 
     def remove(self) -> None:
         self.handle.remove()

@@ -731,12 +731,12 @@ class XlaCompute(Compute):
         if "q_segment_ids" not in inspect.signature(flash_attention).parameters:
             return None
 
-        def kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segment_ids: torch.Tensor,
-                   scale: float) -> torch.Tensor:  # fmt: skip
+        def torch_xla_flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segment_ids: torch.Tensor,
+                                      scale: float) -> torch.Tensor:  # fmt: skip
             ids = segment_ids.to(torch.int32)
             return flash_attention(q, k, v, causal=True, q_segment_ids=ids, kv_segment_ids=ids, sm_scale=scale)
 
-        return kernel
+        return torch_xla_flash_attention
 
     def optimization_barrier(self) -> Callable[[list[torch.Tensor]], None] | None:
         import torch_xla.core.xla_model as xm
