@@ -304,8 +304,8 @@ class PackedDataset(Dataset):
 
         Example:
             >>> packed = PackedDataset([{"input_ids": [1] * n} for n in (3, 3, 7, 8)], length=[4, 8])
-            >>> [tuple(b["input_ids"].shape) for b in packed.loader(2, shuffle=False)]
-            [(2, 4), (2, 8)]
+            >>> print(*(tuple(b["input_ids"].shape) for b in packed.loader(2, shuffle=False)))
+            (2, 4) (2, 8)
             >>> # one_cycle_fit(model, packed.loader(8), epochs=2, max_lr=2e-4)   # was: batch_size=8
         """
         sampler = BucketBatchSampler(self.row_lengths, self.lengths, batch_size, **options)
