@@ -296,22 +296,26 @@ def reference_segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], scale=scale)
 
 
-def _segment_attention(kernel: Any, module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                       attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
-                       **kwargs: Any) -> tuple[torch.Tensor, None]:  # fmt: skip
+class _SegmentAttention:
     """transformers' attention function (``AttentionInterface``) of ``SEGMENT_ATTENTION``: a packed row's segment ids
     (the 4-D integer "mask" the hook gives) go to ``kernel``; any other forward runs transformers' SDPA as it is."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    if attention_mask is None or attention_mask.dtype.is_floating_point or attention_mask.dtype == torch.bool:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
-                                      **kwargs)  # fmt: skip
-    groups = query.shape[1] // key.shape[1]  # grouped-query attention: each key head serves `groups` query heads
-    if groups > 1:
-        key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
-    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    out = kernel(query, key, value, attention_mask[:, 0, 0], scale)
-    return out.transpose(1, 2).contiguous(), None
+    def __init__(self, kernel: Any) -> None:
+        self.kernel = kernel
+
+    def __call__(self, module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                 attention_mask: torch.Tensor | None, **kwargs: Any) -> tuple[torch.Tensor, None]:  # fmt: skip
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        if attention_mask is None or attention_mask.dtype.is_floating_point or attention_mask.dtype == torch.bool:
+            return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+        groups = query.shape[1] // key.shape[1]  # grouped-query attention: each key head serves `groups` query heads
+        if groups > 1:
+            key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+        scaling = kwargs.get("scaling")
+        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        out = self.kernel(query, key, value, attention_mask[:, 0, 0], scale)
+        return out.transpose(1, 2).contiguous(), None
 
 
 def segment_kernel_fits(config: Any) -> str | None:
@@ -380,7 +384,7 @@ def packed_attention(model: nn.Module, kernel: Any = None) -> Any:
 
         from transformers.masking_utils import AttentionMaskInterface
 
-        AttentionInterface.register(SEGMENT_ATTENTION, partial(_segment_attention, kernel))
+        AttentionInterface.register(SEGMENT_ATTENTION, _SegmentAttention(kernel))
         AttentionMaskInterface.register(SEGMENT_ATTENTION, _always_built_sdpa_mask)  # other forwards: static SDPA masks
         found = base.config._attn_implementation
         base.set_attn_implementation(SEGMENT_ATTENTION)
