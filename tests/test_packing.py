@@ -312,6 +312,8 @@ def test_rows_of_several_lengths_fill_as_one_length_does_with_shorter_rows_and_b
     assert carried["input_ids"][0].tolist() == packed[3]["input_ids"][:3].tolist() + [9] * 5
     assert carried["labels"][0, 3:].eq(-100).all() and carried["input_ids"][1].tolist() == packed[0]["input_ids"].tolist()
     assert carried["position_ids"][0].tolist() == [0, 1, 2, 0, 0, 1, 2, 3], "the padding added: a segment of its own"
+    with pytest.raises(ValueError, match=r"train_data is a PackedDataset of rows of 2 lengths \[4, 8\].*train_data.loader"):
+        one_cycle_fit(causal_lm("llama"), packed, epochs=1, max_lr=1e-3, batch_size=2, progress=False)
     with pytest.raises(ValueError, match=r"length must be an int or increasing ints, but given length=\[8, 4\]"):
         PackedDataset([{"input_ids": [1]}], length=[8, 4])
 
