@@ -1,23 +1,28 @@
 """make bench: real tokens per second of a LoRA fine-tune, packed rows vs BucketCollate vs padding to 1,024.
 
-A tiny Llama with LoRA adapters trains through one_cycle_fit on XLA:CPU over instruction-like
-lengths (the issue's seeded log-normal: median 150, sigma 0.8, clipped to 16..1,024 tokens),
-batch 8, shaped three ways:
+A tiny Llama (2 layers, Llama's shapes: MLP 3.5x the width, heads of 64 from 256 wide) with LoRA
+adapters trains through one_cycle_fit on XLA:CPU over instruction-like lengths (the issue's seeded
+log-normal: median 150, sigma 0.8, clipped to 16..1,024 tokens), batch 8, shaped four ways:
 
 - padded: every sample padded to 1,024 tokens (the one shape that never recompiles without buckets);
 - bucketed: ``BucketCollate([128, 256, 512, 1024])`` with ``BucketBatchSampler`` (batches of one bucket each: the
   best bucketing does, 0.68 real tokens; shuffled batches pad to the bucket of their longest, 0.29);
-- packed: ``PackedDataset(samples, 1024)`` (first-fit decreasing), block-diagonal attention on the device.
+- packed: ``PackedDataset(samples, 1024)`` (first-fit decreasing, the default), block-diagonal attention on the device;
+- packed rows of 128/256/512/1024: ``PackedDataset(samples, [128, 256, 512, 1024])``
+  (``.loader(8)``:
+  a row as short as its longest sample allows, the tails filled; one graph per row length, as buckets).
 
-The same with the model 256 wide instead of 64, bucketed and packed: attention over a packed row of 1,024
-costs the whole row's (a dense mask; no segment-aware kernel on XLA:CPU), so at tiny widths, where
-attention outweighs the projections, short bucketed rows win; the wider the model, the more the
-projections (which scale with tokens computed) decide.
+A packed row of 1,024 pays attention over all of it (a dense mask: no segment-aware kernel on XLA:CPU),
+a bucketed row its bucket's length: where attention outweighs the projections (a tiny width) short
+bucketed rows win; the wider the model, the more the projections (which scale with tokens computed)
+decide. Each table says attention's share of a packed step's FLOPs at its width (Llama 3 8B at 1,024
+tokens: 3%). Rows of several lengths pay attention over about 570 tokens, not 1,024.
 
 Real tokens/s counts the data's tokens only (padding computed is not work done), over the epochs
 after the first, compile time left out as ``samples_per_s`` leaves it out. Each run is a fresh
-process (XLA keeps compiled graphs in memory); the rounds interleave the three, and the ratios
+process (XLA keeps compiled graphs in memory); the rounds interleave the kinds, and the ratios
 are taken within each round. Compiles and host syncs per epoch come from the run's History.
+``python bench/packing_bench.py [WIDTH ...]`` measures the widths given (default 64, 512, 1024).
 """
 
 from __future__ import annotations
@@ -31,9 +36,11 @@ import sys
 os.environ.setdefault("PJRT_DEVICE", "CPU")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-SAMPLES, ROW, BATCH, EPOCHS, ROUNDS, VOCAB, WIDTH, WIDE = 160, 1024, 8, 2, 2, 128, 64, 256
+SAMPLES, ROW, BATCH, EPOCHS, ROUNDS, VOCAB, WIDTHS = 160, 1024, 8, 2, 2, 128, (64, 512, 1024)
+LENGTHS = [128, 256, 512, 1024]
 KINDS = {"padded": "padded to 1,024", "bucketed": "BucketCollate 128/256/512/1024 + BucketBatchSampler",
-         "packed": "PackedDataset rows of 1,024"}  # fmt: skip
+         "packed": "PackedDataset rows of 1,024 (the default)",
+         "rows": "PackedDataset rows of 128/256/512/1024, .loader(8)"}  # fmt: skip
 
 
 def samples(n: int, seed: int = 0) -> list[dict]:
@@ -50,20 +57,49 @@ def samples(n: int, seed: int = 0) -> list[dict]:
     return out
 
 
-def one_run(kind: str, width: int = WIDTH) -> dict:
+def model(width: int):
+    """A 2-layer LoRA Llama of Llama's proportions at ``width``."""
     import peft
     import torch
     import transformers as t
+
+    torch.manual_seed(0)
+    heads = max(4, width // 64)
+    config = t.LlamaConfig(num_hidden_layers=2, hidden_size=width, intermediate_size=width * 7 // 2,
+                           num_attention_heads=heads, num_key_value_heads=max(2, heads // 4), vocab_size=VOCAB,
+                           max_position_embeddings=ROW)  # fmt: skip
+    return peft.get_peft_model(t.LlamaForCausalLM(config), peft.LoraConfig(r=8, lora_alpha=16, task_type="CAUSAL_LM",
+                                                                           target_modules=["q_proj", "v_proj"]))  # fmt: skip
+
+
+def attention_share(width: int) -> float:
+    """Attention's share of a packed LoRA step's FLOPs per token at ``width`` (training_flops_per_token)."""
+    from tpu_utility.training.throughput import training_flops_per_token
+
+    lora = model(width)
+    total, none = training_flops_per_token(lora, ROW), training_flops_per_token(lora, 0)
+    return (total - none) / total
+
+
+def one_run(kind: str, width: int) -> dict:
     from torch.utils.data import DataLoader
 
     from tpu_utility import BucketBatchSampler, BucketCollate, PackedDataset, one_cycle_fit
 
     data = samples(SAMPLES)
     real = sum(len(s["input_ids"]) for s in data)
-    if kind == "packed":
-        train = PackedDataset(data, ROW)
-        tokens_per_item = real / len(train)
-        share = train.fill
+    if kind in ("packed", "rows"):
+        train = PackedDataset(data, ROW if kind == "packed" else LENGTHS)
+        tokens_per_item, share = real / len(train), train.fill
+        if kind == "rows":  # a pass leaves out its short last batch, of the longest (fullest) rows: count what trains
+            per_row = [sum(len(data[i]["input_ids"]) for i in row) for row in train.rows]
+            train = train.loader(BATCH)
+            tokens_per_item = []
+            for epoch in range(EPOCHS):
+                drawn = train.batch_sampler.reshard(BATCH, 1, 0)  # the same draw as the run's, epoch by epoch
+                drawn.set_epoch(epoch)
+                rows = [r for batch in drawn for r in batch]
+                tokens_per_item.append(sum(per_row[r] for r in rows) / len(rows))
     elif kind == "padded":
         train = [{"input_ids": s["input_ids"] + [0] * (ROW - len(s["input_ids"])),
                   "attention_mask": [1] * len(s["input_ids"]) + [0] * (ROW - len(s["input_ids"])),
@@ -74,21 +110,18 @@ def one_run(kind: str, width: int = WIDTH) -> dict:
         sampler = BucketBatchSampler([len(s["input_ids"]) for s in data], collate.buckets, batch_size=BATCH)
         train = DataLoader(data, batch_sampler=sampler, collate_fn=collate)
         tokens_per_item, share = real / len(data), None
-    torch.manual_seed(0)
-    config = t.LlamaConfig(num_hidden_layers=2, hidden_size=width, intermediate_size=2 * width, num_attention_heads=4,
-                           num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=ROW)  # fmt: skip
-    model = peft.get_peft_model(t.LlamaForCausalLM(config), peft.LoraConfig(r=8, lora_alpha=16, task_type="CAUSAL_LM",
-                                                                             target_modules=["q_proj", "v_proj"]))  # fmt: skip
-    history = one_cycle_fit(model, train, epochs=EPOCHS, max_lr=1e-3, batch_size=BATCH, progress=False)
+    history = one_cycle_fit(model(width), train, epochs=EPOCHS, max_lr=1e-3, batch_size=None if kind == "rows" else BATCH,
+                            progress=False)  # fmt: skip
     if kind == "bucketed":
         share = collate.real_tokens / (collate.real_tokens + collate.padded_tokens)
     compiles = [r.compiles for r in history.records]
-    return {"tokens_per_s": [r.samples_per_s * tokens_per_item for r in history.records], "share": share,
+    per_epoch = tokens_per_item if isinstance(tokens_per_item, list) else [tokens_per_item] * EPOCHS
+    return {"tokens_per_s": [r.samples_per_s * t for r, t in zip(history.records, per_epoch)], "share": share,
             "compiles": [b - a for a, b in zip([0] + compiles, compiles)], "host_syncs": [r.host_syncs for r in history.records],
             "seconds": [r.seconds for r in history.records]}  # fmt: skip
 
 
-def _fresh_process(kind: str, width: int = WIDTH) -> dict:
+def _fresh_process(kind: str, width: int) -> dict:
     command = [sys.executable, __file__, "--one", kind, str(width)]
     out = subprocess.run(command, capture_output=True, text=True, check=False)
     if out.returncode != 0:
@@ -96,10 +129,9 @@ def _fresh_process(kind: str, width: int = WIDTH) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def main(wide_only: bool = False) -> None:
-    if not wide_only:
-        _table({kind: KINDS[kind] for kind in KINDS}, WIDTH)
-    _table({kind: KINDS[kind] for kind in ("bucketed", "packed")}, WIDE)
+def main(widths: tuple[int, ...] = WIDTHS) -> None:
+    for width in widths:  # padding to 1,024 loses by far at any width: measured at the narrowest only
+        _table({k: v for k, v in KINDS.items() if k != "padded" or width == min(widths)}, width)
 
 
 def _table(kinds: dict[str, str], width: int) -> None:
@@ -108,21 +140,26 @@ def _table(kinds: dict[str, str], width: int) -> None:
         for kind in kinds:
             runs[kind].append(_fresh_process(kind, width))
     steady = {k: [statistics.median(r["tokens_per_s"][1:]) for r in rs] for k, rs in runs.items()}
-    print(f"\nLoRA on a Llama {width} wide (2 layers), XLA:CPU: {SAMPLES} samples of 16-1,024 tokens (log-normal, median 150), batch "
-          f"{BATCH}, {EPOCHS} epochs; {ROUNDS} rounds interleaved, each run a fresh process")  # fmt: skip
+    print(f"\nLoRA on a Llama {width} wide (2 layers; attention {attention_share(width):.0%} of a packed step's FLOPs), "
+          f"XLA:CPU: {SAMPLES} samples of 16-1,024 tokens (log-normal, median 150), batch {BATCH}, {EPOCHS} epochs; "
+          f"{ROUNDS} rounds interleaved, each run a fresh process")  # fmt: skip
     print("| batches | real tokens / computed | graphs compiled per epoch | host syncs per epoch | real tokens/s, "
-          "later epochs (median) | packed is this many times faster (median, range over rounds) |")  # fmt: skip
-    print("|---|---|---|---|---|---|")
+          "later epochs (median) | packed (1,024) is this many times faster | packed rows of 4 lengths is this many "
+          "times faster (median, range over rounds) |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|")
     for kind, name in kinds.items():
         first = runs[kind][0]
-        ratio = [p / s for p, s in zip(steady["packed"], steady[kind])]
+        ratios = []
+        for faster in ("packed", "rows"):
+            ratio = [p / s for p, s in zip(steady[faster], steady[kind])]
+            ratios.append(f"{statistics.median(ratio):.2f}x ({min(ratio):.2f}-{max(ratio):.2f})")
         print(f"| {name} | {first['share']:.2f} | {', '.join(map(str, first['compiles']))} | "
               f"{', '.join(map(str, first['host_syncs']))} | {statistics.median(steady[kind]):,.0f} | "
-              f"{statistics.median(ratio):.2f}x ({min(ratio):.2f}-{max(ratio):.2f}) |")  # fmt: skip
+              f"{' | '.join(ratios)} |", flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":
     if len(sys.argv) == 4 and sys.argv[1] == "--one":
         print(json.dumps(one_run(sys.argv[2], int(sys.argv[3]))))
     else:
-        main(wide_only="--wide" in sys.argv)
+        main(tuple(int(w) for w in sys.argv[1:]) or WIDTHS)

@@ -287,7 +287,7 @@ SLOW = {
         "26 CPU-s: the quickstart notebook in a real Jupyter kernel, the product's front door; the Kaggle and Colab "
         "lanes run it too, as the two images' users open it",
     "test_compile.py::test_a_compiled_llama_trains_as_eager_also_with_checkpointing_ema_fp16_and_lora":
-        "19 CPU-s: dynamo and AOTAutograd over a Llama's step with each callback (aot_eager here; inductor's C++ "
+        "21 CPU-s: dynamo and AOTAutograd over a Llama's step with each callback and on packed rows (aot_eager here; inductor's C++ "
         "build, about 50 CPU-s more from a cold cache, in the Kaggle lane alone: TPU_UTILITY_TEST_INDUCTOR)",
     "test_fsdp.py::test_fsdp_on_four_devices_shards_every_parameter_and_trains_as_the_replicated_run":
         "17 CPU-s: FSDPv2 on 4 XLA:CPU devices in one child that every fsdp check shares",

@@ -308,6 +308,16 @@ for kind in ("llama", "gemma", "qwen2"):
                           strategy=strategy, callbacks=callbacks, schedule="constant", optimizer=adamw(3e-3),
                           progress=False)
         out[f"{kind}-{strategy}"] = [h.records[0].host_syncs, h.summary]
+from llm_models import counting, plain_cpu_losses
+from tpu_utility import PackedDataset, packed_attention
+samples = [{k: s[k] for k in ("input_ids", "labels")} for n in range(6, 16) for s in counting(8, seed=n, length=n)]
+packed = PackedDataset(samples, length=32)  # 80 samples of 6-15 tokens in 27 rows: 3 global batches of 8
+h = one_cycle_fit(lora(causal_lm("llama")), packed, epochs=2, max_lr=3e-3, batch_size=2, cores="all", strategy="fsdp",
+                  callbacks=[GradientCheckpointing()], schedule="constant", optimizer=adamw(3e-3), progress=False)
+cpu = lora(causal_lm("llama"))
+packed_attention(cpu)
+out["packed-fsdp"] = [h.records[1].host_syncs, h.summary, [r.train_loss for r in h.records],
+                      plain_cpu_losses(cpu, [packed[i] for i in range(len(packed))], 2, 8, 3e-3)]
 print("RESULT", json.dumps(out))
 """
 
@@ -315,6 +325,8 @@ print("RESULT", json.dumps(out))
 @pytest.mark.multidevice
 def test_on_four_devices_and_under_fsdp_lora_models_with_padded_masks_read_nothing_on_the_host():
     runs = child_result(PEFT_CHILD, env={"CPU_NUM_DEVICES": "4"})
+    syncs, summary, losses, plain = runs.pop("packed-fsdp")  # packed rows, fsdp and checkpointing: the plain CPU loop
+    assert syncs == 0 and "fsdp" in summary and "real tokens" in summary and same(losses, plain), (losses, plain)
     assert len(runs) == 6 and all(syncs == 0 for syncs, _ in runs.values()), runs
     assert all(("fsdp" in summary) == name.endswith("fsdp") for name, (_, summary) in runs.items()), runs
 

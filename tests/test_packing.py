@@ -181,6 +181,7 @@ def test_a_packed_run_trains_as_the_plain_cpu_loop_with_flat_compiles_no_host_sy
         assert record.mfu == pytest.approx(record.tokens_per_s * flops / 197e12)
         assert f"{record.tokens_per_s:,.0f} tokens/s" in record.line(2) and f"MFU {record.mfu:.1%}" in record.line(2)
     assert f"{train.fill:.1%} real tokens" in history.summary and "MFU against v5e's bf16 peak" in history.summary
+    assert "real tokens; packed rows attend through sdpa with block-diagonal masks" in history.summary
     history.to_csv(tmp_path / "h.csv")
     header = (tmp_path / "h.csv").read_text().splitlines()[0].split(",")
     assert "tokens_per_s" in header and "mfu" in header
@@ -202,3 +203,155 @@ def test_the_flops_of_a_token_count_full_training_as_6n_and_lora_as_what_it_comp
     assert training_flops_per_token(tied, rows) == 6 * sum(p.numel() for p in tied.parameters()) + attention
     assert peak_flops("v5e") == 197e12 and peak_flops("v6e") == 918e12 and peak_flops("NVIDIA H100 80GB HBM3") == 989e12
     assert peak_flops("NVIDIA L4") == 121e12 and peak_flops("NVIDIA L40S") is None and peak_flops(None) is None
+
+
+def test_a_segment_id_kernel_through_attention_interface_gives_each_sample_its_unpacked_loss_and_is_chosen_where_it_fits(
+        monkeypatch):  # fmt: skip
+    """The kernel cannot run here (torch_xla's flash attention needs a TPU): the reference stands in at its seam."""
+    from tpu_utility.huggingface import SEGMENT_ATTENTION, reference_segment_attention
+
+    calls = []
+
+    def reference_kernel(q, k, v, segment_ids, scale):
+        calls.append((tuple(q.shape), tuple(k.shape), tuple(segment_ids.shape)))
+        return reference_segment_attention(q, k, v, segment_ids, scale)
+
+    samples = instructions(10, seed=0)
+    packed = PackedDataset(samples, length=24)
+    model = causal_lm("llama").eval()
+    with torch.no_grad():
+        alone = [model(input_ids=torch.tensor([s["input_ids"]]), labels=torch.tensor([s["labels"]])).loss.item()
+                 for s in samples]  # fmt: skip
+        compute = backend.current().compute
+        monkeypatch.setattr(compute, "segment_attention", lambda device: reference_kernel)  # a TPU whose torch_xla has the kernel
+        handle = packed_attention(model)
+        assert model.config._attn_implementation == SEGMENT_ATTENTION and "segment-id kernel reference_kernel" in handle.attention
+        on_cpu = per_sample_losses(model, packed, samples, "cpu")
+        # 4 query heads, the 2 key heads repeated for the kernel; one call per layer
+        assert calls == [((len(packed), 4, 24, 8), (len(packed), 4, 24, 8), (len(packed), 24))] * 2
+        padded = model(input_ids=torch.tensor([[3, 4, 5]]), attention_mask=torch.tensor([[1, 1, 1]])).logits
+        assert len(calls) == 2, "an unpacked forward runs transformers' SDPA"
+        handle.remove()
+        assert model.config._attn_implementation == "sdpa", "given back"
+        assert torch.allclose(padded, model(input_ids=torch.tensor([[3, 4, 5]])).logits, atol=1e-6)
+        monkeypatch.setattr(compute, "segment_attention", lambda device: None)  # no kernel: the dense masks
+        handle = packed_attention(model)
+        assert model.config._attn_implementation == "sdpa" and "sdpa with block-diagonal masks" in handle.attention
+        handle.remove()
+        monkeypatch.setattr(compute, "segment_attention", lambda device: reference_kernel)
+        soft = gemma2()  # soft-capped scores and sliding windows: not plain causal attention, so the masks
+        handle = packed_attention(soft)
+        assert soft.config._attn_implementation == "eager" and "block-diagonal" in handle.attention
+        handle.remove()
+        with pytest.raises(ValueError, match="segment-id attention kernel runs plain causal attention, but the model "
+                                             "has attention implementation 'eager'"):  # fmt: skip
+            packed_attention(soft, kernel=reference_kernel)
+    assert on_cpu == pytest.approx(alone, abs=1e-5)
+
+
+def test_the_xla_backend_offers_torch_xlas_segment_id_flash_attention_only_on_a_tpu_with_jax(monkeypatch):
+    from tpu_utility.backend import xla
+
+    current = backend.current()
+    device = get_device()
+    assert current.compute.segment_attention(device) is None  # XLA:CPU
+    monkeypatch.setattr(current.devices, "hardware", lambda device: "TPU")
+    monkeypatch.setattr(xla, "module_installed", lambda name: name != "jax")
+    assert current.compute.segment_attention(device) is None, "its Pallas kernels are JAX's"
+    monkeypatch.setattr(xla, "module_installed", lambda name: True)
+    kernel = current.compute.segment_attention(device)  # the installed torch_xla's flash_attention takes segment ids
+    assert callable(kernel) and kernel.__name__ == "torch_xla_flash_attention"
+
+
+class StopBefore:
+    """Interrupts a run as the ``epoch``-th epoch starts (after the one before was saved)."""
+
+    def __init__(self, epoch):
+        self.epoch = epoch
+
+    def on_train_epoch_start(self, loop, epoch):
+        if epoch + 1 == self.epoch:
+            raise KeyboardInterrupt
+
+
+def test_a_packed_run_with_checkpointing_and_accumulation_resumed_from_its_checkpoint_equals_the_uninterrupted_run(
+        tmp_path):  # fmt: skip
+    from tpu_utility import GradientCheckpointing
+
+    train = PackedDataset(instructions(48, seed=3), length=32)
+
+    def fit(folder, *callbacks, **kwargs):
+        return one_cycle_fit(lora(causal_lm("llama")), train, epochs=2, max_lr=3e-3, batch_size=2, accumulate_steps=2,
+                             callbacks=[GradientCheckpointing(), *callbacks], checkpoint_dir=str(tmp_path / folder),
+                             progress=False, **kwargs)  # fmt: skip
+
+    straight = fit("straight")
+    with pytest.raises(KeyboardInterrupt):
+        fit("resumed", StopBefore(2))
+    resumed = fit("resumed", resume=True)
+    assert [r.epoch for r in resumed.records] == [1, 2] and [r.host_syncs for r in straight.records] == [0, 0]
+    assert resumed.records[1].train_loss == pytest.approx(straight.records[1].train_loss, rel=1e-6)
+    for a, b in zip(straight.model.state_dict().values(), resumed.model.state_dict().values()):
+        assert torch.allclose(a.cpu(), b.cpu(), atol=1e-6)  # the same rows in the same seeded order after the resume
+
+
+def test_rows_of_several_lengths_fill_as_one_length_does_with_shorter_rows_and_batch_one_length_at_a_time():
+    lengths = alpaca_lengths(3000)
+    capacities = [128, 256, 512, 1024]
+    bins = first_fit_decreasing(lengths, capacities, seed=0)
+    assert sorted(i for b in bins for i in b) == list(range(len(lengths)))
+    rooms = [min(c for c in capacities if c >= lengths[b[0]]) for b in bins]  # the smallest room its first sample fits
+    assert all(sum(lengths[i] for i in b) <= room for b, room in zip(bins, rooms))
+    assert sum(lengths) / sum(rooms) >= 0.95
+    assert sum(r * r for r in rooms) / sum(rooms) < 0.6 * 1024, "attention over shorter rows than 1,024"
+    packed = PackedDataset([{"input_ids": [s + 1] * n} for s, n in enumerate([3, 3, 7, 8, 1])], length=[4, 8], pad_token_id=9)
+    assert packed.row_lengths == [8, 8, 4, 4] and "4 rows of 4/8 (2/2)" in packed.summary()
+    assert packed.attention_length == (2 * 64 + 2 * 16) / 24
+    assert [tuple(b["input_ids"].shape) for b in packed.loader(2, shuffle=False)] == [(2, 4), (2, 8)]
+    carried = packed.collate([packed[3], packed[0]])  # a short row joining a batch of long ones: padded
+    assert carried["input_ids"][0].tolist() == packed[3]["input_ids"][:3].tolist() + [9] * 5
+    assert carried["labels"][0, 3:].eq(-100).all() and carried["input_ids"][1].tolist() == packed[0]["input_ids"].tolist()
+    assert carried["position_ids"][0].tolist() == [0, 1, 2, 0, 0, 1, 2, 3], "the padding added: a segment of its own"
+    with pytest.raises(ValueError, match=r"train_data is a PackedDataset of rows of 2 lengths \[4, 8\].*train_data.loader"):
+        one_cycle_fit(causal_lm("llama"), packed, epochs=1, max_lr=1e-3, batch_size=2, progress=False)
+    with pytest.raises(ValueError, match=r"length must be an int or increasing ints, but given length=\[8, 4\]"):
+        PackedDataset([{"input_ids": [1]}], length=[8, 4])
+
+
+def test_a_sample_longer_than_the_row_is_cut_into_pieces_when_asked_each_a_sample_of_its_own():
+    samples = [{"input_ids": list(range(1, 12)), "labels": [-100] * 3 + list(range(4, 12))},
+               {"input_ids": [7, 8], "labels": [7, 8]}]  # fmt: skip
+    with pytest.raises(ValueError, match=r"^sample 0 has 11 tokens, longer than the row length 4"):
+        PackedDataset(samples, length=4)
+    packed = PackedDataset(samples, length=4, split=True)
+    assert packed.origin == [0, 0, 0, 1] and "2 samples (13 tokens, 1 longer than 4 cut into 3 pieces)" in packed.summary()
+    rows = [{k: v.tolist() for k, v in packed[r].items()} for r in range(len(packed))]
+    assert rows[1] == {"input_ids": [5, 6, 7, 8], "labels": [-100, 6, 7, 8], "position_ids": [0, 1, 2, 3]}
+    assert rows[2] == {"input_ids": [9, 10, 11, 0], "labels": [-100, 10, 11, -100], "position_ids": [0, 1, 2, 0]}
+    with pytest.raises(TypeError, match=r"split must be True or False, but given 1"):
+        PackedDataset(samples, length=4, split=1)
+
+
+def test_rows_of_several_lengths_through_their_loader_give_each_sample_its_loss_run_alone():
+    samples = instructions(12, seed=4)
+    packed = PackedDataset(samples, length=[12, 24])
+    assert set(packed.row_lengths) == {12, 24}
+    model = causal_lm("llama").eval()
+    losses = {}
+    with torch.no_grad():
+        alone = [model(input_ids=torch.tensor([s["input_ids"]]), labels=torch.tensor([s["labels"]])).loss.item()
+                 for s in samples]  # fmt: skip
+        packed_attention(model)
+        order = [r for b in packed.loader(2, shuffle=False, drop_last=False).batch_sampler for r in b]
+        for batch, rows in zip(packed.loader(2, shuffle=False, drop_last=False), zip(*[iter(order)] * 2)):
+            logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
+            ce = torch.nn.functional.cross_entropy(logits[:, :-1].transpose(1, 2), batch["labels"][:, 1:], reduction="none")
+            for k, r in enumerate(rows):
+                at = 0
+                for i in packed.rows[r]:
+                    n = len(samples[i]["input_ids"])
+                    counted = batch["labels"][k, at + 1 : at + n] != -100
+                    losses[i] = (ce[k, at : at + n - 1][counted].sum() / counted.sum()).item()
+                    at += n
+    assert [losses[i] for i in sorted(losses)] == pytest.approx([alone[i] for i in sorted(losses)], abs=1e-5)
+    assert len(losses) >= 10, "the batches hold most samples"

@@ -278,6 +278,17 @@ class Compute(Group):
 
         return checkpoint
 
+    def segment_attention(self, device: torch.device) -> Callable[..., torch.Tensor] | None:
+        """A fused kernel for causal attention within segments (the samples of packed rows) on ``device``, or
+        None where there is none (here: packed rows attend through SDPA with a block-diagonal mask).
+
+        The function is ``kernel(q, k, v, segment_ids, scale)``: ``q``, ``k``, ``v`` of shape ``(batch, heads,
+        length, head_dim)`` (as many key heads as query heads), ``segment_ids`` ``(batch, length)`` integers
+        (equal: one sample); it returns ``(batch, heads, length, head_dim)``, each query attending to the keys
+        at or before it in its own segment, scores scaled by ``scale``.
+        """
+        return None
+
     def optimization_barrier(self) -> Callable[[list[torch.Tensor]], None] | None:
         """A function that makes the compiler finish every one of a list of tensors before any op that reads one
         of them (in place), so independent parts of a step run one after another, not all at once; None where

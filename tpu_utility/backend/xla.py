@@ -812,6 +812,27 @@ class XlaCompute(Compute):
     def checkpoint_function(self) -> Callable[..., Any]:
         return checkpoint
 
+    def segment_attention(self, device: torch.device) -> Callable[..., torch.Tensor] | None:
+        """torch_xla's Pallas flash attention with segment ids, on one TPU device where the installed torch_xla has
+        it (``flash_attention(..., q_segment_ids=, kv_segment_ids=)``, 2.8 and 2.9) and JAX is installed (its
+        kernels are JAX's: ``pip install 'torch_xla[pallas]'``); None elsewhere: XLA:CPU, or SPMD, whose sharded
+        call takes no segment ids in torch_xla 2.9."""
+        if self.backend.devices.hardware(device) != "TPU" or self.backend.sharding.is_spmd():
+            return None
+        if not module_installed("jax"):
+            return None
+        from torch_xla.experimental.custom_kernel import flash_attention
+
+        if "q_segment_ids" not in inspect.signature(flash_attention).parameters:
+            return None
+
+        def torch_xla_flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segment_ids: torch.Tensor,
+                                      scale: float) -> torch.Tensor:  # fmt: skip
+            ids = segment_ids.to(torch.int32)
+            return flash_attention(q, k, v, causal=True, q_segment_ids=ids, kv_segment_ids=ids, sm_scale=scale)
+
+        return torch_xla_flash_attention
+
     def optimization_barrier(self) -> Callable[[list[torch.Tensor]], None] | None:
         import torch_xla.core.xla_model as xm
 

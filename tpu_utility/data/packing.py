@@ -19,18 +19,25 @@ sample is padding: ``pad_token_id``, labels -100, positions from 0 (a segment of
 own, attending only to itself). Rows carry no ``attention_mask``: the attention must
 not cross samples, and ``packed_attention(model)`` (which ``one_cycle_fit``,
 ``evaluate`` and ``predict`` switch on for a Hugging Face model) builds each row's
-block-diagonal causal mask on the device from ``position_ids``.
+block-diagonal causal mask on the device from ``position_ids`` (on a TPU with torch_xla's
+flash attention, its segment ids instead).
+
+Rows of several lengths (``length=[128, 256, 512, 1024]``) make each row as short as its
+longest sample allows, its tail filled with shorter samples, and train through
+``packed.loader(batch_size)``, one graph per row length; ``split=True`` cuts a sample longer
+than a row into pieces instead of refusing it.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Mapping
 from typing import Any, Iterable, Sequence
 
 import torch
-from torch.utils.data import Dataset
+from torch.utils.data import DataLoader, Dataset
 
-from .buckets import _check_int
+from .buckets import BucketBatchSampler, _check_int
 from .loaders import IGNORE_INDEX, LABELS
 
 INPUT_IDS = "input_ids"
@@ -39,7 +46,7 @@ PACKED_COLUMNS = (INPUT_IDS, LABELS, "attention_mask")
 
 
 # ------------------------------------------------------------ pure math
-def first_fit_decreasing(lengths: Sequence[int], capacity: int, *, seed: int = 0) -> list[list[int]]:
+def first_fit_decreasing(lengths: Sequence[int], capacity: int | Sequence[int], *, seed: int = 0) -> list[list[int]]:
     """Bins of sample indices, each holding at most ``capacity`` in length: first-fit decreasing.
 
     The samples are taken longest first (equal lengths in an order drawn from ``seed``), each
@@ -47,13 +54,19 @@ def first_fit_decreasing(lengths: Sequence[int], capacity: int, *, seed: int = 0
     optimal number of bins (+1); on skewed lengths nearly full. A segment tree over the bins'
     free room finds the first bin in log time, so a million samples pack in seconds.
 
+    With several capacities (increasing), a new bin is the smallest that holds the sample
+    opening it (its first, and longest), and later, shorter samples still go into the first
+    bin of any size with room: the long bins' tails fill with short samples as with one
+    capacity, and a sample too long for every open bin's room gets a bin no longer than it needs.
+
     Args:
         lengths: Every sample's length; indices are positions in it.
-        capacity: A bin's room (a row's length).
+        capacity: A bin's room (a row's length), or increasing rooms to choose from.
         seed: Orders samples of equal length; the same seed gives the same bins everywhere.
 
     Returns:
-        The bins, each a list of indices in the order they were placed.
+        The bins, each a list of indices in the order they were placed (a bin's room is the
+        smallest capacity that holds its first sample).
 
     Raises:
         ValueError: a length outside ``[1, capacity]``, named with its index.
@@ -61,13 +74,11 @@ def first_fit_decreasing(lengths: Sequence[int], capacity: int, *, seed: int = 0
     Example:
         >>> first_fit_decreasing([3, 8, 5, 2, 6], capacity=10)   # lengths 8+2, 6+3, 5
         [[1, 3], [4, 0], [2]]
+        >>> first_fit_decreasing([3, 8, 5, 2, 6], capacity=[6, 10])   # 8+2 in a 10; 6, 5 and 3 each in a 6
+        [[1, 3], [4], [2], [0]]
     """
-    _check_int("capacity", capacity, 1)
-    sizes = [int(n) for n in lengths]
-    for i, n in enumerate(sizes):
-        if n < 1 or n > capacity:
-            what = "is empty" if n < 1 else f"has {n} tokens, longer than the row length {capacity}"
-            raise ValueError(f"sample {i} {what}; every sample must fit in one row (1 to {capacity} tokens)")
+    capacities = _row_lengths(capacity, "capacity", low=1)
+    sizes = _check_sizes(lengths, capacities[-1])
     if not sizes:
         return []
     tie = torch.randperm(len(sizes), generator=torch.Generator().manual_seed(seed)).tolist()
@@ -75,22 +86,44 @@ def first_fit_decreasing(lengths: Sequence[int], capacity: int, *, seed: int = 0
     leaves = 1
     while leaves < len(sizes):
         leaves *= 2
-    room = [capacity] * (2 * leaves)  # room[1] the root; a node holds the largest free room below it
+    room = [0] * (2 * leaves)  # room[1] the root; a node holds the largest free room below it (0: unopened)
     bins: list[list[int]] = []
     for i in order:
         size, node = sizes[i], 1
-        while node < leaves:  # the leftmost bin with room (an unopened bin has it all)
-            node = 2 * node if room[2 * node] >= size else 2 * node + 1
-        b = node - leaves
-        if b == len(bins):
+        if room[1] < size:  # no open bin has room: open the smallest that holds it, right of the others
+            node = leaves + len(bins)
+            room[node] = next(c for c in capacities if c >= size)
             bins.append([])
-        bins[b].append(i)
+        while node < leaves:  # the leftmost bin with room
+            node = 2 * node if room[2 * node] >= size else 2 * node + 1
+        bins[node - leaves].append(i)
         room[node] -= size
         node //= 2
         while node:
             room[node] = max(room[2 * node], room[2 * node + 1])
             node //= 2
     return bins
+
+
+def _row_lengths(length: Any, name: str = "length", low: int = 2) -> tuple[int, ...]:
+    """``length`` as the tuple of row lengths: one int, or increasing ints (rows of several lengths)."""
+    if not isinstance(length, (list, tuple)):
+        return (_check_int(name, length, low),)
+    for n in length:
+        _check_int(f"every {name}", n, low)
+    if not length or list(length) != sorted(set(length)):
+        raise ValueError(f"{name} must be an int or increasing ints, but given {name}={list(length)}")
+    return tuple(length)
+
+
+def _check_sizes(lengths: Sequence[int], capacity: int) -> list[int]:
+    _check_int("capacity", capacity, 1)
+    sizes = [int(n) for n in lengths]
+    for i, n in enumerate(sizes):
+        if n < 1 or n > capacity:
+            what = "is empty" if n < 1 else f"has {n} tokens, longer than the row length {capacity}"
+            raise ValueError(f"sample {i} {what}; every sample must fit in one row (1 to {capacity} tokens)")
+    return sizes
 
 
 # ------------------------------------------------------------ reading the samples
@@ -144,6 +177,18 @@ def _tokens(value: Any, index: int, column: str) -> torch.Tensor:
     return tokens.long()
 
 
+def _split(tokens: list[torch.Tensor], targets: list[torch.Tensor],
+           length: int) -> tuple[list[torch.Tensor], list[torch.Tensor], list[int]]:  # fmt: skip
+    """Every sample cut into pieces of at most ``length`` tokens: (ids, labels, the sample of each piece)."""
+    ids, labels, origin = [], [], []
+    for i, (t, y) in enumerate(zip(tokens, targets)):
+        for at in range(0, max(len(t), 1), length):
+            ids.append(t[at : at + length])
+            labels.append(y[at : at + length])
+            origin.append(i)
+    return ids, labels, origin
+
+
 # ------------------------------------------------------------ the dataset
 class PackedDataset(Dataset):
     """Token samples of any lengths packed into rows of ``length`` tokens (first-fit decreasing).
@@ -161,12 +206,22 @@ class PackedDataset(Dataset):
             counts, a prompt) and ``attention_mask`` (all ones: unpadded samples). Without
             ``labels`` the labels are the ids, as ``DataCollatorForLanguageModeling(mlm=False)``
             makes them.
-        length: Tokens per row; a sample longer than it is refused, named with its index.
+        length: Tokens per row; a sample longer than it is refused, named with its index (or cut,
+            with ``split``). Several increasing lengths (``[128, 256, 512, 1024]``): rows of each,
+            a row as short as its longest sample allows and its tail filled with shorter ones;
+            train on them through ``loader(batch_size)`` (batches of one length, one graph each).
         pad_token_id: Fills each row's tail after its last sample.
         seed: Orders samples of equal length before they are placed.
+        split: Cut a sample longer than the (longest) row into pieces of the row's length, the last
+            shorter, each packed as a sample of its own: its positions restart at 0 and its first
+            label is -100 (a piece is a new context: its tokens cannot attend to the piece before,
+            which sits in another row or behind a mask, so positions continuing from it would
+            claim a context the model does not see; one target is lost per cut). The summary says
+            how many were cut. Default: refused.
 
     Attributes:
-        rows: The sample indices in each row, in row order.
+        rows: The sample indices in each row, in row order (with ``split``, indices of pieces:
+            ``origin[i]`` is the sample piece ``i`` comes from).
         real_tokens: Tokens of the data, over all rows.
         fill: ``real_tokens / (rows x length)``: the share of a step's tokens that are data.
 
@@ -181,8 +236,10 @@ class PackedDataset(Dataset):
         ([5, 6, 7, 8, 9, 0], [-100, 6, 7, -100, 9, -100], [0, 1, 2, 0, 1, 0])
     """
 
-    def __init__(self, data: Any, length: int, *, pad_token_id: int = 0, seed: int = 0) -> None:
-        self.length = _check_int("length", length, 2)
+    def __init__(self, data: Any, length: int | Sequence[int], *, pad_token_id: int = 0, seed: int = 0,
+                 split: bool = False) -> None:  # fmt: skip
+        self.lengths = _row_lengths(length)
+        self.length = self.lengths[-1]
         self.pad_token_id = _check_int("pad_token_id", pad_token_id, 0)
         self.seed = _check_int("seed", seed, 0)
         ids, labels, masks = _columns(data)
@@ -201,11 +258,21 @@ class PackedDataset(Dataset):
                     raise ValueError(f"sample {i}'s attention_mask is not all ones over its {len(tokens[i])} "
                                      f"input_ids: PackedDataset packs unpadded samples (tokenize without "
                                      f"padding=..., or drop the padding first)")  # fmt: skip
-        self.rows = first_fit_decreasing([len(t) for t in tokens], self.length, seed=self.seed)
-        count, width = len(self.rows), self.length
-        self._ids = torch.full((count, width), self.pad_token_id, dtype=torch.int64)
-        self._labels = torch.full((count, width), IGNORE_INDEX, dtype=torch.int64)
-        self._positions = torch.zeros((count, width), dtype=torch.int64)
+        if not isinstance(split, bool):
+            raise TypeError(f"split must be True or False, but given {split!r}")
+        self.samples, self.split = len(tokens), {}  # samples given; those cut: {sample: pieces}
+        self.origin = list(range(len(tokens)))  # the sample each packed piece comes from
+        if split:
+            tokens, targets, self.origin = _split(tokens, targets, self.length)
+            self.split = {i: n for i, n in Counter(self.origin).items() if n > 1}
+        sizes = [len(t) for t in tokens]
+        _check_sizes(sizes, self.length)  # an empty or too long sample, by index
+        self.rows = first_fit_decreasing(sizes, self.lengths, seed=self.seed)
+        self.row_lengths = [next(n for n in self.lengths if n >= sizes[row[0]]) for row in self.rows]
+        count = len(self.rows)
+        self._ids = torch.full((count, self.length), self.pad_token_id, dtype=torch.int64)
+        self._labels = torch.full((count, self.length), IGNORE_INDEX, dtype=torch.int64)
+        self._positions = torch.zeros((count, self.length), dtype=torch.int64)
         for r, row in enumerate(self.rows):
             at = 0
             for i in row:
@@ -215,16 +282,53 @@ class PackedDataset(Dataset):
                 self._labels[r, at] = IGNORE_INDEX  # never the target of the previous sample's last token
                 self._positions[r, at : at + n] = torch.arange(n)
                 at += n
-            self._positions[r, at:] = torch.arange(width - at)  # the tail: a segment of its own
-        self.real_tokens = sum(len(t) for t in tokens)
-        self.samples = len(tokens)
-        self.fill = self.real_tokens / (count * width)
+            self._positions[r, at:] = torch.arange(self.length - at)  # the tail: a segment of its own
+        self.real_tokens = sum(sizes)
+        computed = sum(self.row_lengths)
+        self.fill = self.real_tokens / computed
+        # the row length a computed token's attention runs over, on average: T for one length
+        self.attention_length = sum(n * n for n in self.row_lengths) / computed
+
+    def loader(self, batch_size: int, **options: Any) -> DataLoader:
+        """A DataLoader of batches of rows of one length, for rows of several lengths (``length=[...]``).
+
+        Its batch sampler is a ``BucketBatchSampler`` over the rows' lengths: each batch holds rows
+        of one length, so the step compiles once per row length (as ``BucketCollate``'s buckets
+        do). On one replica a length's remainder (fewer rows than a batch) joins the next
+        length's batch, padded to it (labels -100, a segment of its own), so every row trains
+        each pass, as ``BucketBatchSampler`` carries samples.
+
+        Args:
+            batch_size: Rows per batch (per core); ``one_cycle_fit`` takes the loader as it is.
+            **options: ``BucketBatchSampler``'s (``shuffle``, ``drop_last``, ``seed``).
+
+        Example:
+            >>> packed = PackedDataset([{"input_ids": [1] * n} for n in (3, 3, 7, 8)], length=[4, 8])
+            >>> print(*(tuple(b["input_ids"].shape) for b in packed.loader(2, shuffle=False)))
+            (2, 4) (2, 8)
+            >>> # one_cycle_fit(model, packed.loader(8), epochs=2, max_lr=2e-4)   # was: batch_size=8
+        """
+        sampler = BucketBatchSampler(self.row_lengths, self.lengths, batch_size, **options)
+        return DataLoader(self, batch_sampler=sampler, collate_fn=self.collate)
+
+    def collate(self, rows: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        """Stacks rows, padding shorter ones to the longest (tokens ``pad_token_id``, labels -100, positions a
+        tail segment from 0)."""
+        n = max(len(r[INPUT_IDS]) for r in rows)
+        fill = {INPUT_IDS: self.pad_token_id, LABELS: IGNORE_INDEX}
+        out = {}
+        for key in (INPUT_IDS, LABELS, "position_ids"):
+            tails = [torch.arange(n - len(r[key])) if key == "position_ids" else torch.full((n - len(r[key]),), fill[key])
+                     for r in rows]  # fmt: skip
+            out[key] = torch.stack([torch.cat([r[key], tail]) for r, tail in zip(rows, tails)])
+        return out
 
     def __len__(self) -> int:
         return len(self.rows)
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        return {INPUT_IDS: self._ids[index], LABELS: self._labels[index], "position_ids": self._positions[index]}
+        n = self.row_lengths[index]
+        return {INPUT_IDS: self._ids[index, :n], LABELS: self._labels[index, :n], "position_ids": self._positions[index, :n]}
 
     def summary(self) -> str:
         """The packing in one line: samples, rows, real-token share.
@@ -233,8 +337,16 @@ class PackedDataset(Dataset):
             >>> PackedDataset([{"input_ids": [1, 2, 3]}, {"input_ids": [4]}], length=4).summary()
             'packed 2 samples (4 tokens) into 1 rows of 4: 100.0% real tokens'
         """
-        return (f"packed {self.samples} samples ({self.real_tokens} tokens) into {len(self)} rows of {self.length}: "
-                f"{self.fill:.1%} real tokens")  # fmt: skip
+        cut = (f", {len(self.split)} longer than {self.length} cut into {sum(self.split.values())} pieces" if self.split
+               else "")  # fmt: skip
+        return (f"packed {self.samples} samples ({self.real_tokens} tokens{cut}) into {self._rows()}: {self.fill:.1%} real "
+                f"tokens")  # fmt: skip
+
+    def _rows(self) -> str:
+        if len(self.lengths) == 1:
+            return f"{len(self)} rows of {self.length}"
+        counts = "/".join(str(self.row_lengths.count(n)) for n in self.lengths)
+        return f"{len(self)} rows of {'/'.join(map(str, self.lengths))} ({counts})"
 
     def __repr__(self) -> str:
-        return f"PackedDataset({self.samples} samples in {len(self)} rows of {self.length}, {self.fill:.1%} real tokens)"
+        return f"PackedDataset({self.samples} samples in {self._rows()}, {self.fill:.1%} real tokens)"

@@ -80,6 +80,7 @@ class Throughput:
         real, length = getattr(dataset, "real_tokens", None), getattr(dataset, "length", None)
         if not isinstance(real, int) or not isinstance(length, int) or not len(dataset):
             return cls()
+        length = getattr(dataset, "attention_length", length)  # rows of several lengths: their mean, by tokens
         peak = peak_flops(chip)
         return cls(real / len(dataset), training_flops_per_token(model, length), peak * devices if peak else None, chip)
 

@@ -495,9 +495,15 @@ def _summary(loop: Trainer) -> str:
         + (f" | callbacks {', '.join(map(_named, users))}" if users else "")
         + f" | {workers} loader worker(s)"
         + (f" | {dropped} sample(s) an epoch left out{where} to keep one batch shape" if dropped else "")
-        + (f" | {plan.train.dataset.summary()}" if isinstance(plan.train.dataset, PackedDataset) else "")
+        + (f" | {plan.train.dataset.summary()}{_attention(runner.packed_attention)}"
+           if isinstance(plan.train.dataset, PackedDataset) else "")
         + (f" | {loop.throughput.describe()}" if loop.throughput.describe() else "")
     )
+
+
+def _attention(handle: Any) -> str:
+    """``; packed rows attend through ...`` for the summary, where ``packed_attention`` changed the model."""
+    return f"; {handle.attention}" if handle is not None else ""
 
 
 def _named(callback: Any) -> str:
