@@ -23,10 +23,10 @@ LAYERS = [
     {"optim", "sharding", "amp", "checkpoint", "compiler", "export", "data.buckets", "data.cache", "data.presize", "training.schedule",
      "training.optimizers", "training.topology", "training.precision",
      "training.monitor", "training.history", "training.graphs", "training.events", "training.strategies",
-     "training.trace", "training.throughput"},
+     "training.trace"},
     {"training.memory"},
     {"data.loaders", "data.packing", "training.metrics", "training.callbacks", "training.builtins", "training.agreement"},
-    {"data", "loop"},
+    {"data", "loop", "training.throughput"},  # throughput reads token data's real lengths
     {"training.steps", "training.runner", "training.chunked"},  # the runner's rooms
     {"training.trainer", "training.inference", "training.generate", "diagnostics.doctor"},
     {"training.fit"},

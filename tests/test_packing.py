@@ -355,3 +355,27 @@ def test_rows_of_several_lengths_through_their_loader_give_each_sample_its_loss_
                     at += n
     assert [losses[i] for i in sorted(losses)] == pytest.approx([alone[i] for i in sorted(losses)], abs=1e-5)
     assert len(losses) >= 10, "the batches hold most samples"
+
+
+def test_samples_padded_to_one_length_get_tokens_per_second_of_their_real_tokens_from_the_attention_mask(monkeypatch):
+    """Unpacked token data (what most notebooks train: a datasets split padded to max_length) has tokens/s too:
+    the items per second times the mean of each sample's attention_mask ones, not the padded length."""
+    datasets = pytest.importorskip("datasets")
+    from tpu_utility.data.packing import real_token_lengths
+
+    monkeypatch.setenv("TPU_UTILITY_DEVICE_NAME", "v5e")
+    samples, width = instructions(32, seed=3), 20
+    real = [len(s["input_ids"]) for s in samples]
+    columns = {"input_ids": [s["input_ids"] + [0] * (width - n) for s, n in zip(samples, real)],
+               "attention_mask": [[1] * n + [0] * (width - n) for n in real],
+               "labels": [s["labels"] + [-100] * (width - n) for s, n in zip(samples, real)]}  # fmt: skip
+    split = datasets.Dataset.from_dict(columns).shuffle(seed=0).select(range(24))  # a selection, reordered
+    assert real_token_lengths(split) == [int(sum(m)) for m in split["attention_mask"]]
+    assert real_token_lengths(samples) == real and real_token_lengths([(1, 2)]) is None
+    history = one_cycle_fit(causal_lm("llama"), split.with_format("torch"), epochs=1, max_lr=1e-3, batch_size=8,
+                            progress=False)  # fmt: skip
+    record, lengths = history.records[0], real_token_lengths(split)
+    assert record.tokens_per_s == pytest.approx(record.samples_per_s * sum(lengths) / len(lengths))
+    flops = training_flops_per_token(history.model, round(sum(n * n for n in lengths) / sum(lengths)))
+    assert record.mfu == pytest.approx(record.tokens_per_s * flops / 197e12)
+    assert f"{record.tokens_per_s:,.0f} tokens/s" in record.line(1)

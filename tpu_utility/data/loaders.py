@@ -413,11 +413,10 @@ def _spec_of(data: Any, batch_size: int | None, name: str) -> LoaderSpec:
             settings=_loader_settings(data),
         )  # fmt: skip
     _check_sized(data, name)
-    from .packing import PackedDataset  # packing reads this module's names
-
-    if isinstance(data, PackedDataset) and len(set(data.row_lengths)) > 1:
-        raise ValueError(f"{name} is a PackedDataset of rows of {len(set(data.row_lengths))} lengths "
-                         f"{sorted(set(data.row_lengths))}, which no batch of one shape holds; give "
+    row_lengths = set(getattr(data, "row_lengths", ()))  # a PackedDataset's (packing reads this module's names)
+    if len(row_lengths) > 1:
+        raise ValueError(f"{name} is a {type(data).__name__} of rows of {len(row_lengths)} lengths "
+                         f"{sorted(row_lengths)}, which no batch of one shape holds; give "
                          f"{name}.loader(batch_size) (batches of one row length)")  # fmt: skip
     size = 64 if batch_size is None else batch_size
     if isinstance(size, bool) or not isinstance(size, int) or size < 1:

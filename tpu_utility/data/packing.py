@@ -127,6 +127,43 @@ def _check_sizes(lengths: Sequence[int], capacity: int) -> list[int]:
 
 
 # ------------------------------------------------------------ reading the samples
+def real_token_lengths(data: Any) -> list[int] | None:
+    """Each sample's real (non-pad) tokens, where token data says them without loading a sample's tensors: a
+    ``datasets.Dataset`` with an ``input_ids`` column (read in Arrow, its selection and order as given), or a list
+    of dict samples; the ones of an ``attention_mask`` where the samples have one, else the ``input_ids``'
+    length. None for other data (a Dataset whose ``__getitem__`` may tokenize or augment is not read).
+
+    Example:
+        >>> real_token_lengths([{"input_ids": [5, 6, 7]}, {"input_ids": [5, 0], "attention_mask": [1, 0]}])
+        [3, 1]
+    """
+    names = getattr(data, "column_names", None)
+    if isinstance(names, list) and callable(getattr(data, "with_format", None)):  # a datasets.Dataset
+        if INPUT_IDS not in names:
+            return None
+        import numpy as np
+        import pyarrow.compute as pc  # datasets' own dependency
+
+        table = data.with_format("arrow")
+        column = table[INPUT_IDS]
+        lengths = np.asarray(pc.list_value_length(column).to_numpy(zero_copy_only=False), dtype=np.int64)
+        if "attention_mask" in names:
+            ones = np.concatenate([[0], np.cumsum(pc.list_flatten(table["attention_mask"]).to_numpy(zero_copy_only=False))])
+            ends = np.cumsum(pc.list_value_length(table["attention_mask"]).to_numpy(zero_copy_only=False))
+            lengths = ones[ends] - ones[np.concatenate([[0], ends[:-1]])]
+        return [int(n) for n in lengths]
+    if not isinstance(data, (list, tuple)) or not data or not all(isinstance(s, Mapping) and INPUT_IDS in s for s in data):
+        return None
+    lengths = []
+    for sample in data:
+        mask = sample.get("attention_mask")
+        tokens = torch.as_tensor(mask if mask is not None else sample[INPUT_IDS])
+        if tokens.dim() != 1:
+            return None
+        lengths.append(int(tokens.sum()) if mask is not None else tokens.numel())
+    return lengths
+
+
 def _columns(data: Any) -> tuple[list[Any], list[Any] | None, list[Any] | None]:
     """``(input_ids, labels or None, attention_mask or None)`` of every sample, column by column for a
     ``datasets.Dataset`` (fast), sample by sample otherwise."""

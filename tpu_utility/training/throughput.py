@@ -1,9 +1,11 @@
 """Tokens per second and MFU: what share of the chip a run turns into training on the data.
 
-Token data that knows its real (non-pad) tokens (``PackedDataset``: ``real_tokens`` over
-``len()`` rows) gets ``tokens_per_s`` on the epoch line, in ``History`` and in the CSV: the
-items trained per second (``samples_per_s``, compile time left out) times the real tokens per
-item. Where the chip's bf16 peak is known (``backend.hardware.PEAK_BF16_FLOPS``: TPU v4, v5e,
+Token data that knows its real (non-pad) tokens gets ``tokens_per_s`` on the epoch line, in
+``History`` and in the CSV: the items trained per second (``samples_per_s``, compile time left
+out) times the real tokens per item, the mean over the data (``PackedDataset``: ``real_tokens``
+over ``len()`` rows; a ``datasets.Dataset`` or a list of dict samples, padded by a collate or
+``BucketCollate`` or padded already: each sample's ``attention_mask`` ones, else its
+``input_ids``' length, by ``data.packing.real_token_lengths``). Where the chip's bf16 peak is known (``backend.hardware.PEAK_BF16_FLOPS``: TPU v4, v5e,
 v5p, v6e; H100, H200, A100, L4, T4; ``TPU_UTILITY_DEVICE_NAME`` names a chip the run cannot
 see) it also gets ``mfu``, model FLOPs utilization::
 
@@ -11,7 +13,8 @@ see) it also gets ``mfu``, model FLOPs utilization::
 
 The FLOPs of one token (``training_flops_per_token``) count what a step computes per token,
 ``N`` the parameters that multiply (every weight but the embedding lookups; a tied LM head
-counted once as the matrix it is), ``T`` the row length, ``L`` layers, ``A`` the attention
+counted once as the matrix it is), ``T`` the row length (unpacked samples: each token's own
+sample's length, their mean weighted by tokens; the padding's attention is not counted), ``L`` layers, ``A`` the attention
 width (heads x head size): forward ``2N``, the backward's activation gradients ``2N``, the
 weight gradients ``2`` per trainable parameter, and attention's scores and mix ``4 L A T``
 forward and twice that backward. Full training: ``6N + 12 L A T`` (the PaLM count); LoRA:
@@ -27,6 +30,7 @@ from typing import Any
 from torch import nn
 
 from ..backend.hardware import peak_flops
+from ..data.packing import real_token_lengths
 from ..huggingface import base_model
 
 
@@ -75,14 +79,20 @@ class Throughput:
 
     @classmethod
     def of(cls, dataset: Any, model: nn.Module, chip: str | None, devices: int) -> Throughput:
-        """The figures for ``dataset`` (token data: ``real_tokens`` and ``length`` per row, as ``PackedDataset``
-        has them) trained by ``model`` on ``devices`` chips called ``chip``."""
+        """The figures for ``dataset`` (token data: packed rows with ``real_tokens`` and ``length``, or samples whose
+        real tokens ``real_token_lengths`` reads) trained by ``model`` on ``devices`` chips called ``chip``."""
         real, length = getattr(dataset, "real_tokens", None), getattr(dataset, "length", None)
-        if not isinstance(real, int) or not isinstance(length, int) or not len(dataset):
-            return cls()
-        length = getattr(dataset, "attention_length", length)  # rows of several lengths: their mean, by tokens
+        if isinstance(real, int) and isinstance(length, int) and len(dataset):  # packed rows
+            per_item = real / len(dataset)
+            length = getattr(dataset, "attention_length", length)  # rows of several lengths: their mean, by tokens
+        else:  # samples of their own lengths, padded by the collate (or already)
+            lengths = real_token_lengths(dataset)
+            if not lengths or not sum(lengths):
+                return cls()
+            per_item = sum(lengths) / len(lengths)
+            length = round(sum(n * n for n in lengths) / sum(lengths))  # a token's sample's length, by tokens
         peak = peak_flops(chip)
-        return cls(real / len(dataset), training_flops_per_token(model, length), peak * devices if peak else None, chip)
+        return cls(per_item, training_flops_per_token(model, length), peak * devices if peak else None, chip)
 
     def figures(self, items_per_s: float) -> tuple[float | None, float | None]:
         """``(tokens_per_s, mfu)`` at ``items_per_s``.
