@@ -362,6 +362,11 @@ class Sharding(Group):
     def is_spmd(self) -> bool:
         return False
 
+    def over_mesh(self) -> bool:
+        """Whether one process can spread a model over a mesh of devices (SPMD: XLA); else one process per device,
+        a sharded model's shards held by a job's processes. What a strategy asks to choose its form."""
+        return False
+
     def use_spmd(self) -> None:
         raise ValueError(
             f"SPMD (one process over a mesh of devices) is a torch_xla feature; the {self.backend.name} backend "

@@ -802,6 +802,9 @@ class XlaSharding(Sharding):
 
     is_spmd = staticmethod(is_spmd)
 
+    def over_mesh(self) -> bool:
+        return True
+
     def shard_batch(self, tensors: Sequence[torch.Tensor]) -> None:
         if is_spmd():
             import torch_xla.distributed.spmd as xs
