@@ -288,7 +288,7 @@ def memory_plan(
     states, opt_name = optimizer_states(optimizer)
     params = list({id(p): p for p in model.parameters()}.values())  # tied weights once
     trainable = [p for p in params if p.requires_grad]
-    row = lambda name, ps, k: Term(name, *(sum(c.held(p) * k for p in ps) for c in columns))  # noqa: E731
+    row = lambda name, ps, k: Term(name, *(c.held(model, ps) * k for c in columns))  # noqa: E731
     terms = [row("parameters", params, 1), row("gradients", trainable, 1),
              row(f"optimizer state ({opt_name}, {states} per parameter)", trainable, states)]  # fmt: skip
     dequantized = max((m.weight.numel() * m.weight_scale.element_size() for m in model.modules()

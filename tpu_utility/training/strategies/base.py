@@ -144,10 +144,10 @@ class Strategy:
         default, FSDP over the same cores (what "auto" or a refusal would offer)."""
         return None
 
-    def held(self, tensor: torch.Tensor) -> int:
-        """The bytes one device holds of a tensor of ``tensor``'s size (its parameter, gradient, or one of its
-        optimizer state's), planned before anything is placed: the whole tensor, replicated."""
-        return tensor.numel() * tensor.element_size()
+    def held(self, model: nn.Module, tensors: list[torch.Tensor]) -> int:
+        """The bytes one device holds of ``tensors`` (``model``'s parameters, or their gradients or optimizer state,
+        of the same sizes), planned before anything is placed: each whole, replicated."""
+        return sum(t.numel() * t.element_size() for t in tensors)
 
     def checkpoints(self, own: bool) -> bool:
         """Whether a step under this strategy checkpoints each block: the model's ``own`` setting here."""

@@ -79,8 +79,8 @@ class Fsdp(Strategy):
             step()
         self._undo = []
 
-    def held(self, tensor: torch.Tensor) -> int:
-        return shard_bytes(tensor.numel(), tensor.element_size(), self.cores)  # split over every core
+    def held(self, model: nn.Module, tensors: list[torch.Tensor]) -> int:
+        return sum(shard_bytes(t.numel(), t.element_size(), self.cores) for t in tensors)  # each split over every core
 
     def checkpoints(self, own: bool) -> bool:
         return (self.options.checkpoint or own) if self.cores > 1 else own  # one core: nothing sharded
