@@ -124,7 +124,7 @@ def test_strategy_choice():
     assert choose_strategy("multiprocess", 8, in_launch=False).replica().name == "replica"
     assert said("auto", 8, in_launch=True) == ("replica", False, False)
     assert said("auto", 8, in_launch=False, on=NativeBackend("cpu", "gloo")) == ("multiprocess", True, False)
-    with pytest.raises(ValueError, match=r"strategy must be one of \('auto', 'spmd', 'multiprocess', 'fsdp'\), but given 'ddp'"):
+    with pytest.raises(ValueError, match=r"strategy must be one of \('auto', 'spmd', 'multiprocess', 'fsdp', 'fsdp-tp'\), but given 'ddp'"):
         choose_strategy("ddp", 8, in_launch=False)
 
 

@@ -382,6 +382,14 @@ class Sharding(Group):
         raise NotImplementedError(f"strategy='fsdp' is built for XLA (SPMD) and torch.distributed (FSDP2, several "
                                   f"processes); the {self.backend.name} backend has no sharded strategy: use strategy='auto'")  # fmt: skip
 
+    def shard_mesh_2d(self, model: torch.nn.Module, blocks: Sequence[torch.nn.Module], split: dict[int, str],
+                      tensor: int) -> Callable[[], None]:  # fmt: skip
+        """FSDP x tensor parallel over a 2-D mesh of all devices (``tensor`` along its tensor axis): each parameter
+        in ``split`` (by ``id``) sharded "column"-wise or "row"-wise over the tensor axis, every parameter over the FSDP axis,
+        ``blocks`` gathered one at a time; returns the undo (what it added to the model)."""
+        raise NotImplementedError(f"the 2-D mesh (FSDP x tensor parallel) is built for XLA (SPMD) and "
+                                  f"torch.distributed (DTensor); the {self.backend.name} backend has none: use strategy='auto'")  # fmt: skip
+
     def sharded(self, tensors: Iterable[torch.Tensor]) -> bool:
         """Whether any of ``tensors`` is sharded over the job's processes, so reading it whole is a collective
         every process joins (FSDP2 on the native backend); False here."""

@@ -8,7 +8,7 @@ concrete strategy for this process and backend; adding a strategy is one module 
 
 - ``single``: one device. ``spmd``: one process over a mesh of XLA devices. ``multiprocess``: one
   process per device (``Replica`` in each). ``fsdp``: the parameters sharded (over the mesh on XLA,
-  over launched processes natively).
+  over launched processes natively). ``fsdp-tp``: a 2-D mesh, FSDP x tensor parallel (``Mesh2D(tensor=2)``).
 """
 
 from __future__ import annotations
@@ -21,13 +21,15 @@ from ...sharding import FSDP, block_classes, repeated_class
 from ..topology import Topology, available_cores, resolve_cores
 from .base import Strategy
 from .fsdp import Fsdp, FsdpProcess, MultiprocessFsdp
+from .mesh2d import FsdpTensorParallel, Mesh2D
 from .multiprocess import Multiprocess, Replica
 from .single import Single
 from .spmd import Spmd
 
 # the words ``strategy=`` takes besides "auto", each to the class that chooses this process's strategy
-STRATEGIES: dict[str, type[Strategy]] = {"spmd": Spmd, "multiprocess": Multiprocess, "fsdp": Fsdp}
-StrategyName = Literal["auto", "spmd", "multiprocess", "fsdp"]
+STRATEGIES: dict[str, type[Strategy]] = {"spmd": Spmd, "multiprocess": Multiprocess, "fsdp": Fsdp,
+                                         "fsdp-tp": FsdpTensorParallel}  # fmt: skip
+StrategyName = Literal["auto", "spmd", "multiprocess", "fsdp", "fsdp-tp"]
 
 
 def names() -> tuple[str, ...]:
@@ -43,8 +45,8 @@ def resolve_strategy(strategy: Any) -> tuple[str, Any]:
         >>> resolve_strategy("fsdp"), resolve_strategy("spmd")
         (('fsdp', FSDP(wrap=None, checkpoint=True, shard_output=True)), ('spmd', None))
     """
-    for word, kind in STRATEGIES.items():
-        if kind.options_type is not None and isinstance(strategy, kind.options_type):
+    for word, kind in STRATEGIES.items():  # the options' own class: Mesh2D is an FSDP too, but its own word's
+        if kind.options_type is not None and type(strategy) is kind.options_type:
             return word, strategy
     if isinstance(strategy, str):
         kind = STRATEGIES.get(strategy)
@@ -110,6 +112,6 @@ def choose(cores: int | str, strategy: Any = "auto", *, allowed: tuple[str, ...]
     return choose_strategy(word, n_cores, in_launch, on=chosen, options=options)
 
 
-__all__ = ["block_classes", "choose", "choose_strategy", "FSDP", "Fsdp", "FsdpProcess", "Multiprocess",
+__all__ = ["block_classes", "choose", "choose_strategy", "FSDP", "Fsdp", "FsdpProcess", "FsdpTensorParallel", "Mesh2D", "Multiprocess",
            "MultiprocessFsdp", "names", "repeated_class", "Replica", "resolve_strategy", "sharding_of", "Single", "Spmd", "Strategy",
            "STRATEGIES", "StrategyName", "Topology"]  # fmt: skip
