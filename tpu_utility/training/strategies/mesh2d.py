@@ -6,6 +6,10 @@ output features) or row-wise (``o``, ``down``: the input features), and over the
 other parameter is sharded as FSDPv2 shards it. A block's full gather then spans the FSDP axis alone (1/tensor of
 it), which helps when one layer's gather does not fit, or sequences are long. Batches split as under FSDP.
 
+Natively (``torch.distributed``, gloo on the CPU) the processes form a 2-D ``DeviceMesh``: torch's
+``parallelize_module`` splits the projections (``ColwiseParallel``/``RowwiseParallel``) over "tensor", FSDP2
+shards the blocks over "fsdp"; a tensor group's processes read the same rows.
+
 On XLA the backend's sharding group marks the 2-D shardings on the model in place (``shard_mesh_2d``); the
 compiler adds the collectives, so the step computes what one replica computes and the model keeps its modules
 and key names (checkpoints load into the plain model, ``export_pretrained`` works from it). A peft model's
@@ -18,6 +22,7 @@ column of the memory plan; ``STRATEGIES`` names it, and the backend's sharding g
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable, TypeVar
 
 import torch
 from torch import nn
@@ -25,8 +30,11 @@ from torch import nn
 from ... import backend
 from ...backend.base import Backend
 from ...sharding import FSDP, around_blocks, blocks_of, fsdp_blocks, largest_block
-from .base import Strategy, shard_bytes
+from ..topology import Topology
+from .base import Launching, Strategy, shard_bytes
 from .fsdp import Fsdp
+
+T = TypeVar("T")
 
 COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")  # output features split over the tensor axis
 ROW = ("o_proj", "down_proj")  # input features split: each device's share of a column projection's output
@@ -65,13 +73,17 @@ def projections(model: nn.Module) -> dict[int, str]:
     for name, module in model.named_modules():
         parts = set(name.split("."))
         kind = "column" if parts & set(COLUMN) else "row" if parts & set(ROW) else None
-        if kind is not None and isinstance(module, nn.Linear):
+        # a LoRA adapter's near half follows its projection, its far half stays whole along the tensor axis:
+        # lora_A of a column projection reads the whole input, lora_B of a row projection writes the whole output
+        far = "lora_A" in parts if kind == "column" else "lora_B" in parts
+        if kind is not None and isinstance(module, nn.Linear) and not far:
             split.update({id(p): kind for p in module.parameters(recurse=False)})
     return split
 
 
 class FsdpTensorParallel(Fsdp):
-    """XLA: one process over a ("fsdp", "tensor") mesh of all devices; the projections split over both axes."""
+    """XLA: one process over a ("fsdp", "tensor") mesh of all devices; the projections split over both axes. Natively
+    ``MultiprocessFsdpTensorParallel`` launches the processes that form the mesh."""
 
     name = "fsdp-tp"
     options_type = Mesh2D
@@ -83,16 +95,15 @@ class FsdpTensorParallel(Fsdp):
     @classmethod
     def choose(cls, cores: int, on: Backend, options: Mesh2D | None) -> Strategy:
         tensor = (options or Mesh2D()).tensor
-        if not on.sharding.over_mesh():
-            raise ValueError(f"strategy='{cls.name}' runs over an SPMD mesh of XLA devices (a TPU, or PJRT_DEVICE set); "
-                             f"the {backend.current().name} backend runs one process per device: use strategy='fsdp'")  # fmt: skip
         if cores < 2 * tensor or cores % tensor:
             raise ValueError(f"strategy='{cls.name}' needs a 2-D mesh: cores a multiple of Mesh2D(tensor={tensor}) and at "
                              f"least {2 * tensor}, but given cores={cores}; give a smaller tensor= or strategy='fsdp'")  # fmt: skip
-        return cls(cores, options)
+        return cls(cores, options) if on.sharding.over_mesh() else MultiprocessFsdpTensorParallel(cores, options)
 
     @classmethod
     def for_job(cls, cores: int, on: Backend, options: Mesh2D | None) -> Strategy | None:
+        if not on.sharding.over_mesh():
+            return FsdpTensorParallelProcess(on.processes.world_size(), options)  # one process of the 2-D job
         raise ValueError(f"strategy='{cls.name}' spreads over an SPMD mesh from one process, but this process is one "
                          f"replica of a multi-process launch; call it from the main process with cores='all'")  # fmt: skip
 
@@ -124,3 +135,36 @@ class FsdpTensorParallel(Fsdp):
         tensor = self.options.tensor
         return sum(p.numel() * p.element_size() * (2 if p.requires_grad else 1) // (tensor if id(p) in split else 1)
                    for p in block)  # fmt: skip
+
+
+class FsdpTensorParallelProcess(FsdpTensorParallel):
+    """Natively: one process of the 2-D job (launched by ``MultiprocessFsdpTensorParallel``, or torchrun's); its
+    tensor group's processes load the same rows, each FSDP group its own share of them."""
+
+    in_job = True
+
+    def topology(self) -> Topology:
+        processes, tensor = backend.current().processes, self.options.tensor
+        # one loader share per FSDP rank; the tensor group's other processes (host > 0) read it too, and are not
+        # the job's master (one writes the checkpoints and speaks)
+        rank = processes.rank()
+        return Topology(replicas=processes.world_size() // tensor, rank=rank // tensor, hosts=tensor, host=rank % tensor)
+
+    def job_size(self) -> int:
+        return backend.current().processes.world_size()
+
+    def alone(self) -> Strategy | None:
+        return None
+
+
+class MultiprocessFsdpTensorParallel(Launching, FsdpTensorParallel):
+    """Natively: ``run`` launches ``cores`` processes (gloo on the CPU, nccl on GPUs) that form the 2-D mesh."""
+
+    name = "multiprocess-fsdp-tp"
+
+    def replica(self) -> Strategy:
+        return FsdpTensorParallelProcess(self.cores, self.options, self.why)
+
+    def infer(self, work: Callable[..., T], args: tuple, *, what: str) -> T:
+        raise ValueError(f"{what} with strategy='fsdp-tp' is built on XLA's mesh; natively the tensor groups' processes "
+                         f"share rows, which {what} does not split that way yet: use strategy='fsdp' for {what}")  # fmt: skip
