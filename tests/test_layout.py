@@ -493,6 +493,17 @@ def test_strategies_ask_the_backend_what_it_can_do_not_which_it_is():
     assert "native" not in inspect.signature(strategies.choose_strategy).parameters
 
 
+def test_memory_plans_body_is_under_60_lines_its_columns_from_the_strategies():
+    """The plan's figures per column come from strategies (held, checkpoints, gathered), not from FSDP written there."""
+    path = os.path.join(PACKAGE, "training", "memory.py")
+    with open(path) as f:
+        source = f.read()
+    plan = next(n for n in ast.walk(ast.parse(source)) if isinstance(n, ast.FunctionDef) and n.name == "memory_plan")
+    body = plan.body[1:] if isinstance(plan.body[0], ast.Expr) else plan.body  # its docstring aside
+    assert body[-1].end_lineno - body[0].lineno + 1 < 60
+    assert "shard_bytes(" not in ast.get_source_segment(source, plan) and ".held(" in ast.get_source_segment(source, plan)
+
+
 def test_a_strategy_is_one_module_and_one_table_row(tmp_path, monkeypatch):
     """A tensor-parallel stub: one module (written here as a user would add it) and one row in STRATEGIES; the
     rest of the package untouched, one_cycle_fit runs it (enter and leave called, its word on the summary line)."""
