@@ -11,7 +11,7 @@ backward unless ``FSDP(checkpoint=False)`` (``sharding.around_blocks``).
 
 from __future__ import annotations
 
-from typing import Any, Callable, TypeVar
+from typing import Callable, TypeVar
 
 import torch
 from torch import nn
