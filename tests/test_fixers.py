@@ -182,15 +182,32 @@ def test_xla_use_bf16_is_named():
     _unchanged('import os\nos.environ["PJRT_DEVICE"] = "TPU"\n')
 
 
-def test_quantized_base_an_8bit_load_becomes_the_int8_base_and_a_bitsandbytes_config_is_named_with_the_kits_call():
+def test_quantized_base_8bit_and_4bit_loads_become_the_int8_base_saying_so_and_a_config_used_elsewhere_is_named():
     new, changed, left = _port("model = AutoModelForCausalLM.from_pretrained(name, load_in_8bit=True)\n")
     assert "model = quantize_base(AutoModelForCausalLM.from_pretrained(name))" in new and changed == {"int8_base"}
     assert "from tpu_utility import" in new and "quantize_base" in new.split("\n", 1)[0] + new and not left
-    new, report = port_source("bnb = BitsAndBytesConfig(load_in_8bit=True)\n"
+    new, report = port_source("bnb = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type='nf4')\n"
                               "model = AutoModelForCausalLM.from_pretrained(name, quantization_config=bnb, dtype=d)\n")
+    assert "model = quantize_base(AutoModelForCausalLM.from_pretrained(name, dtype=d))" in new and not report.left
+    said = {c.where: c.after for c in report.changes if c.rule == "int8_base"}
+    assert "4-bit asked: mapped to the int8 base" in said["line 1"] and "bnb_4bit_quant_type='nf4'" in said["line 1"]
+    new, report = port_source("m = AutoModelForCausalLM.from_pretrained(n, quantization_config=BitsAndBytesConfig("
+                              "load_in_4bit=True, bnb_4bit_use_double_quant=True))\n")  # fmt: skip
+    assert "m = quantize_base(AutoModelForCausalLM.from_pretrained(n))" in new and not report.left
+    assert any("mapped to the int8 base" in c.after and "bnb_4bit_use_double_quant=True" in c.after for c in report.changes)
+    # a config given to something else as well: the load and the config are named with the line to write
+    new, report = port_source("bnb = BitsAndBytesConfig(load_in_8bit=True)\n"
+                              "model = AutoModelForCausalLM.from_pretrained(name, quantization_config=bnb, dtype=d)\n"
+                              "trainer = SFTTrainer(model_init_kwargs={'quantization_config': bnb})\n")
     assert [(i.rule, i.where) for i in report.left] == [("bitsandbytes", "line 1"), ("bitsandbytes", "line 2")]
     assert "quantize_base(AutoModelForCausalLM.from_pretrained(name, dtype=d))" in report.left[1].fix
     _unchanged("model = AutoModelForCausalLM.from_pretrained(name, load_in_8bit=False)\n")
+
+
+def test_gradient_checkpointing_enable_becomes_device_checkpointing_its_arguments_kept():
+    new, changed, left = _port("model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': True})\n")
+    assert "device_checkpointing(model, gradient_checkpointing_kwargs={'use_reentrant': True})" in new
+    assert changed == {"gradient_checkpointing"} and not left
 
 
 # ---------------------------------------------------------------- the imports (port/imports.py: LibCST's AddImportsVisitor)
@@ -281,12 +298,13 @@ def test_host_sync_is_not_named_for_reads_of_lists_and_arrays():
     _unchanged("for x, y in loader:\n    preds = np.zeros(3)\n    out = preds.tolist()\n    seen = []\n    print(seen)\n")
 
 
-def test_from_pretrained_device_map_becomes_move_model_and_4bit_is_named():
+def test_from_pretrained_device_map_becomes_move_model_also_around_a_4bit_load():
     new, changed, left = _port('model = AutoModelForCausalLM.from_pretrained(name, device_map="auto")\n')
     assert "model = move_model(AutoModelForCausalLM.from_pretrained(name), get_device())" in new and changed == {"device_map"}
     new, report = port_source("bnb = BitsAndBytesConfig(load_in_4bit=True)\n"
-                              "model = AutoModelForCausalLM.from_pretrained(name, quantization_config=bnb)\n")
-    assert [(i.rule, i.where) for i in report.left] == [("bitsandbytes", "line 1"), ("bitsandbytes", "line 2")]
+                              "model = AutoModelForCausalLM.from_pretrained(name, quantization_config=bnb, device_map={'': 0})\n")
+    assert "model = move_model(quantize_base(AutoModelForCausalLM.from_pretrained(name)), get_device())" in new
+    assert not report.left and report.status() == 0
     _unchanged("tok = AutoTokenizer.from_pretrained(name)\n")
 
 

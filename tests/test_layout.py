@@ -695,3 +695,67 @@ def test_one_place_settles_compile_auto():
               for line in _asks_compile_pays(open(path, encoding="utf-8").read())]  # fmt: skip
     assert not asking, "settle compile='auto' with Compile.settled(steps):\n" + "\n".join(asking)
     assert _asks_compile_pays("x = backend.current().compute.compile_pays(num_steps)\n") == [1]  # the check can fail
+
+
+# The entries whose bodies the rest of the package kept growing (issue 64): each under SHORT lines of body, its
+# work in the rooms it calls (the backends' platform checks, the checked arguments' value objects).
+SHORT = 60
+SHORT_BODIES = {"tpu_utility/environment.py": ["setup_tpu"], "tpu_utility/training/fit.py": ["plan_fit"]}
+
+
+def _body_lengths(source, names):
+    """{name: lines of its body} for the module-level functions ``names``, the docstring left out (counted by ast)."""
+    lengths = {}
+    for node in ast.parse(source).body:
+        if isinstance(node, ast.FunctionDef) and node.name in names:
+            body = node.body[1:] if ast.get_docstring(node) is not None else node.body
+            lengths[node.name] = body[-1].end_lineno - body[0].lineno + 1
+    return lengths
+
+
+def test_the_entries_that_grew_keep_their_bodies_short():
+    long = {}
+    for path, names in SHORT_BODIES.items():
+        lengths = _body_lengths(open(os.path.join(ROOT, path), encoding="utf-8").read(), names)
+        assert set(lengths) == set(names), f"{path} no longer defines {sorted(set(names) - set(lengths))}"
+        long.update({f"{path} {name}": n for name, n in lengths.items() if n >= SHORT})
+    assert not long, f"bodies of {SHORT} lines or more (move the work into the rooms they call): {long}"
+    too_long = 'def f():\n    """Doc."""\n' + "    x = 1\n" * SHORT
+    assert _body_lengths(too_long, ["f"]) == {"f": SHORT}  # the check can fail
+
+
+def test_one_cycle_fits_arguments_are_read_from_its_signature_once_and_typed_as_checked():
+    """No second list of one_cycle_fit's names to keep in step with the signature (``**locals()`` hid every parameter
+    from static tools), and the checked values ``plan_fit`` reads carry their types, not ``Any``."""
+    import dataclasses
+
+    from tpu_utility.training.fit import FitArguments
+
+    source = open(os.path.join(PACKAGE, "training", "fit.py"), encoding="utf-8").read()
+    calls = [n.lineno for n in ast.walk(ast.parse(source)) if isinstance(n, ast.Call)
+             and isinstance(n.func, ast.Name) and n.func.id in ("locals", "vars")]  # fmt: skip
+    assert not calls, f"fit.py reads locals() on lines {calls}: pass each argument to its check"
+    untyped = {f.name: f.type for f in dataclasses.fields(FitArguments) if "Any" in str(f.type) or f.type in ("", "object")}
+    assert not untyped, f"FitArguments fields typed loosely: {untyped}"
+    assert len(dataclasses.fields(FitArguments)) < 30  # checked values (the schedule, the stop rule), not the 38 names
+
+
+def _definitions():
+    """{name: [module:line, ...]} of every function, method and class the package defines."""
+    found = {}
+    for path, _, _ in _modules():
+        for node in ast.walk(ast.parse(open(path, encoding="utf-8").read())):
+            if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+                found.setdefault(node.name, []).append(f"{os.path.relpath(path, ROOT)}:{node.lineno}")
+    return found
+
+
+def test_the_compile_names_say_one_thing_each():
+    """compile_model is the public function alone (the backend's member is ``compute.torch_compile``); the
+    decision ``Compile.decide`` returns is a ``CompileDecision``, not a ``Compiling`` beside ``compiling`` values
+    holding a ``Compile``; the live bar's notice is ``CompileProgress``, apart from the ``RecompileNotice`` callback."""
+    defined = _definitions()
+    assert defined["compile_model"] == [d for d in defined["compile_model"] if d.startswith("tpu_utility/compiler.py")]
+    assert len(defined["compile_model"]) == 1, defined["compile_model"]
+    assert not {"Compiling", "CompileNotice"} & set(defined), "renamed in issue 64: CompileDecision, CompileProgress"
+    assert {"CompileDecision", "CompileProgress", "RecompileNotice", "torch_compile"} <= set(defined)

@@ -359,7 +359,7 @@ def test_a_traced_step_saves_what_a_real_cpu_step_saves_and_the_formulas_come_wi
     for seq_len in (256, 2048):
         for checkpointing in (False, True):
             real = _saved_by_a_real_step(model, seq_len, checkpointing)
-            traced = trace_step(model, batch_size=1, seq_len=seq_len, precision="bf16", checkpointing=checkpointing)
+            traced = trace_step(model, tokens=(1, seq_len), precision="bf16", checkpointing=checkpointing)
             case = (family, seq_len, checkpointing, real, traced.saved)
             # transformers 5.0 (the Kaggle lane) builds sdpa's causal mask for fake tensors, seq x seq bools a
             # checkpoint then keeps; a real step lets sdpa's is_causal skip it
@@ -380,7 +380,7 @@ def test_a_traced_plan_says_so_and_sums_to_the_traced_peak_and_an_untraceable_on
     with torch.device("meta"):
         model = _tiny("llama")
     plan = memory_plan(model, cores=4, batch_size=2, seq_len=512, precision="bf16", device_memory="v4")
-    step = trace_step(model, batch_size=2, seq_len=512, precision="bf16")
+    step = trace_step(model, tokens=(2, 512), precision="bf16")
     assert plan.method.startswith("traced one step (2 x 512 tokens") and "method: traced one step" in str(plan)
     margin = plan.term("allocator rounding and workspaces (4%)").replicated
     assert plan.replicated - margin == pytest.approx(step.peak, rel=1e-4)  # the rows add up to the traced peak

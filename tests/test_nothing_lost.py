@@ -89,7 +89,9 @@ def test_a_one_cycle_knob_beside_a_schedule_that_sets_it_is_refused_naming_both(
                                          r"schedule='linear'"):  # fmt: skip
         fit(small_mlp(), flat_digits(64), schedule="linear", div_factor=25.0)
     # the default's own value left unwritten, or given alone, is used
-    assert fit(small_mlp(), flat_digits(64), pct_start=0.25).step_lrs == fit(small_mlp(), flat_digits(64)).step_lrs
+    with pytest.warns(FutureWarning, match=r"pct_start=0.25 is deprecated: write schedule=OneCycle\(pct_start=0.25\)"):
+        given = fit(small_mlp(), flat_digits(64), pct_start=0.25)
+    assert given.step_lrs == fit(small_mlp(), flat_digits(64)).step_lrs
 
 
 @pytest.mark.parametrize("given, way", [(OneCycle, r"an instance, schedule=OneCycle\(\) or OneCycle\(pct_start=0.3\)"),

@@ -252,14 +252,15 @@ def test_2_device_map_is_dropped_and_the_model_moved_keeping_ties_so_batches_fol
     assert "device_map" in {c.rule for c in report.changes} and report.status() == 0
 
 
-def test_2_a_4bit_load_stops_the_port_naming_its_lines():
-    _, report = port_source("from transformers import AutoModelForCausalLM, BitsAndBytesConfig\n"
-                            "bnb = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type='nf4')\n"
-                            "model = AutoModelForCausalLM.from_pretrained(name, quantization_config=bnb, device_map='auto')\n"
-                            "model8 = AutoModelForCausalLM.from_pretrained(name, load_in_8bit=True)\n")  # fmt: skip
-    assert [(i.rule, i.where) for i in report.left] == [("bitsandbytes", f"line {n}") for n in (2, 3)]
-    assert [(c.rule, c.where) for c in report.changes if c.rule != "imports"] == [("int8_base", "line 4")]
-    assert report.status() == 1 and "bfloat16" in report.text()
+def test_2_a_4bit_load_becomes_the_int8_base_on_the_device_and_the_report_says_4bit_is_mapped():
+    new, report = port_source("from transformers import AutoModelForCausalLM, BitsAndBytesConfig\n"
+                              "bnb = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type='nf4')\n"
+                              "model = AutoModelForCausalLM.from_pretrained(name, quantization_config=bnb, device_map='auto')\n"
+                              "model8 = AutoModelForCausalLM.from_pretrained(name, load_in_8bit=True)\n")  # fmt: skip
+    assert "model = move_model(quantize_base(AutoModelForCausalLM.from_pretrained(name)), get_device())" in new
+    assert [(c.rule, c.where) for c in report.changes if c.rule != "imports"] == [("int8_base", f"line {n}") for n in (2, 3, 4)]
+    assert "4-bit asked: mapped to the int8 base" in report.changes[0].after + report.changes[1].after
+    assert not report.left and report.status() == 0
 
 
 def test_3_a_device_chosen_at_import_does_not_start_the_runtime_and_lands_on_xla(ported):

@@ -83,6 +83,7 @@ CHANGES = [
      'if get_device().type != "cpu":'),
     ("int8_base", "model = AutoModelForCausalLM.from_pretrained(name, load_in_8bit=True)\n",
      "model = quantize_base(AutoModelForCausalLM.from_pretrained(name))"),
+    ("gradient_checkpointing", "model.gradient_checkpointing_enable()\n", "device_checkpointing(model)"),
     ("device_map", 'model = AutoModelForCausalLM.from_pretrained(name, device_map="auto")\n',
      "model = move_model(AutoModelForCausalLM.from_pretrained(name), get_device())"),
     ("import_time_device", 'import torch\nclass args:\n    device = "cuda" if torch.cuda.is_available() else "cpu"\n',
@@ -597,6 +598,7 @@ CORPUS = {
     "nanogpt_train.py": ({"cuda_device", "cuda_amp", "tied_weights", "torch_compile"}, {("host_sync", 226)}, 0),
     "peft_lora_clm.py": ({"cuda_device", "optimizer_params", "tied_weights", "save_pretrained", "optimizer_step"},
                          {("host_sync", 66)}, 0),
+    "qlora_clm.py": ({"int8_base", "gradient_checkpointing", "optimizer_step"}, set(), 0),  # 4-bit: the int8 base
     "hf_lm_finetuning_legacy.py": ({"transformers_adamw", "cuda_device", "tied_weights", "optimizer_step"},
                                    {("host_sync", 51), ("save_pretrained", 95)}, 1),
     "colab_xla1x_mnist.ipynb": ({"xrt_world_size", "get_ordinal", "xla_device", "spawn_nprocs"},

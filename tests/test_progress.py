@@ -11,7 +11,7 @@ import nbformat
 import pytest
 
 from conftest import ROOT, blocking, run_python
-from tpu_utility.progress import CompileNotice, bar_kind, format_duration, progress_bar, run_eta
+from tpu_utility.progress import CompileProgress, bar_kind, format_duration, progress_bar, run_eta
 
 EPOCHS = """
 from tpu_utility.progress import bar_kind, progress_bar, write_line
@@ -86,7 +86,7 @@ def _steps(notice, counts, graphs):
 def test_the_first_steps_say_they_are_compiling(live, capsys):
     graphs = [5]  # an earlier find_lr compiled 5 graphs in this process
     bar = _Bar(live)
-    notice = CompileNotice(bar, "epoch 1/3", lambda: graphs[0], expect=True, speak=True)
+    notice = CompileProgress(bar, "epoch 1/3", lambda: graphs[0], expect=True, speak=True)
     # batch 1 traced; batch 1's graph compiles as batch 2 is fetched, batch 2's as batch 3 is; then none
     _steps(notice, [5, 6, 7, 7, 7], graphs)
     notice.close()
@@ -105,14 +105,14 @@ def test_the_first_steps_say_they_are_compiling(live, capsys):
 
 def test_a_later_epoch_is_quiet_unless_it_compiles(capsys):
     graphs = [7]
-    quiet = CompileNotice(_Bar(False), "epoch 2/3", lambda: graphs[0], expect=False, speak=True)
+    quiet = CompileProgress(_Bar(False), "epoch 2/3", lambda: graphs[0], expect=False, speak=True)
     _steps(quiet, [7, 7, 7], graphs)
     assert capsys.readouterr().out == "" and quiet.compile_seconds == 0
     bar = _Bar(True)
-    shape = CompileNotice(bar, "epoch 3/3", lambda: graphs[0], expect=False, speak=True)
+    shape = CompileProgress(bar, "epoch 3/3", lambda: graphs[0], expect=False, speak=True)
     _steps(shape, [7, 8, 8], graphs)  # a new batch shape: one more graph
     assert bar.labels == ["epoch 3/3 compiling graphs (1 graph so far)", "epoch 3/3"]
-    silent = CompileNotice(_Bar(False), "epoch 1/3", lambda: graphs[0], expect=True, speak=False)  # progress=False
+    silent = CompileProgress(_Bar(False), "epoch 1/3", lambda: graphs[0], expect=True, speak=False)  # progress=False
     _steps(silent, [8, 9, 9], graphs)
     assert capsys.readouterr().out == ""
 

@@ -2,6 +2,7 @@
 
 import csv
 import json
+import multiprocessing
 import os
 import warnings
 
@@ -24,7 +25,7 @@ torch.set_num_threads(1)
 from torch import nn
 from torch.utils.data import TensorDataset
 import tpu_utility.files as files
-from tpu_utility import load_checkpoint, one_cycle_fit
+from tpu_utility import OneCycle, load_checkpoint, one_cycle_fit
 from tpu_utility.demo import digits_datasets
 
 root = sys.argv[1]
@@ -36,7 +37,7 @@ train = TensorDataset(x[:160], y[:160])
 def fit(folder, resume=False):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Flatten(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
-    history = one_cycle_fit(model, train, valid_data=valid, epochs=6, max_lr=0.03, batch_size=16, pct_start=0.5,
+    history = one_cycle_fit(model, train, valid_data=valid, epochs=6, max_lr=0.03, batch_size=16, schedule=OneCycle(pct_start=0.5),
                             monitor="accuracy", restore_best=True, checkpoint_dir=folder, resume=resume,
                             progress=False)
     return model, history
@@ -172,6 +173,7 @@ def test_a_missing_damaged_or_foreign_best_pt_is_found_before_the_first_resumed_
     from tpu_utility.training import trainer
 
     monkeypatch.setattr(trainer, "_clock", _FakeClock())
+    children = set(multiprocessing.active_children())
     run = tmp_path / "run"
     stopped = _fit(run, data, time_limit="4m10s")
     assert [r.epoch for r in stopped.records] == [1, 2] and stopped.best_epoch == 1
@@ -185,6 +187,9 @@ def test_a_missing_damaged_or_foreign_best_pt_is_found_before_the_first_resumed_
         with pytest.raises(ValueError, match=match) as e:
             _fit(run, (train, data[1]), time_limit="4m10s", resume=True, restore_best=True, **kwargs)
         assert train.started == []  # refused before the first resumed epoch
+        # the validation loader's worker, started to check eval_step, is stopped: not left for a garbage
+        # collection to wait out (5 s a worker) once the queues it listens on are finalized
+        assert set(multiprocessing.active_children()) <= children
         assert load_checkpoint(str(run))["epoch"] == 2
         return str(e.value)
 

@@ -140,7 +140,8 @@ def test_one_cycle_fit_carries_its_six_settings_as_one_value_with_the_schedules_
         given = {name: p.default for name, p in inspect.signature(function).parameters.items() if name in defaults}
         assert given == {k: v for k, v in defaults.items() if k in given} and len(given) >= 5, function
     cycle = OneCycle(3e-3, pct_start=0.3, max_momentum=0.9)
-    assert resolve_schedule("one_cycle", 0, cycle) is cycle  # handed on as it is, not taken apart and made again
+    with pytest.warns(FutureWarning, match=r"pct_start=0.3, max_momentum=0.9 are deprecated"):  # given separately
+        assert resolve_schedule("one_cycle", 0, cycle) is cycle  # handed on as it is, not taken apart and made again
     with pytest.raises(ValueError, match=r"pct_start=0.3, max_momentum=0.9 shape schedule='one_cycle' only"):
         resolve_schedule("linear", 0, cycle)
 
@@ -152,9 +153,17 @@ def test_schedule_takes_the_one_cycle_settings_as_one_value():
     given = resolve_schedule(OneCycle(pct_start=0.3, max_momentum=0.9), 0, OneCycle(3e-3))
     assert given == separate  # the call's max_lr filled in; the same schedule as the separate arguments make
     assert resolve_schedule(OneCycle(3e-3, scale_lr_by_cores=True), 0, OneCycle(3e-3)).scale_lr_by_cores
-    history = _fit(small_mlp(), flat_digits(320), epochs=2, schedule=OneCycle(pct_start=0.3, max_momentum=0.9))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)  # the one value: no deprecation
+        history = _fit(small_mlp(), flat_digits(320), epochs=2, schedule=OneCycle(pct_start=0.3, max_momentum=0.9))
     lrs, momenta = separate.curve(len(history.step_lrs))
     assert history.step_lrs == pytest.approx(lrs, rel=1e-6) and history.step_momenta == pytest.approx(momenta)
+    # the separate arguments, deprecated, still give the same schedule, with a warning naming the value to write
+    with pytest.warns(FutureWarning, match=r"^pct_start=0.3, max_momentum=0.9 are deprecated: write "
+                                           r"schedule=OneCycle\(pct_start=0.3, max_momentum=0.9\)$") as caught:  # fmt: skip
+        old = _fit(small_mlp(), flat_digits(320), epochs=2, pct_start=0.3, max_momentum=0.9)
+    assert [w.filename for w in caught if w.category is FutureWarning] == [__file__]  # it points at the call
+    assert (old.step_lrs, old.step_momenta) == (history.step_lrs, history.step_momenta)
     with pytest.raises(ValueError, match="OneCycle\\(\\) has no max_lr to draw a curve of"):
         OneCycle(pct_start=0.3).curve(10)
     with pytest.raises(TypeError, match="scale_lr_by_cores must be True or False, but given 1"):

@@ -183,3 +183,20 @@ print("loss:", history.records[0].train_loss > history.records[-1].train_loss)
 """, env={"PJRT_DEVICE": None})
     assert r.returncode == 0, r.stderr[-3000:]
     assert "found: True NativeBackend('cpu', 'gloo') cpu" in r.stdout and "loss: True" in r.stdout
+
+
+def test_setup_tpu_reads_torchtpus_devices_and_cache_from_its_backend(monkeypatch):
+    """What setup_tpu reports where TorchTPU runs (no TPU here: its backend object answers alone): its chips, one
+    process each, and its own compile cache, on only where set before torch started."""
+    from tpu_utility.backend.base import Found
+    from tpu_utility.backend.hardware import TpuHardware
+    from tpu_utility.backend.tpu import CACHE_VARIABLES, TorchTpuBackend
+
+    chosen = TorchTpuBackend()
+    monkeypatch.setattr(chosen.devices, "device_count", lambda: 4)
+    assert chosen.diagnosis.found(TpuHardware(4, "v5e", 1)) == Found("TPU", "TorchTPU", 4, "tpu (TorchTPU)")
+    monkeypatch.delenv(CACHE_VARIABLES[0], raising=False)
+    folder, note = chosen.compute.compile_cache("/unused", None, True)  # setup_tpu's folder cannot move it
+    assert folder is None and note.startswith(f"off: TorchTPU reads {CACHE_VARIABLES[0]} when torch starts")
+    monkeypatch.setenv(CACHE_VARIABLES[0], "/kaggle/working/tpu_cache")
+    assert chosen.compute.compile_cache("/unused", None, None) == ("/kaggle/working/tpu_cache", "on")

@@ -22,7 +22,7 @@ from .environment import TpuInfo, setup_tpu
 from .loop import device_loader, inference_mode, launch, masked_loader, use_all_cores
 from .optim import step_optimizer
 from .sharding import FSDP, shard_model
-from .huggingface import packed_attention, static_masks
+from .huggingface import device_checkpointing, packed_attention, static_masks
 from .export import export_pretrained
 from .quantization import dequantize_base, load_quantized, quantize_base
 
@@ -59,6 +59,7 @@ __all__ = [
     "CachedDataset",
     "check",
     "choose_buckets",
+    "device_checkpointing",
     "device_loader",
     "dequantize_base",
     "device_type",

@@ -105,37 +105,37 @@ class Compile:
             return self
         return replace(self, enabled=backends.current().compute.compile_pays(steps))
 
-    def decide(self, steps: int) -> Compiling:
+    def decide(self, steps: int) -> CompileDecision:
         """Whether this process's run of ``steps`` steps compiles its step with torch.compile, and the words the
         summary line says for it ("" where there is nothing to say: XLA compiles every step itself).
 
         Example:
             >>> Compile.of(False).decide(1000)
-            Compiling(on=False, words='eager (compile=False)')
+            CompileDecision(on=False, words='eager (compile=False)')
         """
         compute = backends.current().compute
         own = compute.graph_compiler()
         if own is not None:
-            return Compiling(False, "" if self.enabled == "auto" else f"compile={self.enabled!r}: {own} compiles "
+            return CompileDecision(False, "" if self.enabled == "auto" else f"compile={self.enabled!r}: {own} compiles "
                              f"every step's graph itself, whatever is asked")  # fmt: skip
         if self.enabled is False:
-            return Compiling(False, "eager (compile=False)")
+            return CompileDecision(False, "eager (compile=False)")
         name = self.backend or compute.compile_backend
         options = ", ".join(f"{k}={v!r}" for k, v in self.options.items() if k != "backend")
         compiled = f"compiled (torch.compile, {name}{', ' + options if options else ''}"
         if self.enabled is True:
-            return Compiling(True, compiled + ")")
+            return CompileDecision(True, compiled + ")")
         device = backends.current().device_type
         if self.settled(steps).enabled:
-            return Compiling(True, f"{compiled}; compile='auto': {steps} steps on {device}, compile=False runs eagerly)")
+            return CompileDecision(True, f"{compiled}; compile='auto': {steps} steps on {device}, compile=False runs eagerly)")
         why = "the CPU" if device == "cpu" else f"{steps} steps, too few to pay for compiling"
-        return Compiling(False, f"eager (compile='auto': {why}; compile=True compiles)")
+        return CompileDecision(False, f"eager (compile='auto': {why}; compile=True compiles)")
 
 
 EAGER = Compile(enabled=False)
 
 
-class Compiling(NamedTuple):
+class CompileDecision(NamedTuple):
     """What ``Compile.decide`` chose: ``on`` (torch.compile the step) and the summary line's ``words``."""
 
     on: bool
@@ -188,7 +188,7 @@ def compile_model(model: nn.Module, *, mode: str | None = None, fullgraph: bool 
     _, own = compiled_parts(model)
     if own is not None:
         return own
-    return backends.current().compute.compile_model(model, options)
+    return backends.current().compute.torch_compile(model, options)
 
 
-__all__ = ["Compile", "Compiling", "EAGER", "compile_model", "compiled_parts", "MODES"]
+__all__ = ["Compile", "CompileDecision", "EAGER", "compile_model", "compiled_parts", "MODES"]

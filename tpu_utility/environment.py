@@ -12,7 +12,6 @@ from __future__ import annotations
 import math
 import os
 import sys
-import warnings
 from dataclasses import asdict, dataclass
 from typing import Literal, get_args
 
@@ -82,15 +81,6 @@ def detect_platform(environ: dict[str, str] | None = None, tpu_chips: int | None
     if chips or "TPU_ACCELERATOR_TYPE" in env or "TPU_NAME" in env:
         return "tpu-vm"
     return "local"
-
-
-# torch_xla 2.8/2.9 on a TPU write compiled programs to the persistent cache but never load them: its
-# DeserializeComputation calls PjRtClient::DeserializeExecutable, which libtpu's PJRT C API client leaves
-# unimplemented ("Failed to deserialize executable: UNIMPLEMENTED: Deserializing serialized executable not
-# supported", pytorch/xla#9094, open; the fix, pytorch/xla#9759, calls LoadSerializedExecutable and is not
-# released). So the cache is off by default and the summary says why; `python -m tpu_utility.check` measures
-# on a TPU whether a second run is faster.
-CACHE_ON_TPU = "off (torch_xla 2.8/2.9 on TPU write compiled programs but cannot load them back: pytorch/xla#9094)"
 
 
 def default_cache_dir(
@@ -176,17 +166,6 @@ def _choose_spmd(spmd: bool | None, several_devices: bool) -> bool:
     return bool(spmd)
 
 
-def _check_folder(folder: str, given: str | None) -> None:
-    """The compile cache's folder (or one above it) that is a file is named, not a bare FileExistsError."""
-    probe = folder
-    while probe and not os.path.exists(probe):
-        parent = os.path.dirname(probe)
-        probe = parent if parent != probe else ""
-    if probe and not os.path.isdir(probe):
-        raise ValueError(f"cache_dir={given if given is not None else folder!r} cannot be made: {probe!r} is a file, "
-                         f"not a folder; give a folder path for the compile cache")  # fmt: skip
-
-
 def setup_tpu(
     device: DeviceChoice = "auto",
     cache_dir: str | None = None,
@@ -263,125 +242,45 @@ def setup_tpu(
     torch_xla_version = backends.installed_version("torch_xla") if backends.XLA_INSTALLED else None
     backends.check_versions(torch.__version__, torch_xla_version, backends.installed_version("torchvision"))
     check_transformers()  # a warning, once: transformers below the tested range
-    torchtpu = backends.torch_tpu_installed()
 
     name = backends.choice.check(backend, "setup_tpu(backend=...)")
     if name == "auto":  # this call's "auto" replaces an earlier call's choice; TPU_UTILITY_BACKEND still counts
         name = backends.choice.from_environment()[0]
-    forced_xla = backends.choice.runs_xla(name)
-    if forced_xla is False and device != "auto":
-        raise ValueError(
-            f"setup_tpu(device={device!r}) picks an XLA device, but backend={name!r} does not run XLA: "
-            f"give device='auto' with it, or backend='xla'"
-        )
-    user_choice = None if forced_xla is False else backends.pjrt_device()
-    backends.refuse_missing_tpu(user_choice)  # a PJRT_DEVICE we do not run (CUDA, garbage), before any other check
-    if device != "auto" and user_choice is not None and user_choice != device:
-        raise RuntimeError(
-            f"setup_tpu(device={device!r}) conflicts with PJRT_DEVICE={user_choice!r} set in "
-            f"the environment. Unset one of them."
-        )
-    xla_default = "TPU" if tpu.chips else ("CPU" if forced_xla else None)
-    wanted = user_choice or (device if device != "auto" else xla_default)
-
-    running = backends.runtime_device_type()
-    if running is not None and wanted is not None and running != wanted:
-        raise RuntimeError(
-            f"The XLA runtime already started on {running!r} in this process, so it cannot "
-            f"switch to {wanted!r}. Restart the kernel and call setup_tpu() first."
-        )
-    backends.refuse_missing_tpu(wanted)
-    if wanted is not None and not backends.XLA_INSTALLED:
-        also = " (torch_tpu is installed: unset PJRT_DEVICE to run on TorchTPU instead)" if torchtpu else ""
-        raise ModuleNotFoundError(
-            f"PJRT_DEVICE={wanted!r} needs torch_xla{also}. Install it with: {backends.INSTALL_HINT}"
-        )
+    wanted = backends.requested_device(device, name, tpu)  # torch_xla's checks: its PJRT device, or None
     backends.ask(backend)
-    reason = f"setup_tpu(device={device!r})" if device != "auto" and forced_xla is None else backends.why()
-    if wanted is not None:
-        os.environ["PJRT_DEVICE"] = wanted
-        if torchtpu:
-            warnings.warn(
-                f"torch_tpu (TorchTPU, device 'tpu') is installed, but tpu_utility runs on torch_xla (device 'xla') "
-                f"in this process, because PJRT_DEVICE={wanted!r} asks for it. Start without PJRT_DEVICE (and "
-                f"without setup_tpu(device=...)), or call setup_tpu(backend='tpu'), to use TorchTPU.",
-                stacklevel=2,
-            )
-
+    asked_device = device != "auto" and backends.choice.runs_xla(name) is None
+    reason = f"setup_tpu(device={device!r})" if asked_device else backends.why()
     use_xla = wanted is not None
-    rank = backends.local_process_rank()
-    chosen_cache = None
-    cache_note = "off"
-    if compile_cache is None:  # on where it reloads: nowhere at torch_xla 2.8/2.9 (see CACHE_ON_TPU)
-        compile_cache = False
-        if wanted == "CPU":
-            cache_note = "off (XLA:CPU cannot reload compiled programs)"
-        elif wanted == "TPU":
-            cache_note = CACHE_ON_TPU
-    if use_xla and compile_cache:
-        chosen_cache = default_cache_dir(platform, rank, base=cache_dir)
-        _check_folder(chosen_cache, cache_dir)
-        os.makedirs(chosen_cache, exist_ok=True)
-        if not backends.initialize_cache(chosen_cache):
-            warnings.warn(
-                "The compile cache could not be switched on: XLA already compiled a graph in "
-                "this process. Call setup_tpu() before any XLA work to keep compiled graphs "
-                "across kernel restarts.",
-                stacklevel=2,
-            )
-            chosen_cache = None
+    if use_xla:
+        backends.use_device(wanted)
 
     chosen = backends.current()  # XLA now, where setup_tpu(device=...) set PJRT_DEVICE
-    torchtpu_runs = not use_xla and isinstance(chosen, backends.TorchTpuBackend)
-    if torchtpu_runs:  # TorchTPU: its caches are read when torch starts
-        chosen_cache, cache_note = _torchtpu_cache()
-    if wanted == "TPU":
-        device_type, kind, count = "TPU", tpu.kind, tpu.devices
-    elif torchtpu_runs:
-        device_type, kind, count = "TPU", "TorchTPU", backends.device_count()
-    elif wanted == "CPU":
-        device_type, kind, count = "CPU", "XLA:CPU", int(os.environ.get("CPU_NUM_DEVICES", "1"))
-    elif torch.cuda.is_available():
-        device_type, kind, count = "CUDA", torch.cuda.get_device_name(0), torch.cuda.device_count()
-    else:
-        device_type, kind, count = "cpu", None, 1
-
-    cpus = usable_cpus()
-    processes = tpu.chips if wanted == "TPU" and tpu.chips else 1
+    folder = default_cache_dir(platform, backends.local_process_rank(), base=cache_dir)
+    chosen_cache, cache_note = chosen.compute.compile_cache(folder, cache_dir, compile_cache)
+    found = chosen.diagnosis.found(tpu)
     info = TpuInfo(
         platform=platform,
-        device_type=device_type,
-        device_kind=kind,
-        num_devices=count,
+        device_type=found.device_type,
+        device_kind=found.kind,
+        num_devices=found.count,
         xla=use_xla,
-        host_cpus=cpus,
+        host_cpus=usable_cpus(),
         host_ram_gb=_host_ram_gb(),
         torch_version=torch.__version__,
         torch_xla_version=torch_xla_version,
         cache_dir=chosen_cache,
         cache_note=cache_note,
-        num_workers=default_num_workers(processes),
-        spmd=_choose_spmd(spmd, use_xla and count > 1),
-        backend="xla" if use_xla else ("tpu (TorchTPU)" if torchtpu_runs else f"native ({chosen.name})"),
+        num_workers=default_num_workers(found.processes),
+        spmd=_choose_spmd(spmd, use_xla and found.count > 1),
+        backend=found.backend,
         backend_reason=reason,
     )
-    if use_xla and (info.spmd or count == 1 or backends.in_launched_process()):
+    if use_xla and (info.spmd or found.count == 1 or backends.in_launched_process()):
         backends.device()  # starts the runtime (no launch can follow here) and checks the autograd engine
     if verbose and info != _last_info:
         print(info.summary())
     _last_info = info
     return info
-
-
-def _torchtpu_cache() -> tuple[str | None, str]:
-    """TorchTPU's compile cache: its folder when set before torch started, else why it is off."""
-    variable = "TORCH_TPU_TIER3_COMPILATION_CACHE_ROOT"
-    if os.environ.get(variable):
-        return os.environ[variable], "on"
-    return None, (
-        f"off: TorchTPU reads {variable} when torch starts; set it before `import torch` "
-        f"(first cell: import os; os.environ[{variable!r}] = '/kaggle/working/tpu_cache')"
-    )
 
 
 def choose_start_method(interactive: bool) -> str:

@@ -105,6 +105,29 @@ def use_checkpoint_function(model: nn.Module, function: Any) -> list[tuple[nn.Mo
     return found
 
 
+def device_checkpointing(model: nn.Module, **kwargs: Any) -> None:
+    """``model.gradient_checkpointing_enable(**kwargs)`` that also works in a hand loop on XLA.
+
+    transformers checkpoints each block with torch's ``checkpoint``, which fails on XLA tensors (it looks up
+    ``torch.xla``, a device module torch_xla does not register); on XLA the blocks get the backend's checkpoint
+    function (torch_xla's) in its place, the keyword arguments kept. Elsewhere it is the model's own call.
+    ``one_cycle_fit`` does this itself; the port writes it for ``gradient_checkpointing_enable()`` lines.
+
+    Args:
+        model: A transformers model, or a peft model around one.
+        **kwargs: ``gradient_checkpointing_enable``'s (``gradient_checkpointing_kwargs={...}``).
+
+    Example:
+        >>> device_checkpointing(model)   # was: model.gradient_checkpointing_enable()   # doctest: +SKIP
+    """
+    from . import backend
+
+    model.gradient_checkpointing_enable(**kwargs)
+    chosen = backend.current()
+    if chosen.lazy:
+        use_checkpoint_function(model, chosen.compute.checkpoint_function())
+
+
 def give_back_checkpoint_functions(found: list[tuple[nn.Module, Any]]) -> None:
     """Undoes ``use_checkpoint_function``."""
     for module, function in found:

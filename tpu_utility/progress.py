@@ -15,7 +15,7 @@ without ipywidgets and warn "IProgress not found"; this module never does.
     write_line("epoch 1/5: train_loss 0.41 ...")   # stays, above any live bar
 
 XLA (and torch.compile) compiles a graph the first time it meets it, so an epoch's first steps can take
-half a minute each. ``CompileNotice`` says so while it happens: on the live bar's
+half a minute each. ``CompileProgress`` says so while it happens: on the live bar's
 label (``epoch 1/5 compiling (2 graphs so far)``), or, where there is no live bar, as
 a line when compilation starts and one when it ends.
 """
@@ -133,7 +133,7 @@ def run_eta(epoch_seconds: list[float], epochs_left: int) -> float:
     return epoch_seconds[-1] * epochs_left if epoch_seconds and epochs_left > 0 else 0.0
 
 
-class CompileNotice:
+class CompileProgress:
     """Tells the user that XLA or torch.compile is compiling, while it is, instead of a bar that looks hung.
 
     Call ``after_step()`` once per batch. A batch during which the compile count rose
@@ -152,9 +152,9 @@ class CompileNotice:
 
     Example:
         >>> from tpu_utility import backend
-        >>> from tpu_utility.progress import CompileNotice, progress_bar
+        >>> from tpu_utility.progress import CompileProgress, progress_bar
         >>> bar = progress_bar(3, "epoch 1/5")
-        >>> notice = CompileNotice(bar, "epoch 1/5", backend.compile_count, expect=False, speak=True)
+        >>> notice = CompileProgress(bar, "epoch 1/5", backend.compile_count, expect=False, speak=True)
         >>> for _ in range(3):
         ...     bar.update(1)           # was: bar.update(1) alone, and a bar frozen at 2/44
         ...     notice.after_step()

@@ -45,8 +45,10 @@ from .xla import (
     initialize_cache,
     local_process_rank,
     refuse_missing_tpu,
+    requested_device,
     runtime_device_type,
     runtime_started,
+    use_device,
     xla_requested,
 )
 

@@ -29,7 +29,7 @@ from typing import Any, Callable, ContextManager, Iterable, Iterator, Literal, S
 import torch
 from torch.utils import _pytree as pytree
 
-from .hardware import device_name_override, memory_override
+from .hardware import TpuHardware, device_name_override, memory_override
 
 ReduceOp = Literal["sum", "min", "max"]
 # What a host sync is: a value read (.item(), bool(), print), a copy of device data to the
@@ -43,6 +43,19 @@ class GraphCompile:
 
     seconds: float
     nodes: int | None = None
+
+
+@dataclass(frozen=True)
+class Found:
+    """The devices a backend runs on, as ``setup_tpu`` reports them: their type ("TPU", "CPU" for XLA on the host,
+    "CUDA", "cpu" for plain PyTorch), kind (a TPU's generation, a GPU's name), count, the backend as the summary names
+    it, and the processes one per chip would launch (the DataLoader workers it suggests are per process)."""
+
+    device_type: str
+    kind: str | None
+    count: int
+    backend: str
+    processes: int = 1
 
 
 @dataclass(frozen=True)
@@ -230,18 +243,24 @@ class Compute(Group):
         where steps run eagerly, op by op, unless ``compile_model`` compiles them."""
         return None
 
-    def compile_model(self, model: torch.nn.Module, options: dict[str, Any]) -> torch.nn.Module:
+    def torch_compile(self, model: torch.nn.Module, options: dict[str, Any]) -> torch.nn.Module:
         """``torch.compile(model, **options)`` with this backend's compiler (``compile_backend`` unless
         ``options`` names one): a wrapper whose calls run compiled graphs; the model itself is unchanged (its
         class, its state-dict keys). A backend whose ``graph_compiler`` compiles every step returns the model.
 
         Example:
             >>> # was: model = torch.compile(model)
-            >>> compiled = backend.current().compute.compile_model(model, {})   # doctest: +SKIP
+            >>> compiled = backend.current().compute.torch_compile(model, {})   # doctest: +SKIP
         """
         if self.graph_compiler() is not None:
             return model
         return torch.compile(model, **{"backend": self.compile_backend, **options})
+
+    def compile_cache(self, folder: str, given: str | None, enabled: bool | None) -> tuple[str | None, str]:
+        """Turns on the persistent compile cache in ``folder`` (``setup_tpu``'s ``cache_dir=``, ``given``, with a
+        folder per launched process) where this backend keeps one and ``enabled`` asks (None: where it can reload
+        compiled programs); returns (the folder in use or None, why it is off). Here: none to keep."""
+        return None, "off"
 
     def compiled_optimizer_options(self, name: str) -> dict[str, Any]:
         """Options for one_cycle_fit's own optimizer ``name`` ("adam", "adamw", "sgd") in a compiled run, where
@@ -298,7 +317,12 @@ class Compute(Group):
 
 
 class Diagnosis(Group):
-    """Counters and doctor's probes: compiles, executions, host syncs and transfers, CPU fallbacks, live graphs."""
+    """Counters and probes: compiles, executions, host syncs and transfers, CPU fallbacks, live graphs (doctor's), and
+    the devices found (setup_tpu's summary)."""
+
+    def found(self, tpu: TpuHardware) -> Found:
+        """The devices this backend runs on, as ``setup_tpu`` reports them (``tpu``: the TPU on the PCI bus)."""
+        return Found(self.backend.device_type, None, 1, self.backend.name)
 
     def counters(self) -> Counters:
         return Counters()

@@ -30,8 +30,9 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .base import Backend, Compute, Devices, Diagnosis, Processes, ReduceOp, Sharding, SyncKind, patch_tensor_methods
-from .hardware import device_name_override, memory_override
+from .base import (Backend, Compute, Devices, Diagnosis, Found, Processes, ReduceOp, Sharding, SyncKind,
+                   patch_tensor_methods)  # fmt: skip
+from .hardware import TpuHardware, device_name_override, memory_override
 
 # Every collective and the start-up rendezvous give up after this long (seconds): a replica
 # that died or took another path raises on the others instead of hanging them forever.
@@ -396,6 +397,13 @@ class NativeCompute(Compute):
 class NativeDiagnosis(Diagnosis):
     """Host syncs watched with a dispatch mode; torch.compile's graphs and recompiles read from dynamo's own
     counters; what an eager backend cannot count, said."""
+
+    def found(self, tpu: TpuHardware) -> Found:
+        """CUDA's first device's name and the GPUs, where torch sees CUDA; else the host CPU alone."""
+        name = f"native ({self.backend.name})"
+        if torch.cuda.is_available():
+            return Found("CUDA", torch.cuda.get_device_name(0), torch.cuda.device_count(), name)
+        return Found("cpu", None, 1, name)
 
     def compile_count(self) -> int:
         """Graphs torch.compile (dynamo) compiled so far in this process, recompiles included; 0 where nothing

@@ -20,10 +20,13 @@ call, the error translation and the native path it builds on.
 from __future__ import annotations
 
 import importlib
+import os
 from typing import Any, Callable
 
 import torch
 
+from .base import Found
+from .hardware import TpuHardware
 from .native import NativeBackend, NativeCompute, NativeDevices, NativeDiagnosis, NativeProcesses
 
 # torch.tpu functions that raise from user code on torch >= 2.11 (2.13 adds the rng pair).
@@ -74,14 +77,29 @@ class TorchTpuCompute(NativeCompute):
     def autocast(self, device: torch.device, dtype: torch.dtype) -> Any:
         return torch.autocast("tpu", dtype=torch.bfloat16 if dtype == torch.float16 else dtype)
 
-    def compile_model(self, model: torch.nn.Module, options: dict[str, Any]) -> torch.nn.Module:
+    def compile_cache(self, folder: str, given: str | None, enabled: bool | None) -> tuple[str | None, str]:
+        """TorchTPU's own compile cache: its folder when ``CACHE_VARIABLES`` was set before torch started, else why it
+        is off (TorchTPU reads it once, when torch starts; ``setup_tpu``'s folder and ``compile_cache`` cannot move it)."""
+        variable = CACHE_VARIABLES[0]
+        if os.environ.get(variable):
+            return os.environ[variable], "on"
+        return None, (
+            f"off: TorchTPU reads {variable} when torch starts; set it before `import torch` "
+            f"(first cell: import os; os.environ[{variable!r}] = '/kaggle/working/tpu_cache')"
+        )
+
+    def torch_compile(self, model: torch.nn.Module, options: dict[str, Any]) -> torch.nn.Module:
         """``torch.compile(model, backend="tpu", dynamic=False)``: TorchTPU compiles static shapes (a new shape is
         a new graph, as on XLA; buckets keep them few)."""
-        return super().compile_model(model, {"dynamic": False, **options})
+        return super().torch_compile(model, {"dynamic": False, **options})
 
 
 class TorchTpuDiagnosis(NativeDiagnosis):
     """Host syncs watched as natively; what TorchTPU does not count, said."""
+
+    def found(self, tpu: TpuHardware) -> Found:
+        """TorchTPU's chips, one process each."""
+        return Found("TPU", "TorchTPU", self.backend.devices.device_count(), "tpu (TorchTPU)")
 
     def unmeasured(self) -> tuple[str, ...]:
         """Host syncs are watched as on every native backend; TorchTPU's compiles and host fallbacks are not."""

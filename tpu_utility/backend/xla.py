@@ -19,14 +19,15 @@ import inspect
 import math
 import os
 import sys
+import warnings
 from typing import Any, Callable, Sequence
 
 import torch
 
 from . import choice
-from .base import Backend, Compute, Counters, GraphCompile, Devices, Diagnosis, Processes, ReduceOp, Sharding
-from .hardware import detect_tpu, device_name_override, memory_override, pjrt_device, tpu_device_memory
-from .versions import INSTALL_HINT, module_installed, check_versions, installed_version
+from .base import Backend, Compute, Counters, GraphCompile, Devices, Diagnosis, Found, Processes, ReduceOp, Sharding
+from .hardware import TpuHardware, detect_tpu, device_name_override, memory_override, pjrt_device, tpu_device_memory
+from .versions import INSTALL_HINT, module_installed, check_versions, installed_version, torch_tpu_installed
 
 XLA_INSTALLED: bool = module_installed("torch_xla")
 
@@ -121,6 +122,80 @@ def refuse_missing_tpu(requested: str | None) -> None:
             "the PCI bus). Allowed here: unset PJRT_DEVICE to fall back to CUDA/CPU, or use "
             "'CPU' to run XLA on the host CPU."
         )
+
+
+def requested_device(device: str, name: str, tpu: TpuHardware) -> str | None:
+    """The PJRT device ("TPU" or "CPU") that ``setup_tpu(device=device, backend=name)`` asks torch_xla for, or None
+    where XLA does not run: ``PJRT_DEVICE`` first, then ``device``, then a TPU attached (``tpu``), then XLA:CPU for
+    ``backend="xla"``. Checked before the backend is chosen, so a conflict is named before anything changes.
+
+    Raises:
+        ValueError: ``device`` names an XLA device while ``name`` rules XLA out; a ``PJRT_DEVICE`` that is neither
+            TPU nor CPU.
+        RuntimeError: ``device`` and ``PJRT_DEVICE`` disagree, the runtime already runs on another device type, or
+            TPU is asked for on a machine without one.
+        ModuleNotFoundError: a PJRT device is asked for and torch_xla is not installed.
+    """
+    forced_xla = choice.runs_xla(name)
+    if forced_xla is False and device != "auto":
+        raise ValueError(
+            f"setup_tpu(device={device!r}) picks an XLA device, but backend={name!r} does not run XLA: "
+            f"give device='auto' with it, or backend='xla'"
+        )
+    user_choice = None if forced_xla is False else pjrt_device()
+    refuse_missing_tpu(user_choice)  # a PJRT_DEVICE we do not run (CUDA, garbage), before any other check
+    if device != "auto" and user_choice is not None and user_choice != device:
+        raise RuntimeError(
+            f"setup_tpu(device={device!r}) conflicts with PJRT_DEVICE={user_choice!r} set in "
+            f"the environment. Unset one of them."
+        )
+    xla_default = "TPU" if tpu.chips else ("CPU" if forced_xla else None)
+    wanted = user_choice or (device if device != "auto" else xla_default)
+    running = runtime_device_type()
+    if running is not None and wanted is not None and running != wanted:
+        raise RuntimeError(
+            f"The XLA runtime already started on {running!r} in this process, so it cannot "
+            f"switch to {wanted!r}. Restart the kernel and call setup_tpu() first."
+        )
+    refuse_missing_tpu(wanted)
+    if wanted is not None and not XLA_INSTALLED:
+        also = " (torch_tpu is installed: unset PJRT_DEVICE to run on TorchTPU instead)" if torch_tpu_installed() else ""
+        raise ModuleNotFoundError(f"PJRT_DEVICE={wanted!r} needs torch_xla{also}. Install it with: {INSTALL_HINT}")
+    return wanted
+
+
+def use_device(wanted: str) -> None:
+    """Sets ``PJRT_DEVICE`` for this process (``requested_device``'s answer), before torch_xla's runtime starts; says
+    so where TorchTPU is installed, which this process then does not use (a warning on ``setup_tpu``'s caller)."""
+    os.environ["PJRT_DEVICE"] = wanted
+    if torch_tpu_installed():
+        warnings.warn(
+            f"torch_tpu (TorchTPU, device 'tpu') is installed, but tpu_utility runs on torch_xla (device 'xla') "
+            f"in this process, because PJRT_DEVICE={wanted!r} asks for it. Start without PJRT_DEVICE (and "
+            f"without setup_tpu(device=...)), or call setup_tpu(backend='tpu'), to use TorchTPU.",
+            stacklevel=3,
+        )
+
+
+# torch_xla 2.8/2.9 on a TPU write compiled programs to the persistent cache but never load them: its
+# DeserializeComputation calls PjRtClient::DeserializeExecutable, which libtpu's PJRT C API client leaves
+# unimplemented ("Failed to deserialize executable: UNIMPLEMENTED: Deserializing serialized executable not
+# supported", pytorch/xla#9094, open; the fix, pytorch/xla#9759, calls LoadSerializedExecutable and is not
+# released). So the cache is off by default and the summary says why; `python -m tpu_utility.check` measures
+# on a TPU whether a second run is faster.
+CACHE_ON_TPU = "off (torch_xla 2.8/2.9 on TPU write compiled programs but cannot load them back: pytorch/xla#9094)"
+CACHE_OFF = {"CPU": "off (XLA:CPU cannot reload compiled programs)", "TPU": CACHE_ON_TPU}
+
+
+def _check_folder(folder: str, given: str | None) -> None:
+    """The compile cache's folder (or one above it) that is a file is named, not a bare FileExistsError."""
+    probe = folder
+    while probe and not os.path.exists(probe):
+        parent = os.path.dirname(probe)
+        probe = parent if parent != probe else ""
+    if probe and not os.path.isdir(probe):
+        raise ValueError(f"cache_dir={given if given is not None else folder!r} cannot be made: {probe!r} is a file, "
+                         f"not a folder; give a folder path for the compile cache")  # fmt: skip
 
 
 def runtime_started() -> bool:
@@ -755,6 +830,26 @@ class XlaCompute(Compute):
         """XLA: torch_xla traces every step into a graph and compiles it (inductor does not target XLA)."""
         return "XLA"
 
+    def compile_cache(self, folder: str, given: str | None, enabled: bool | None) -> tuple[str | None, str]:
+        """torch_xla's persistent cache: off unless ``enabled`` is True (None: on where torch_xla can reload compiled
+        programs, which at 2.8/2.9 is nowhere: ``CACHE_OFF`` says why), and then too late once XLA compiled a graph
+        in this process (a warning on ``setup_tpu``'s caller)."""
+        if enabled is None:
+            return None, CACHE_OFF.get(pjrt_device() or "", "off")
+        if not enabled:
+            return None, "off"
+        _check_folder(folder, given)
+        os.makedirs(folder, exist_ok=True)
+        if initialize_cache(folder):
+            return folder, "off"
+        warnings.warn(
+            "The compile cache could not be switched on: XLA already compiled a graph in "
+            "this process. Call setup_tpu() before any XLA work to keep compiled graphs "
+            "across kernel restarts.",
+            stacklevel=3,
+        )
+        return None, "off"
+
     def checkpoint_function(self) -> Callable[..., Any]:
         return checkpoint
 
@@ -784,6 +879,12 @@ class XlaCompute(Compute):
 
 class XlaDiagnosis(Diagnosis):
     """torch_xla's own metrics: compiles, executions, host syncs, transfers, CPU fallbacks, live IR."""
+
+    def found(self, tpu: TpuHardware) -> Found:
+        """The TPU's kind and devices (one process per chip for a launch), or XLA:CPU's ``CPU_NUM_DEVICES``."""
+        if pjrt_device() == "TPU":
+            return Found("TPU", tpu.kind, tpu.devices, "xla", tpu.chips or 1)
+        return Found("CPU", "XLA:CPU", int(os.environ.get("CPU_NUM_DEVICES", "1")), "xla")
 
     def counters(self) -> Counters:
         return Counters(compile_count(), execute_count(), host_sync_count(), transfer_from_device_count(), True)

@@ -568,6 +568,28 @@ def _dataloader(dataset: Dataset, spec: LoaderSpec, **kwargs: Any) -> DataLoader
                       **kwargs, **settings)  # fmt: skip
 
 
+def stop_workers(loader: DataLoader) -> None:
+    """Stops a loader's persistent worker processes now, as Lightning does at the end of a run.
+
+    A loader with ``persistent_workers`` keeps its iterator, and the iterator its workers, until the loader is
+    garbage. When that happens in the cyclic collector (a run that ended with an exception holds its loaders in
+    the traceback's frames), the worker queues are finalized before the iterator, so the iterator's "stop"
+    never reaches a worker and each is waited out for torch's 5 s status interval before it is terminated.
+    Stopping them when the run ends costs nothing and never waits.
+
+    Example:
+        >>> loader = DataLoader(range(8), num_workers=1, persistent_workers=True)
+        >>> first = next(iter(loader))
+        >>> stop_workers(loader)   # was: nothing, and 5 s waited per worker at a later garbage collection
+    """
+    iterator = getattr(loader, "_iterator", None)  # torch keeps a persistent loader's iterator there
+    if iterator is not None:
+        shutdown = getattr(iterator, "_shutdown_workers", None)
+        if shutdown is not None:
+            shutdown()
+        loader._iterator = None
+
+
 def train_loader(spec: LoaderSpec, batch_size: int, *, replicas: int, rank: int, seed: int) -> DataLoader:
     """Shuffled (seed + epoch, via set_epoch), drop_last so every batch has one shape.
 

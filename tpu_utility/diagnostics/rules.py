@@ -184,9 +184,14 @@ RULES_LIST: tuple[Rule, ...] = (
          "(tpu_utility; 4-bit is not built), or load in bfloat16 (from_pretrained(name, dtype=torch.bfloat16)) "
          "and shard it with tpu_utility.FSDP",
          replaces="BitsAndBytesConfig(load_in_4bit=True) / load_in_8bit=True", tools=_PORT, breaks=True),
-    Rule("int8_base", "bitsandbytes' 8-bit load has CUDA kernels only: on XLA the load raises or runs on the host",
-         "model = quantize_base(from_pretrained(name)): the linear layers in int8 with a scale per output "
-         "channel, LoRA on top (tpu_utility.quantization)", replaces="from_pretrained(name, load_in_8bit=True)",
+    Rule("gradient_checkpointing", "model.gradient_checkpointing_enable() checkpoints each block with torch's "
+         "checkpoint, which fails on XLA tensors in a hand loop (it looks up torch.xla, which does not exist)",
+         "device_checkpointing(model): the same call, with torch_xla's checkpoint in each block on XLA "
+         "(one_cycle_fit does it itself)", replaces="model.gradient_checkpointing_enable()", tools=_PORT),
+    Rule("int8_base", "bitsandbytes' 8-bit and 4-bit loads have CUDA kernels only: on XLA the load raises or runs "
+         "on the host", "model = quantize_base(from_pretrained(name)): the linear layers in int8 with a scale per "
+         "output channel, LoRA on top (tpu_utility.quantization); a 4-bit config is mapped to the int8 base",
+         replaces="from_pretrained(name, load_in_8bit=True) / quantization_config=BitsAndBytesConfig(load_in_4bit=True)",
          tools=_PORT),
     Rule("import_time_device", "a device chosen when the module is imported (a config class's attribute, a "
          "module-level line of a program that launches processes) starts the XLA runtime at import, and the "

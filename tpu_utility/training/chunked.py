@@ -116,6 +116,18 @@ class ChunkedLoss(Callback):
     def __repr__(self) -> str:
         return f"ChunkedLoss({self.chunk_tokens})"
 
+    def traced_loss(self) -> Callable[[nn.Module, torch.Tensor], torch.Tensor]:
+        """``(model, token_ids) -> loss`` as this callback computes it, for ``memory_plan``'s traced step
+        (``trace_step(loss=...)``); the head's forward is called directly, as torch's ``MemTracker`` refuses a
+        module called more than once a step."""
+        chunk_tokens = self.chunk_tokens
+
+        class Traced(ChunkedLossStep):
+            def head_function(self, head: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+                return head.forward
+
+        return lambda model, ids: Traced(chunk_tokens)(model, {"input_ids": ids, "labels": ids})
+
     def on_fit_start(self, loop: TrainerLoop) -> None:
         step = loop.train_step
         if not (isinstance(step, LossStep) and step.model_loss):
@@ -163,7 +175,12 @@ class ChunkedLossStep:
         if self.labels is not None:  # the label check learns the vocabulary from the head, not from logits
             self.labels.see(torch.empty(1, 1, head.weight.shape[0], device="meta"), target, own_loss=True)
         softcap = getattr(inner.config.get_text_config(decoder=True), "final_logit_softcapping", None)
-        return chunked_causal_lm_loss(kept[-1], target, head, self.chunk_tokens, softcap)
+        return chunked_causal_lm_loss(kept[-1], target, self.head_function(head), self.chunk_tokens, softcap)
+
+    def head_function(self, head: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+        """What each chunk's logits are computed with: the head module itself (``ChunkedLoss.traced_loss`` calls
+        its ``forward`` directly)."""
+        return head
 
 
 __all__ = ["ChunkedLoss", "ChunkedLossStep", "chunked_causal_lm_loss"]

@@ -31,6 +31,7 @@ import io
 import math
 import os
 import tempfile
+import warnings
 from typing import Any, Callable, Literal, Sequence, get_args
 
 import torch
@@ -89,11 +90,25 @@ def check_number(name: str, value: Any, low: float, high: float, *, closed: str 
     return float(value)
 
 
-def _positive(name: str, value: Any, kind: type = float) -> None:
+def _positive(name: str, value: Any, kind: type = float) -> Any:
+    """``value``, checked to be a positive number (``kind=int``: a positive int)."""
     ok = not isinstance(value, bool) and isinstance(value, (int, float) if kind is float else int) and value > 0
     if not ok or (kind is float and not math.isfinite(value)):
         what = "a positive number" if kind is float else "a positive int"
         raise ValueError(f"{name} must be {what}, but given {value!r}")
+    return value
+
+
+def _check_model(model: Any) -> tuple[nn.Module | None, Callable[[], nn.Module] | None]:
+    """(the model, None) for a module with something to train, (None, the factory) for a zero-argument factory."""
+    if not isinstance(model, nn.Module):
+        if not callable(model):
+            raise TypeError(f"model must be an nn.Module or a zero-argument factory, but given {model!r}")
+        _check_factory(model)
+        return None, model
+    if not any(p.requires_grad for p in model.parameters()):
+        raise ValueError("the model has no trainable parameters (all have requires_grad=False); unfreeze some layers")
+    return model, None
 
 
 def _check_factory(model: Callable) -> None:
@@ -168,7 +183,13 @@ def _refuse_another_run(folder: str) -> None:
     )
 
 
-def _optimizer_args(optimizer: Any, weight_decay: float | None) -> dict[str, Any]:
+def _check_optimizer(optimizer: Any, weight_decay: Any) -> ChosenOptimizer:
+    """``optimizer=`` (a name or a factory) and ``weight_decay=`` (for a named one) checked together."""
+    factory, name = resolve_optimizer(optimizer)
+    return ChosenOptimizer(optimizer, factory, name, weight_decay, _optimizer_args(optimizer, weight_decay))
+
+
+def _optimizer_args(optimizer: Any, weight_decay: float | None) -> dict[str, float]:
     if weight_decay is None:
         return {}
     check_number("weight_decay", weight_decay, 0, math.inf, closed="[)")
@@ -200,7 +221,7 @@ def one_cycle_fit(
     max_grad_norm: float | None = None,
     schedule: ScheduleName | OneCycle | Callable[[int, int], float] | None = "one_cycle",
     warmup: float | int = 0,
-    pct_start: float = OneCycle.pct_start,  # the one-cycle defaults are written once, in OneCycle
+    pct_start: float = OneCycle.pct_start,  # deprecated (schedule=OneCycle(...)); the defaults are written in OneCycle
     div_factor: float = OneCycle.div_factor,
     final_div_factor: float = OneCycle.final_div_factor,
     base_momentum: float = OneCycle.base_momentum,
@@ -280,9 +301,10 @@ def one_cycle_fit(
             rounded up) or a number of steps (an int), as in Hugging Face's
             ``TrainingArguments(warmup_steps=...)``.
         pct_start, div_factor, final_div_factor, base_momentum, max_momentum:
-            The one-cycle schedule, as in ``torch.optim.lr_scheduler.OneCycleLR``; kept for
-            calls written before ``schedule=OneCycle(...)``, which says the same in one value
-            (give one or the other).
+            Deprecated: write ``schedule=OneCycle(pct_start=0.3, ...)``, which says the same in
+            one value. Given, they still shape the one-cycle schedule (as in
+            ``torch.optim.lr_scheduler.OneCycleLR``), with a FutureWarning naming the
+            ``OneCycle(...)`` to write instead (give one or the other).
         scale_lr_by_cores: Multiply ``max_lr`` by the number of cores.
         weight_decay: For the named optimizers (default: theirs).
         checkpoint_dir: Write ``last.pt`` and ``history.csv`` there after every
@@ -353,53 +375,71 @@ def one_cycle_fit(
         >>> history = one_cycle_fit(model, train_ds, epochs=1, max_lr=2e-5,  # doctest: +SKIP
         ...                         cores="all", strategy=FSDP(checkpoint=True))
     """
-    factory, plan = plan_fit(FitArguments(**locals()))  # every argument checked, before any launch, compile or epoch
+    built, factory = _check_model(model)
+    check_loss_fn(loss_fn)
+    _check_reduced(loss_fn)
+    metric_table = resolve_metrics(metrics, loss_fn is None)
+    _check_resume(checkpoint_dir, resume, overwrite)
+    cycle = OneCycle(max_lr=max_lr, pct_start=pct_start, div_factor=div_factor, final_div_factor=final_div_factor,
+                     base_momentum=base_momentum, max_momentum=max_momentum, scale_lr_by_cores=scale_lr_by_cores)  # fmt: skip
+    checked = FitArguments(  # every argument checked once, here, before any launch, compile or epoch
+        model=built, factory=factory, epochs=_positive("epochs", epochs, int),
+        precision=Precision.of(precision),  # fp16 where the device has no float16 path: refused before any launch
+        compile=Compile.of(compile),
+        steps=Steps(CrossEntropy() if loss_fn is None else loss_fn, train_step=train_step, eval_step=eval_step,
+                    accumulate_steps=_positive("accumulate_steps", accumulate_steps, int), default_loss=loss_fn is None,
+                    max_grad_norm=None if max_grad_norm is None else _positive("max_grad_norm", max_grad_norm)),
+        schedule=resolve_schedule(schedule, warmup, cycle), optimizer=_check_optimizer(optimizer, weight_decay),
+        metrics=metric_table, callbacks=check_callbacks(callbacks),
+        stop=_stop_rule(monitor=monitor, mode=mode, patience=early_stopping, restore_best=restore_best,
+                        time_limit=time_limit, figures=(valid_data is not None, metric_table)),
+        cores=cores, strategy=strategy, data=_loader_specs(train_data, valid_data, batch_size),
+        num_workers=_check_workers(num_workers), checkpoint_dir=checkpoint_dir, resume=resume, overwrite=overwrite,
+        seed=check_seed(seed), progress=progress,
+    )  # fmt: skip
+    factory, plan = plan_fit(checked)
     return plan.strategy.run(_train, (model, plan), what="training", pack=_packed,
                              unpack=lambda state: _unpacked(state, model if factory is None else factory()))  # fmt: skip
 
 
 @dataclass(frozen=True)
-class FitArguments:
-    """``one_cycle_fit``'s arguments as the user gave them (``plan_fit`` checks each once)."""
+class ChosenOptimizer:
+    """``optimizer=`` and ``weight_decay=`` checked: the value given (a name or a factory), the factory and name it
+    resolves to, and the keyword arguments the factory is called with."""
 
-    model: Any
-    train_data: Any
-    epochs: Any
-    max_lr: Any
-    valid_data: Any
-    loss_fn: Any
-    optimizer: Any
-    batch_size: Any
-    cores: Any
-    strategy: Any
-    precision: Any
-    compile: Any
-    metrics: Any
-    accumulate_steps: Any
-    max_grad_norm: Any
-    schedule: Any
-    warmup: Any
-    pct_start: Any
-    div_factor: Any
-    final_div_factor: Any
-    base_momentum: Any
-    max_momentum: Any
-    scale_lr_by_cores: Any
-    weight_decay: Any
-    checkpoint_dir: Any
-    resume: Any
-    overwrite: Any
-    monitor: Any
-    mode: Any
-    early_stopping: Any
-    restore_best: Any
-    time_limit: Any
-    train_step: Any
-    eval_step: Any
-    num_workers: Any
-    seed: Any
-    progress: Any
-    callbacks: Any
+    given: str | Callable[..., torch.optim.Optimizer]
+    factory: Callable[..., torch.optim.Optimizer]
+    name: str
+    weight_decay: float | int | None
+    args: dict[str, float]
+
+
+@dataclass(frozen=True)
+class FitArguments:
+    """``one_cycle_fit``'s arguments, each checked once where its signature reads them, typed as checked: the values
+    ``plan_fit`` makes the run from (the one-cycle arguments in ``schedule``, the loss and steps in ``steps``, the
+    monitored figure, patience and time limit in ``stop``)."""
+
+    model: nn.Module | None  # None: ``factory`` builds it, in each process
+    factory: Callable[[], nn.Module] | None
+    epochs: int
+    precision: Precision
+    compile: Compile
+    steps: Steps
+    schedule: OneCycle | LrSchedule
+    optimizer: ChosenOptimizer
+    metrics: dict[str, Callable[..., torch.Tensor]]
+    callbacks: list[object]
+    stop: StopRule
+    cores: int | str  # checked with strategy= by the strategies' choose, in plan_fit
+    strategy: StrategyName | FSDP
+    data: tuple[LoaderSpec, LoaderSpec | None]  # train_data, valid_data
+    num_workers: int | None
+    checkpoint_dir: str | os.PathLike[str] | None
+    resume: bool
+    overwrite: bool
+    seed: int
+    progress: bool
 
 
 @dataclass(frozen=True)
@@ -413,75 +453,47 @@ class CheckpointSettings:
 
 
 def plan_fit(a: FitArguments) -> tuple[Callable[[], nn.Module] | None, FitPlan]:
-    """``one_cycle_fit``'s arguments checked once, at the boundary, and made into the run's ``FitPlan`` (and the
-    model factory, when a factory was given), each carried down as a value object (``Precision``, the
-    ``Strategy``, the schedule, ``StopRule``): a bad value is named before any launch, compile or epoch."""
-    model, factory = a.model, None
-    if not isinstance(model, nn.Module):
-        if not callable(model):
-            raise TypeError(f"model must be an nn.Module or a zero-argument factory, but given {model!r}")
-        _check_factory(model)
-        factory = model
-    elif not any(p.requires_grad for p in model.parameters()):
-        raise ValueError("the model has no trainable parameters (all have requires_grad=False); unfreeze some layers")
-    _positive("epochs", a.epochs, int)
-    _positive("accumulate_steps", a.accumulate_steps, int)
-    precision = Precision.of(a.precision)  # fp16 where the device has no float16 path: refused before any launch
-    compiling = Compile.of(a.compile)
-    if a.max_grad_norm is not None:
-        _positive("max_grad_norm", a.max_grad_norm)
-    _check_resume(a.checkpoint_dir, a.resume, a.overwrite)
-    cycle = OneCycle(max_lr=a.max_lr, pct_start=a.pct_start, div_factor=a.div_factor, final_div_factor=a.final_div_factor,
-                     base_momentum=a.base_momentum, max_momentum=a.max_momentum, scale_lr_by_cores=a.scale_lr_by_cores)  # fmt: skip
-    lr_schedule = resolve_schedule(a.schedule, a.warmup, cycle)
-    opt_factory, opt_name = resolve_optimizer(a.optimizer)
-    check_loss_fn(a.loss_fn)
-    _check_reduced(a.loss_fn)
-    metric_table = resolve_metrics(a.metrics, a.loss_fn is None)
-    callbacks = check_callbacks(a.callbacks)
-    stop = _stop_rule(monitor=a.monitor, mode=a.mode, patience=a.early_stopping, restore_best=a.restore_best,
-                      time_limit=a.time_limit, figures=(a.valid_data is not None, metric_table))  # fmt: skip
+    """``one_cycle_fit``'s checked arguments made into the run's ``FitPlan`` (and the model factory, when a factory
+    was given): the loaders' workers, the memory plan the model is checked against, the checkpoint folder, and what
+    a resume and every replica must agree on; a model that cannot fit is named before any launch, compile or epoch."""
+    model, factory, precision, callbacks = a.model, a.factory, a.precision, a.callbacks
     chosen = choose(a.cores, a.strategy)
     n_cores, processes = chosen.cores, chosen.processes()
-    train_spec, valid_spec = _loader_specs(a.train_data, a.valid_data, batch_size=a.batch_size,
-                                           num_workers=a.num_workers, processes=processes)  # fmt: skip
+    train_spec, valid_spec = _with_workers(a.data, a.num_workers, processes)
     memory = None
     if factory is None:  # a model that cannot fit: said now, not after minutes of compiling
         memory = _memory_plan(model, a, chosen, precision, train_spec, callbacks)
         chosen = chosen.settled(memory)  # strategy="auto" over a mesh: sharded where one replica cannot fit
         refuse_replicating(model, memory, batch_size=train_spec.batch_size, column=chosen.column())
         if chosen.column() == "sharded":  # the host holds it whole before it is sharded, and each save
-            refuse_host_shortage(model, a.optimizer, processes=processes, checkpoints=a.checkpoint_dir is not None)
-    loss = a.loss_fn if a.loss_fn is not None else CrossEntropy()
+            refuse_host_shortage(model, a.optimizer.given, processes=processes, checkpoints=a.checkpoint_dir is not None)
     if valid_spec is not None:
-        per_sample_loss(loss)  # fail now, not after the first epoch
+        per_sample_loss(a.steps.loss_fn)  # fail now, not after the first epoch
         _check_buckets(valid_spec, "valid_data")  # a long sequence would fail only after an epoch of training
     _check_checkpoint_dir(a.checkpoint_dir)
     if a.checkpoint_dir is not None and not (a.resume or a.overwrite):
         _refuse_another_run(str(a.checkpoint_dir))
-    steps = Steps(loss, train_step=a.train_step, eval_step=a.eval_step, accumulate_steps=a.accumulate_steps,
-                  max_grad_norm=a.max_grad_norm, default_loss=a.loss_fn is None)  # fmt: skip
     fingerprint = {
-        "schedule": repr(lr_schedule), "optimizer": opt_name, "weight_decay": a.weight_decay,
-        "seed": check_seed(a.seed), "train samples": len(train_spec), "batch_size": train_spec.batch_size,
-        "cores": n_cores, "accumulate_steps": a.accumulate_steps,
+        "schedule": repr(a.schedule), "optimizer": a.optimizer.name, "weight_decay": a.optimizer.weight_decay,
+        "seed": a.seed, "train samples": len(train_spec), "batch_size": train_spec.batch_size,
+        "cores": n_cores, "accumulate_steps": a.steps.accumulate_steps,
     }  # fmt: skip
     if train_spec.batch_sampler is not None:
         fingerprint["batch_sampler"] = train_spec.batch_sampler.fingerprint()
     if Events(callbacks).keys():  # a resume restores their state: the same ones, or a clear refusal
         fingerprint["callbacks"] = Events(callbacks).keys()
-    config = {"epochs": a.epochs, "max_lr": a.max_lr, "batch_size": train_spec.batch_size, "cores": n_cores}
+    config = {"epochs": a.epochs, "max_lr": a.schedule.max_lr, "batch_size": train_spec.batch_size, "cores": n_cores}
     checkpoints = None if a.checkpoint_dir is None else CheckpointSettings(
         str(a.checkpoint_dir), a.resume, {"fingerprint": fingerprint, "config": config})  # fmt: skip
     # what every replica must be given alike (ReplicaAgreement adds the data, the model and the resume point)
-    run_shape = {**config, **{k: v for k, v in fingerprint.items() if k != "train samples"}, "precision": precision.name,
-                 "max_grad_norm": a.max_grad_norm, "stop": repr(stop)}  # fmt: skip
+    run_shape = {**config, **{k: v for k, v in fingerprint.items() if k != "train samples"},
+                 "precision": precision.name, "max_grad_norm": a.steps.max_grad_norm, "stop": repr(a.stop)}  # fmt: skip
     plan = FitPlan(
-        epochs=a.epochs, train=train_spec, valid=valid_spec, steps=steps,
-        optimizer=opt_factory, optimizer_name=opt_name, optimizer_args=_optimizer_args(a.optimizer, a.weight_decay),
-        metrics=metric_table, checkpoint_dir=a.checkpoint_dir, overwrite=a.overwrite, precision=precision,
-        seed=a.seed, progress=a.progress, cores=n_cores, strategy=chosen, compile=compiling, callbacks=callbacks,
-        builtins=builtin_callbacks(lr_schedule, stop, checkpoints=checkpoints, progress=a.progress, run_shape=run_shape),
+        epochs=a.epochs, train=train_spec, valid=valid_spec, steps=a.steps,
+        optimizer=a.optimizer.factory, optimizer_name=a.optimizer.name, optimizer_args=a.optimizer.args,
+        metrics=a.metrics, checkpoint_dir=a.checkpoint_dir, overwrite=a.overwrite, precision=precision,
+        seed=a.seed, progress=a.progress, cores=n_cores, strategy=chosen, compile=a.compile, callbacks=callbacks,
+        builtins=builtin_callbacks(a.schedule, a.stop, checkpoints=checkpoints, progress=a.progress, run_shape=run_shape),
         memory=memory.summary() if memory is not None and memory.usable is not None else "",
     )  # fmt: skip
     return factory, plan
@@ -492,7 +504,7 @@ def _memory_plan(model: nn.Module, a: FitArguments, chosen: Any, precision: Prec
     """The plan the run is checked against, as the run will be: its cores, batch per core, precision, optimizer
     and fsdp options (their checkpointing), and its activations where the chip's memory is known and the data are
     tokens (their first row's length; traced where it can be: ``memory_plan``)."""
-    run = dict(cores=chosen.cores, batch_size=train.batch_size, optimizer=a.optimizer, precision=precision,
+    run = dict(cores=chosen.cores, batch_size=train.batch_size, optimizer=a.optimizer.given, precision=precision,
                fsdp=chosen.sharding())  # fmt: skip
     plan = memory_plan(model, **run, method="estimate")
     if plan.usable is None:  # nothing to check it against: no sample is read
@@ -518,9 +530,10 @@ def _check_resume(checkpoint_dir: Any, resume: Any, overwrite: Any) -> None:
 def resolve_schedule(schedule: Any, warmup: Any, cycle: OneCycle) -> OneCycle | LrSchedule:
     """``schedule=`` and ``warmup=`` checked against each other and the one-cycle arguments, as a value object.
 
-    ``cycle`` is made from ``max_lr`` and the separate one-cycle arguments (kept for calls written before
-    ``schedule=OneCycle(...)``). A one-cycle argument changed from its default while another schedule, or a
-    ``OneCycle`` of its own, is given would be ignored, so it is an error naming it (as is ``warmup`` with
+    ``cycle`` is made from ``max_lr`` and the separate one-cycle arguments (deprecated, kept for calls written
+    before ``schedule=OneCycle(...)``: given, they still shape the schedule, with a FutureWarning naming the
+    ``OneCycle(...)`` that says the same). A one-cycle argument changed from its default while another schedule, or
+    a ``OneCycle`` of its own, is given would be ignored, so it is an error naming it (as is ``warmup`` with
     one-cycle).
     """
     check_warmup(warmup)
@@ -532,7 +545,13 @@ def resolve_schedule(schedule: Any, warmup: Any, cycle: OneCycle) -> OneCycle | 
             pct_start = schedule.pct_start if isinstance(schedule, OneCycle) else cycle.pct_start
             raise ValueError(f"warmup={warmup!r} shapes schedule='linear', 'cosine' or 'constant'; "
                              f"schedule='one_cycle' warms up over pct_start of the steps (now {pct_start!r})")  # fmt: skip
-        return cycle if isinstance(schedule, str) else _given_cycle(schedule, cycle, changed)
+        if isinstance(schedule, OneCycle):
+            return _given_cycle(schedule, cycle, changed)
+        if changed:  # one_cycle_fit -> here: the warning names the user's call
+            settings = ", ".join(changed)
+            warnings.warn(f"{settings} {'is' if len(changed) == 1 else 'are'} deprecated: write "
+                          f"schedule=OneCycle({settings})", FutureWarning, stacklevel=3)  # fmt: skip
+        return cycle
     if isinstance(schedule, str) and schedule not in get_args(ScheduleName):
         raise ValueError(f"schedule must be {allowed}, but given {schedule!r}")
     if isinstance(schedule, type):  # callable, but calling it builds an object, not a multiplier
@@ -619,22 +638,34 @@ def _check_buckets(spec: LoaderSpec, what: str) -> None:
         spec.collate_fn.check_fits(spec.dataset, what, lengths, None if spec.sampler is None else list(spec.sampler))
 
 
-def _loader_specs(train_data: Any, valid_data: Any, batch_size: int | None, num_workers: int | None,
-                  processes: int) -> tuple[LoaderSpec, LoaderSpec | None]:  # fmt: skip
+def _loader_specs(train_data: Any, valid_data: Any, batch_size: int | None) -> tuple[LoaderSpec, LoaderSpec | None]:
+    """``train_data`` and ``valid_data`` (a Dataset or a DataLoader) as what they ask for, batched by ``batch_size``."""
     train_spec = unpack_loader(train_data, batch_size, "train_data")
     valid_spec = None
     if valid_data is not None:
         # a DataLoader keeps its own batch size; a Dataset is batched like the training data
         own_size = None if isinstance(valid_data, DataLoader) else train_spec.batch_size
         valid_spec = unpack_loader(valid_data, own_size, "valid_data")
+    return train_spec, valid_spec
+
+
+def _check_workers(num_workers: Any) -> int | None:
+    if num_workers is not None and (isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0):
+        raise ValueError(f"num_workers must be an int >= 0, but given {num_workers!r}")
+    return num_workers
+
+
+def _with_workers(specs: tuple[LoaderSpec, LoaderSpec | None], num_workers: int | None,
+                  processes: int) -> tuple[LoaderSpec, LoaderSpec | None]:  # fmt: skip
+    """The loaders with their DataLoader workers: ``num_workers`` when given, else the DataLoader's own, else (a
+    Dataset) what setup_tpu suggests for this host and ``processes``, none for tensors in memory."""
+    train_spec, valid_spec = specs
     workers = num_workers if num_workers is not None else train_spec.num_workers
-    if workers is None:  # a Dataset: what setup_tpu suggests for this host, none for tensors in memory
+    if workers is None:
         from ..environment import default_num_workers
 
         in_memory = isinstance(train_spec.dataset, TensorDataset)
         workers = 0 if in_memory else default_num_workers(processes)
-    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 0:
-        raise ValueError(f"num_workers must be an int >= 0, but given {workers!r}")
     for spec in (train_spec, valid_spec):
         if spec is not None and (num_workers is not None or spec.num_workers is None):
             spec.num_workers = workers

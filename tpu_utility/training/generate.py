@@ -523,7 +523,7 @@ def generate(
     _check_count("batch_size", batch_size)
     _check_count("read_every", read_every)
     sampling = check_sampling(do_sample, temperature, top_k, top_p, seed)
-    compiling = Compile.of(compile)
+    compile_setting = Compile.of(compile)
     if not isinstance(progress, bool):
         raise TypeError(f"progress must be True or False, but given {progress!r}")
     inner = causal_lm(model)
@@ -534,7 +534,7 @@ def generate(
     chosen = choose(cores).one_program(f"generate (cores={cores!r})")
     if chosen.job_size() > 1 and not _same_prompts_everywhere(prompts):
         chosen = chosen.alone()  # each replica given prompts of its own generates them all, alone
-    runner = Runner(inner, "fp32", chosen, compiling)
+    runner = Runner(inner, "fp32", chosen, compile_setting)
     try:
         # the rows of a batch: the global batch of one program over the mesh, else this process's own
         rows = runner.topology.global_batch(batch_size) if runner.topology.spmd else batch_size

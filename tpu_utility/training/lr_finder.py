@@ -163,7 +163,7 @@ def find_lr(
     if isinstance(read_every, bool) or not isinstance(read_every, int) or read_every < 1:
         raise ValueError(f"read_every must be a positive int, but given {read_every!r}")
     make_opt, name = resolve_optimizer(optimizer)
-    compiling = Compile.of(compile).settled(num_steps)  # the plan counts num_steps epochs: the sweep's length decides
+    compile_setting = Compile.of(compile).settled(num_steps)  # the plan counts num_steps epochs: the sweep's length decides
     sweep = _Sweep(_SweepArgs(start_lr, end_lr, num_steps, smooth, diverge_factor, read_every))
     # the one_cycle_fit loop with the sweep as its schedule; a dict batch with labels and the default
     # loss trains on a Hugging Face model's own output.loss
@@ -171,7 +171,7 @@ def find_lr(
         epochs=num_steps, train=unpack_loader(train_data, batch_size, "train_data"), valid=None,
         steps=Steps(loss_fn or CrossEntropy(), default_loss=loss_fn is None), optimizer=make_opt,
         optimizer_name=name, optimizer_args={}, metrics={}, seed=check_seed(seed), progress=False, builtins=[sweep],
-        cores=chosen.cores, strategy=chosen, compile=compiling,
+        cores=chosen.cores, strategy=chosen, compile=compile_setting,
     )  # fmt: skip
     # the strategy runs the sweep: here, or (natively sharded) in the processes holding the shards
     swept = chosen.run(_swept, (model, plan, sweep), what="find_lr", pack=dataclasses.asdict,

@@ -251,7 +251,7 @@ def memory_plan(
         method: "trace" (one step of a transformers causal LM traced on fake tensors, ``trace_step``; where it
             cannot run, the formulas, and the plan says why) or "estimate" (the formulas alone: instant).
         chunked_loss: The run's ``ChunkedLoss(...)`` callback, or None: the loss's logits rows count one chunk's
-            tokens, not all of them (planned by the formulas: the traced step would run the model's own loss).
+            tokens, not all of them (traced as ``ChunkedLoss`` runs it, or by the formulas).
 
     Returns:
         A ``MemoryPlan``: ``.replicated`` and ``.sharded`` (bytes per chip), ``.fits_replicated`` and
@@ -302,8 +302,10 @@ def memory_plan(
         inner = base_model(model)  # transformers 5 renamed the flag; the old name warns
         own = bool(getattr(inner, "is_activation_checkpointing", None) or getattr(inner, "gradient_checkpointing", False))
         checkpointed = tuple(c.checkpoints(own) if checkpointing is None else checkpointing for c in columns)
-        run = _Run(model, shape, batch_size, seq_len, optimizer, precision, own, loss_chunk)
-        how, rows, more = _activations(run, columns, checkpointed, terms[1], method, chunked_loss)
+        run = _Run(model, shape, batch_size, seq_len, optimizer, precision, own, chunked_loss)
+        how, rows, more = _activations(run, columns, checkpointed, terms[1], method)
+        if dequantized and how.startswith("traced"):  # the traced step holds each layer's dequantized weight
+            terms = [t for t in terms if not t.name.startswith("one layer dequantized")]
         terms.append(rows)
         notes += more
         with_ckpt = _estimate(model, shape, batch_size * seq_len, precision, True, loss_chunk)
@@ -352,36 +354,40 @@ class _Run:
     optimizer: Any
     precision: Precision
     own: bool  # the model checkpoints its blocks itself
-    loss_chunk: int | None
+    chunked_loss: Any  # the run's ChunkedLoss, or None
+
+    @property
+    def loss_chunk(self) -> int | None:
+        return getattr(self.chunked_loss, "chunk_tokens", None)
 
 
 def _activations(run: _Run, columns: tuple[Strategy, Strategy], checkpointed: tuple[bool, ...], gradients: Term,
-                 method: str, chunked_loss: Any) -> tuple[str, Term, list[str]]:  # fmt: skip
+                 method: str) -> tuple[str, Term, list[str]]:  # fmt: skip
     """The activations' row of each column (a traced step where it can be, else the formulas): how they were found,
     the row, and the notes."""
     steps, why = {}, None
-    if method == "trace" and run.loss_chunk is None:
+    if method == "trace":
         try:
             for ckpt in set(checkpointed):
-                steps[ckpt] = trace_step(run.model, batch_size=run.batch_size, seq_len=run.seq_len,
-                                         optimizer=run.optimizer, precision=run.precision,
-                                         checkpointing=ckpt and not run.own)  # fmt: skip
+                steps[ckpt] = trace_step(run.model, tokens=(run.batch_size, run.seq_len), optimizer=run.optimizer,
+                                         precision=run.precision, checkpointing=ckpt and not run.own,
+                                         loss=run.chunked_loss.traced_loss() if run.chunked_loss else None)  # fmt: skip
         except TraceUnavailable as error:
             steps, why = {}, str(error)
     else:
-        why = "method='estimate'" if method != "trace" else f"{chunked_loss!r} (the traced step runs the model's own loss)"
+        why = "method='estimate'"
+    chunks = f", the loss in chunks of {run.loss_chunk}" if run.loss_chunk else ""
     tokens = f"{run.batch_size} x {run.seq_len} tokens"
     if steps:
         seconds = sum(step.seconds for step in steps.values())
         rows = [_traced_row(steps[ckpt], getattr(gradients, c.column() if i else "replicated"), c.cores if i else 1)
                 for i, (c, ckpt) in enumerate(zip(columns, checkpointed))]  # fmt: skip
         saved = [_gb(steps[ckpt].saved) for ckpt in checkpointed]
-        return (f"traced one step ({tokens} on fake tensors, {seconds:.1f} s)",
+        return (f"traced one step ({tokens}{chunks} on fake tensors, {seconds:.1f} s)",
                 Term("activations and temporaries at the step's peak (traced)", *rows),
                 [f"saved for backward: {saved[0]} replicated, {saved[1]} sharded (of the peak's activations)"])  # fmt: skip
     estimate = functools.partial(_estimate, run.model, run.shape, run.batch_size * run.seq_len, run.precision,
                                  loss_chunk=run.loss_chunk)  # fmt: skip
-    chunks = f", the loss in chunks of {run.loss_chunk}" if run.loss_chunk else ""
     return (f"estimate (formulas): {why}",
             Term(f"activations and temporaries ({tokens}{chunks}, estimate)", *(estimate(c) for c in checkpointed)), [])
 

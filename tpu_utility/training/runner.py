@@ -22,8 +22,8 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from .. import backend
-from ..compiler import EAGER, Compile, Compiling, compiled_parts
-from ..data.loaders import LoaderSpec, eval_loader, real_counts, train_loader
+from ..compiler import EAGER, Compile, CompileDecision, compiled_parts
+from ..data.loaders import LoaderSpec, eval_loader, real_counts, stop_workers, train_loader
 from ..device import get_device, move_model, move_to_device
 from ..huggingface import (base_model, check_transformers, give_back_checkpoint_functions, is_transformers_model,
                            packed_attention, restore_masks, restore_packed_attention, static_masks,
@@ -87,7 +87,7 @@ class Runner:
         if is_transformers_model(base_model(model)):
             check_transformers()
         self.compile = compile if compile is not None else EAGER
-        self.compiling = Compiling(False, "")  # decided for the run's length (compile_for)
+        self.decision = CompileDecision(False, "")  # decided for the run's length (compile_for)
         self._compiled_model: nn.Module | None = None
         self.found = Placement.of(model)
         self.strategy = strategy if strategy is not None else Strategy()  # one process, the whole model
@@ -95,6 +95,7 @@ class Runner:
         self.device = get_device()
         self.model = model
         self._train_model: nn.Module | None = None
+        self._loaders: list[Any] = []  # the loaders built here, their workers stopped by ``stop_workers``
         self.precision = Precision.of(precision, self.device).on(self.device)
         self.found_weights = None
         if self.precision.mode == "cast":  # bf16 -> fp32 would not give the weights back exactly
@@ -124,15 +125,26 @@ class Runner:
         give_back_checkpoint_functions(self.found_checkpointing)
         if self.found_weights is not None:
             self.model.load_state_dict(self.found_weights)
+        self.stop_workers()
+
+    def stop_workers(self) -> None:
+        """Stops the worker processes of the loaders built here, now (see ``data.loaders.stop_workers``)."""
+        for loader in self._loaders:
+            stop_workers(loader)
+        self._loaders = []
 
     # -- loaders
     def train_loader(self, spec: LoaderSpec, seed: int) -> Any:
         loaders, index = self.topology.loaders
-        return train_loader(spec, self.topology.loader_batch(spec.batch_size), replicas=loaders, rank=index, seed=seed)
+        loader = train_loader(spec, self.topology.loader_batch(spec.batch_size), replicas=loaders, rank=index, seed=seed)
+        self._loaders.append(loader)
+        return loader
 
     def eval_loader(self, spec: LoaderSpec) -> Any:
         loaders, index = self.topology.loaders
-        return eval_loader(spec, self.topology.loader_batch(spec.batch_size), replicas=loaders, rank=index)
+        loader = eval_loader(spec, self.topology.loader_batch(spec.batch_size), replicas=loaders, rank=index)
+        self._loaders.append(loader)
+        return loader
 
     def batches(self, loader: Any) -> Iterator[Batch]:
         """Device batches (sharded over the mesh under SPMD); Dataset errors reach the caller."""
@@ -152,34 +164,34 @@ class Runner:
         """Decides whether the steps of a run of ``steps`` steps are compiled (``compile=``; a model the caller
         compiled is trained as it is) before the first; returns the summary line's words for it."""
         if self.own_compiled is not None:
-            self.compiling = Compiling(True, "compiled by the caller (torch.compile(model)): trained as it is")
+            self.decision = CompileDecision(True, "compiled by the caller (torch.compile(model)): trained as it is")
         else:
-            self.compiling = self.compile.decide(steps)
+            self.decision = self.compile.decide(steps)
         self._train_model = self._compiled_model = None
-        return self.compiling.words
+        return self.decision.words
 
     @property
     def compiles(self) -> bool:
         """Whether the steps compile graphs as they run: XLA's lazy graphs, or torch.compile's."""
-        return self.lazy or self.compiling.on
+        return self.lazy or self.decision.on
 
     @property
     def train_model(self) -> nn.Module:
         """The model a training step calls: the backend's replica wrapper (DDP on CUDA/CPU) when replicas train,
         compiled where the run compiles (the wrapper around the model, which is left as it is)."""
         if self._train_model is None:
-            own = self.compiling.on and self.own_compiled is not None
+            own = self.decision.on and self.own_compiled is not None
             called = self.own_compiled if own else self.model
             if self.topology.replicas > 1:  # DDP; a model FSDP2 shards averages its gradients itself: as it is
                 called = backend.current().processes.wrap_replica(called, self.device)
-            ours = self.compiling.on and not own  # torch.compile of DDP splits its graphs at the gradient buckets
+            ours = self.decision.on and not own  # torch.compile of DDP splits its graphs at the gradient buckets
             self._train_model = self._compile(_Training(called)) if ours else called
         return self._train_model
 
     @property
     def step_model(self) -> nn.Module:
         """The model an evaluation or prediction step calls: compiled where the run compiles."""
-        if not self.compiling.on:
+        if not self.decision.on:
             return self.model
         if self.own_compiled is not None:
             return self.own_compiled
@@ -188,7 +200,7 @@ class Runner:
         return self._compiled_model
 
     def _compile(self, model: nn.Module) -> nn.Module:
-        return backend.current().compute.compile_model(model, self.compile.options)
+        return backend.current().compute.torch_compile(model, self.compile.options)
 
     def run(self, step: Step, batch: Batch, training: bool = False) -> Any:
         """``step(model, batch)`` under this precision (the replica wrapper when ``training``), compiled where the

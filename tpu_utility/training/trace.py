@@ -1,10 +1,10 @@
 """One training step traced on fake tensors: the bytes a chip holds at the step's peak, measured, not estimated.
 
-    step = trace_step(model, batch_size=16, seq_len=1024, optimizer="adamw", precision="bf16", checkpointing=False)
+    step = trace_step(model, tokens=(16, 1024), optimizer="adamw", precision="bf16", checkpointing=False)
     step.peak, step.saved, step.seconds
 
 The model is copied onto fake tensors (``torch._subclasses.fake_tensor.FakeTensorMode``: shapes and dtypes, no
-storage), so a 7B model on the ``meta`` device traces on a laptop. One step (forward, the model's own loss,
+storage), so a 7B model on the ``meta`` device traces on a laptop. One step (forward, the model's own loss or ``ChunkedLoss``'s,
 backward, the optimizer's step) runs after a first optimizer step has made the optimizer's state, under torch's
 own tracker (``torch.distributed._tools.mem_tracker.MemTracker``), which records every storage alive at each op
 and keeps the peak. Autocast, the attention implementation and per-block checkpointing are the run's. The trace
@@ -80,26 +80,27 @@ class TracedStep:
 def trace_step(
     model: nn.Module,
     *,
-    batch_size: int,
-    seq_len: int,
+    tokens: tuple[int, int],
     optimizer: str | Callable[..., torch.optim.Optimizer] = "adamw",
     precision: str | Precision = "fp32",
     checkpointing: bool = False,
+    loss: Callable[[nn.Module, torch.Tensor], torch.Tensor] | None = None,
 ) -> TracedStep:
     """Traces one training step of ``model`` on fake tensors and returns the bytes it held at its peak.
 
     The model is only read (a fake copy is traced; it may live on ``meta``). A transformers causal LM gets a
-    ``batch_size x seq_len`` batch of token ids as its ``input_ids`` and ``labels``, and its own loss, as
+    ``tokens`` (rows x length) batch of token ids as its ``input_ids`` and ``labels``, and its own loss, as
     ``one_cycle_fit`` trains it. ``checkpointing`` recomputes each block (``block_classes``) in backward, as
     ``strategy="fsdp"`` does; the model's own ``gradient_checkpointing_enable()`` is kept as it is.
 
     Args:
         model: A transformers causal LM (a peft model around one included), on any device.
-        batch_size: Rows per chip.
-        seq_len: Tokens per row.
+        tokens: ``(batch_size, seq_len)``: rows per chip and tokens per row.
         optimizer: "adamw", "adam", "sgd" (momentum 0.9), or a factory of parameters (a class, a partial).
         precision: "fp32", "bf16" or "fp16" (autocast, the weights in their own dtype).
         checkpointing: Checkpoint each block.
+        loss: ``(model, token_ids) -> loss`` in place of the model's own (``ChunkedLoss.traced_loss()``: the
+            head and the cross-entropy over chunks of tokens), or None.
 
     Returns:
         A ``TracedStep``: ``.peak``, ``.activations``, ``.saved`` bytes and the seconds the trace took.
@@ -110,7 +111,7 @@ def trace_step(
 
     Example:
         >>> # was: run one step on the chip and read torch.cuda.max_memory_allocated()
-        >>> step = trace_step(model, batch_size=8, seq_len=1024, precision="bf16")   # doctest: +SKIP
+        >>> step = trace_step(model, tokens=(8, 1024), precision="bf16")   # doctest: +SKIP
         >>> step.peak / 1e9                                                       # doctest: +SKIP
     """
     if not is_causal_lm(model):
@@ -134,7 +135,7 @@ def trace_step(
                 config = getattr(base_model(fake), "config", None)  # the copy's own: as strategy="fsdp" does, no
                 if getattr(config, "use_cache", False):  # KV cache, where a recomputed block would append to it
                     config.use_cache = False
-            ids = torch.randint(0, vocab, (batch_size, seq_len))
+            ids = torch.randint(0, vocab, tokens)
             opt = _optimizer(optimizer, fake)
             _make_state(fake, opt)
             tracker = MemTracker()
@@ -143,7 +144,7 @@ def trace_step(
             with tracker:  # forward and backward: the peak of the activations
                 with torch.autograd.graph.saved_tensors_hooks(saved.pack, _unpack), saved.blocks(checkpointing):
                     with _autocast(precision):
-                        loss = fake(input_ids=ids, labels=ids).loss
+                        loss = fake(input_ids=ids, labels=ids).loss if loss is None else loss(fake, ids)
                 loss.backward()
             backward = _by_kind(tracker.get_tracker_snapshot("peak"))
             with tracker:  # entered again: the peak starts afresh, from what is live now (the gradients); the step's

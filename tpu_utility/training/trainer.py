@@ -35,7 +35,7 @@ from ..data.packing import PackedDataset
 from ..files import folder_lock, join, remove, remove_stale_temporaries
 from ..huggingface import is_causal_lm, restore_masks, restore_packed_attention
 from ..optim import on_xla, take_step
-from ..progress import CompileNotice, progress_bar
+from ..progress import CompileProgress, progress_bar
 from .builtins import BEST_NAME, HISTORY_NAME
 from .events import Events, StopFit
 from .graphs import GraphLog
@@ -178,7 +178,7 @@ def _optimizer(runner: Runner, plan: FitPlan) -> tuple[torch.optim.Optimizer, bo
         raise ValueError("the model has no trainable parameters (all have requires_grad=False); unfreeze some layers")
     if fused:
         return fused(params, **plan.optimizer_args), True
-    own = runner.compiling.on and plan.optimizer_name in OPTIMIZERS  # one_cycle_fit's own, by name
+    own = runner.decision.on and plan.optimizer_name in OPTIMIZERS  # one_cycle_fit's own, by name
     extra = backend.current().compute.compiled_optimizer_options(plan.optimizer_name) if own else {}
     return build_optimizer(plan.optimizer, runner.model, {**plan.optimizer_args, **extra}), False
 
@@ -254,6 +254,7 @@ def _train(model: nn.Module, plan: FitPlan) -> tuple[nn.Module, History]:
         restore_masks(model, loop.runner.found_attention)
         restore_packed_attention(loop.runner.packed_attention)
         loop.runner.strategy.leave(model)  # its hooks off: history.model is the plain model
+        loop.runner.stop_workers()  # persistent loaders' workers stopped now, not waited out at a garbage collection
 
 
 def _run(loop: Trainer, model: nn.Module, plan: FitPlan) -> tuple[nn.Module, History]:
@@ -336,7 +337,7 @@ def _train_epoch(loop: Trainer, epoch: int) -> tuple[list[torch.Tensor], float]:
     desc, speak = f"epoch {epoch + 1}/{plan.epochs}", plan.progress and loop.master
     bar = progress_bar(loop.batches, desc, enabled=speak)
     # the run's first epoch on XLA compiles: say so before the first batch's compile, not after
-    notice = CompileNotice(bar, desc, backend.current().diagnosis.compile_count, expect=runner.compiles and epoch == loop.start_epoch, speak=speak)
+    notice = CompileProgress(bar, desc, backend.current().diagnosis.compile_count, expect=runner.compiles and epoch == loop.start_epoch, speak=speak)
     watch = runner.compiles  # XLA's or torch.compile's graphs: an eager step's count never moves
     if loop.graphs is not None:
         loop.graphs.begin("train step", epoch + 1)
@@ -487,7 +488,7 @@ def _summary(loop: Trainer) -> str:
         + (f"{runner.strategy.note} | " if runner.strategy.note else "")
         + (f"{plan.memory} | " if plan.memory else "")
         + "".join(f"{part} | " for part in schedule)
-        + (f"{runner.compiling.words} | " if runner.compiling.words else "")
+        + (f"{runner.decision.words} | " if runner.decision.words else "")
         + f"{runner.precision.words(loop.model)} | {plan.optimizer_name}{' (torch_xla sync-free, fused)' if loop.fused else ''}"
         + (" (fused)" if loop.optimizer.defaults.get("fused") else "")
         + (f" | peak lr per param group x{[round(r, 6) for r in loop.lr_ratios]}" if set(loop.lr_ratios) != {1.0} else "")

@@ -1,11 +1,11 @@
-"""Hugging Face loads placed by ``device_map`` (never XLA) or quantized by bitsandbytes (CUDA kernels only).
+"""Hugging Face loads placed by ``device_map`` (never XLA).
 
 ``from_pretrained(name, device_map="auto")`` puts the model on CUDA or the CPU, and
 ``batch.to(model.device)`` follows it: the whole run stays on the host. The keyword goes and
 the loaded model is moved with ``move_model`` (which keeps tied embeddings tied), so
 ``model.device`` is the XLA device and the batches follow it there. A 4-bit or 8-bit load
-(``BitsAndBytesConfig``, ``load_in_4bit``/``load_in_8bit``) is named: bitsandbytes has no
-XLA kernels.
+(``BitsAndBytesConfig``, ``load_in_4bit``/``load_in_8bit``) is the ``quantized_base`` fixer's, which
+runs first (bitsandbytes has no XLA kernels).
 """
 
 from __future__ import annotations
@@ -15,26 +15,12 @@ from typing import Any
 from .registry import Porter, fixes
 from .tree import code, dotted, keyword, libcst
 
-_QUANTIZED = ("load_in_4bit", "load_in_8bit")
-
-
-def _quantizes(call: Any) -> bool:
-    flags = [keyword(call, name) for name in _QUANTIZED]
-    return any(f is not None and code(f.value) != "False" for f in flags)
-
-
 @fixes("Call", order=100)
 def fix_call(porter: Porter, original: Any, updated: Any) -> Any:
-    """``X.from_pretrained(..., device_map=...)`` -> ``move_model(X.from_pretrained(...), get_device())``; 4/8-bit named."""
+    """``X.from_pretrained(..., device_map=...)`` -> ``move_model(X.from_pretrained(...), get_device())``."""
     cst = libcst()
     last = dotted(updated.func).rsplit(".", 1)[-1]
-    if last == "BitsAndBytesConfig" and _quantizes(updated):
-        porter.leave_alone("bitsandbytes", original)
-        return None
     if last != "from_pretrained":
-        return None
-    if _quantizes(updated) or keyword(updated, "quantization_config") is not None:
-        porter.leave_alone("bitsandbytes", original)
         return None
     placed = keyword(updated, "device_map")
     if placed is None or code(placed.value).strip("'\"") == "cpu":

@@ -42,6 +42,8 @@ class Plan:
     seeds_all_devices: bool = False  # the program calls torch.manual_seed itself (fixers.cuda_seed)
     device_tests: set[str] = field(default_factory=set)  # `if train_on_gpu: model.cuda()`: names so tested (fixers.cuda_flag)
     tensor_types: dict[str, str] = field(default_factory=dict)  # Tensor = torch.cuda.FloatTensor if ...: name -> type
+    bnb_configs: dict[str, Any] = field(default_factory=dict)  # bnb = BitsAndBytesConfig(...) only given to loads (fixers.quantized_base)
+    bnb_inline: set[int] = field(default_factory=set)  # id() of BitsAndBytesConfig(...) written in a load's call (fixers.quantized_base)
 
 
 def _names(module: Any, plan: Plan) -> None:
