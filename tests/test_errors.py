@@ -85,7 +85,7 @@ def test_setup_tpu_bad_choice():
     [
         ({"precision": "fp8"}, r"precision must be one of \('fp32', 'bf16', 'fp16'\), but given 'fp8'"),
         ({"cores": 3}, r"cores must be 1 or 1 \(all cores here\), or 'all', but given 3"),
-        ({"strategy": "ddp"}, r"strategy must be one of \('auto', 'spmd', 'multiprocess', 'fsdp'\), but given 'ddp'"),
+        ({"strategy": "ddp"}, r"strategy must be one of \('auto', 'spmd', 'multiprocess', 'fsdp', 'fsdp-tp'\), but given 'ddp'"),
         ({"optimizer": "lamb"}, r"optimizer must be one of \['adam', 'adamw', 'sgd'\] or a callable, but given 'lamb'"),
         ({"metrics": "f1"}, r"metric 'f1' is unknown; allowed names: \['accuracy'\]"),
         ({"epochs": 0}, r"epochs must be a positive int, but given 0"),

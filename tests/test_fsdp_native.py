@@ -21,6 +21,7 @@ import pytest
 from conftest import run_python
 from test_native import WARM, _ranks, _torchrun
 from tpu_utility.sharding import FSDP
+from tpu_utility.backend.native import NativeBackend
 from tpu_utility.training.strategies import Fsdp, FsdpProcess, choose_strategy
 
 MODEL = """
@@ -158,7 +159,7 @@ def check_inference(seen):
 
 
 def test_fsdp_is_launched_natively_joined_in_a_job_and_refused_on_one_core():
-    native = {"native": True}
+    native = {"on": NativeBackend("cpu", "gloo")}  # the backend's capability (one process per device) decides, not a flag
     launched = choose_strategy("fsdp", 2, in_launch=False, **native)  # one_cycle_fit launches processes that shard
     assert (launched.name, launched.launches, launched.shards) == ("multiprocess-fsdp", True, True)
     assert launched.replica() == FsdpProcess(2, FSDP())  # each of them holds a shard

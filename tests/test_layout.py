@@ -447,6 +447,63 @@ def test_no_code_outside_the_strategies_room_compares_a_strategy_word():
     assert _word_comparisons('if mode in ("single", "x"):\n    pass\nok = word != "fsdp"\n') == [1, 3]
 
 
+STRATEGY_FLAGS = {"launches", "shards", "in_job", "may_shard", "replica"}  # what a strategy is, not what it does
+
+
+def _flag_reads(source: str) -> list[int]:
+    """Lines reading a strategy's flag (``chosen.shards``, ``plan.strategy.launches``, ``chosen.options``) or
+    building ``Single()``: what callers would decide for the strategy instead of asking it."""
+    lines = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Attribute) and node.attr in STRATEGY_FLAGS:
+            lines.append(node.lineno)
+        elif isinstance(node, ast.Attribute) and node.attr == "options":  # a Compile has options too: a strategy's
+            owner = node.value.attr if isinstance(node.value, ast.Attribute) else getattr(node.value, "id", "")
+            lines += [node.lineno] if owner in ("chosen", "strategy") else []
+        elif isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", None)) == "Single":
+            lines.append(node.lineno)
+    return sorted(set(lines))
+
+
+def test_no_code_outside_the_strategies_room_reads_a_strategy_flag_or_builds_single():
+    """Callers hand the strategy the work (run, infer, one_program, alone, settled, column); only strategies/ reads
+    what a strategy is, and only it decides when one device, alone, is the answer."""
+    found = {}
+    for path, unit, _ in _modules():
+        if unit == "training.strategies" or unit.startswith("diagnostics"):  # the porter's plan.launches is user code's
+            continue
+        with open(path) as f:
+            lines = _flag_reads(f.read())
+        if lines:
+            found[os.path.relpath(path, PACKAGE)] = lines
+    assert not found, f"strategy flags read (or Single() built) outside training/strategies/: {found}"
+    seen = "if chosen.launches:\n    x = Single()\ny = plan.strategy.in_job or chosen.options\nz = self.compile.options\n"
+    assert _flag_reads(seen) == [1, 2, 3]  # the check sees each kind (it can fail)
+
+
+def test_strategies_ask_the_backend_what_it_can_do_not_which_it_is():
+    """No ``native`` flag reaches a strategy: each asks ``on.sharding.over_mesh()``."""
+    import inspect
+
+    from tpu_utility.training import strategies
+
+    for kind in (strategies.Strategy, *strategies.STRATEGIES.values()):
+        for name in ("choose", "for_job"):
+            assert "native" not in inspect.signature(getattr(kind, name)).parameters, (kind, name)
+    assert "native" not in inspect.signature(strategies.choose_strategy).parameters
+
+
+def test_memory_plans_body_is_under_60_lines_its_columns_from_the_strategies():
+    """The plan's figures per column come from strategies (held, checkpoints, gathered), not from FSDP written there."""
+    path = os.path.join(PACKAGE, "training", "memory.py")
+    with open(path) as f:
+        source = f.read()
+    plan = next(n for n in ast.walk(ast.parse(source)) if isinstance(n, ast.FunctionDef) and n.name == "memory_plan")
+    body = plan.body[1:] if isinstance(plan.body[0], ast.Expr) else plan.body  # its docstring aside
+    assert body[-1].end_lineno - body[0].lineno + 1 < 60
+    assert "shard_bytes(" not in ast.get_source_segment(source, plan) and ".held(" in ast.get_source_segment(source, plan)
+
+
 def test_a_strategy_is_one_module_and_one_table_row(tmp_path, monkeypatch):
     """A tensor-parallel stub: one module (written here as a user would add it) and one row in STRATEGIES; the
     rest of the package untouched, one_cycle_fit runs it (enter and leave called, its word on the summary line)."""

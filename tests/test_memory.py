@@ -201,11 +201,11 @@ def test_auto_shards_only_between_the_two_figures_and_a_sharded_run_that_cannot_
     monkeypatch.setenv("TPU_UTILITY_DEVICE_MEMORY_GB", "0.02")  # 21.5 MB: a replica cannot fit, a quarter can
     why = auto_shards(plan())
     assert "strategy='auto' chose fsdp" in why and "32.06 MB per chip" in why and "sharded over 4" in why, why
-    refuse_replicating(model, plan(), batch_size=4, sharded=True)  # fits sharded: no refusal
+    refuse_replicating(model, plan(), batch_size=4, column="sharded")  # fits sharded: no refusal
     monkeypatch.setenv("TPU_UTILITY_DEVICE_MEMORY_GB", "0.005")  # 5.4 MB: not even a quarter and one block
     assert auto_shards(plan()) == ""
     with pytest.raises(ValueError, match=r"does not fit the chips even sharded.*over 4 cores.*mostly optimizer state"):
-        refuse_replicating(model, plan(), batch_size=4, sharded=True)
+        refuse_replicating(model, plan(), batch_size=4, column="sharded")
 
 
 def test_checkpoint_module_recomputes_one_block_with_the_same_gradients_and_gives_forward_back():

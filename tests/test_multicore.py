@@ -5,6 +5,7 @@ import pytest
 
 from conftest import TINY_CNN, run_python, run_script
 from tpu_utility.environment import choose_start_method
+from tpu_utility.backend.native import NativeBackend
 from tpu_utility.training.strategies import choose_strategy
 from tpu_utility.training.topology import resolve_cores
 
@@ -122,8 +123,8 @@ def test_strategy_choice():
     assert said("multiprocess", 8, in_launch=False) == ("multiprocess", True, False)
     assert choose_strategy("multiprocess", 8, in_launch=False).replica().name == "replica"
     assert said("auto", 8, in_launch=True) == ("replica", False, False)
-    assert said("auto", 8, in_launch=False, native=True) == ("multiprocess", True, False)
-    with pytest.raises(ValueError, match=r"strategy must be one of \('auto', 'spmd', 'multiprocess', 'fsdp'\), but given 'ddp'"):
+    assert said("auto", 8, in_launch=False, on=NativeBackend("cpu", "gloo")) == ("multiprocess", True, False)
+    with pytest.raises(ValueError, match=r"strategy must be one of \('auto', 'spmd', 'multiprocess', 'fsdp', 'fsdp-tp'\), but given 'ddp'"):
         choose_strategy("ddp", 8, in_launch=False)
 
 

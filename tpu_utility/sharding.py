@@ -230,6 +230,22 @@ def around_blocks(model: nn.Module, blocks: list[nn.Module], options: FSDP) -> l
     return undo
 
 
+def largest_block(model: nn.Module, wrap: Any = None) -> list[nn.Parameter]:
+    """The parameters of the largest module of the block classes FSDP wraps (``block_classes`` of ``wrap``), or []
+    where the model has none to find.
+
+    Example:
+        >>> [tuple(p.shape) for p in largest_block(nn.Sequential(nn.Linear(2, 3), nn.Linear(2, 2)))]
+        [(3, 2), (3,)]
+    """
+    try:
+        classes = block_classes(model, wrap)
+    except ValueError:
+        return []
+    blocks = [m for m in model.modules() if isinstance(m, classes)]
+    return max((list(m.parameters()) for m in blocks), key=lambda ps: sum(p.numel() for p in ps), default=[])
+
+
 def blocks_of(model: nn.Module, options: FSDP) -> str:
     """The blocks ``options`` pick, as the summary line says them: "2 LlamaDecoderLayer blocks"."""
     classes = block_classes(model, options.wrap)
@@ -311,4 +327,4 @@ def shard_model(model: nn.Module, options: FSDP | None = None, *, optimizer: Any
 
 
 __all__ = ["FSDP", "shard_model", "block_classes", "repeated_class", "check_batch",
-           "output_scores", "fsdp_blocks", "around_blocks", "refuse_replaced", "blocks_of"]  # fmt: skip
+           "output_scores", "fsdp_blocks", "around_blocks", "refuse_replaced", "blocks_of", "largest_block"]  # fmt: skip

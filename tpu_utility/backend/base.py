@@ -397,6 +397,11 @@ class Sharding(Group):
     def is_spmd(self) -> bool:
         return False
 
+    def over_mesh(self) -> bool:
+        """Whether one process can spread a model over a mesh of devices (SPMD: XLA); else one process per device,
+        a sharded model's shards held by a job's processes. What a strategy asks to choose its form."""
+        return False
+
     def use_spmd(self) -> None:
         raise ValueError(
             f"SPMD (one process over a mesh of devices) is a torch_xla feature; the {self.backend.name} backend "
@@ -411,6 +416,14 @@ class Sharding(Group):
         function that removes what it added to the model (its hooks)."""
         raise NotImplementedError(f"strategy='fsdp' is built for XLA (SPMD) and torch.distributed (FSDP2, several "
                                   f"processes); the {self.backend.name} backend has no sharded strategy: use strategy='auto'")  # fmt: skip
+
+    def shard_mesh_2d(self, model: torch.nn.Module, blocks: Sequence[torch.nn.Module], split: dict[int, str],
+                      tensor: int) -> Callable[[], None]:  # fmt: skip
+        """FSDP x tensor parallel over a 2-D mesh of all devices (``tensor`` along its tensor axis): each parameter
+        in ``split`` (by ``id``) sharded "column"-wise or "row"-wise over the tensor axis, every parameter over the FSDP axis,
+        ``blocks`` gathered one at a time; returns the undo (what it added to the model)."""
+        raise NotImplementedError(f"the 2-D mesh (FSDP x tensor parallel) is built for XLA (SPMD) and "
+                                  f"torch.distributed (DTensor); the {self.backend.name} backend has none: use strategy='auto'")  # fmt: skip
 
     def sharded(self, tensors: Iterable[torch.Tensor]) -> bool:
         """Whether any of ``tensors`` is sharded over the job's processes, so reading it whole is a collective

@@ -527,6 +527,48 @@ class NativeSharding(Sharding):
 
         return undo
 
+    def shard_mesh_2d(self, model: torch.nn.Module, blocks: Sequence[torch.nn.Module], split: dict[int, str],
+                      tensor: int) -> Callable[[], None]:  # fmt: skip
+        """FSDP x tensor parallel over a 2-D ``DeviceMesh`` ("fsdp", "tensor") of the job's processes: torch's
+        ``parallelize_module`` splits each Linear whose weight ``split`` names over "tensor" (``ColwiseParallel``,
+        ``RowwiseParallel``), then FSDP2 shards every block and the root over "fsdp". The tensor group's processes
+        compute on the same rows. A whole state dict loads into it (each rank keeps its slice), and the undo gathers
+        every parameter whole again and takes the hooks off, as ``shard_parameters``'s does.
+
+        Raises:
+            RuntimeError: the job's processes do not form a 2-D mesh with ``tensor`` along one axis.
+        """
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+        world = self.backend.processes.world_size()
+        if world < 2 * tensor or world % tensor:
+            raise RuntimeError(f"a 2-D mesh with {tensor} processes along its tensor axis needs a multiple of {tensor}, "
+                               f"at least {2 * tensor}, but the job has {world}")  # fmt: skip
+        mesh = init_device_mesh(self.backend.device_type, (world // tensor, tensor), mesh_dim_names=("fsdp", "tensor"))
+        found = _Found(list(model.modules()))
+        style = {"column": ColwiseParallel, "row": RowwiseParallel}
+        plan = {name: style[split[id(m.weight)]]() for name, m in model.named_modules()
+                if isinstance(m, torch.nn.Linear) and id(m.weight) in split}  # fmt: skip
+        frozen = {name for name, p in model.named_parameters() if not p.requires_grad}
+        parallelize_module(model, mesh["tensor"], plan)
+        for name, param in model.named_parameters():  # its styles make each split Parameter trainable: a LoRA base stays frozen
+            if name in frozen:
+                param.requires_grad_(False)
+        for block in blocks:
+            fully_shard(block, mesh=mesh["fsdp"])
+        fully_shard(model, mesh=mesh["fsdp"])
+        model._register_load_state_dict_pre_hook(_shard_loaded, with_module=True)
+        handled = sys.exc_info()[1]
+
+        def undo() -> None:
+            failing = sys.exc_info()[1]
+            if failing is None or failing is handled:
+                _unshard(model, found)
+
+        return undo
+
     def shard_optimizer_state(self, optimizer: torch.optim.Optimizer) -> None:
         """Slices whole state tensors (a checkpoint's, just loaded) like their sharded parameters, with no collective."""
         from torch.distributed.tensor import DTensor, distribute_tensor

@@ -355,6 +355,14 @@ def shard_parameters(model: torch.nn.Module, blocks: Sequence[torch.nn.Module]) 
     mesh = _fsdp_mesh(global_device_count())
     for param in model.parameters():
         xs.mark_sharding(param, mesh, _prepare_spmd_partition_spec(param, shard_maximal=True))
+    return _barriers(model, blocks)
+
+
+def _barriers(model: torch.nn.Module, blocks: Sequence[torch.nn.Module]) -> Callable[[], None]:
+    """An optimization barrier after each block's backward (and the root's), so the compiler gathers one block's
+    weights at a time; returns the undo (the hooks removed)."""
+    import torch_xla.distributed.spmd as xs
+
     # a transformers model (or a peft model of one) returns a ModelOutput, for which torch never calls a full
     # backward hook (and warns so at every run): the root's barrier is left out where it could not act
     transformers = sys.modules.get("transformers")
@@ -371,6 +379,39 @@ def shard_parameters(model: torch.nn.Module, blocks: Sequence[torch.nn.Module]) 
             module._is_full_backward_hook = None if not module._backward_hooks else module._is_full_backward_hook
 
     return undo
+
+
+@functools.lru_cache(maxsize=None)
+def _mesh_2d(devices: int, tensor: int) -> Any:
+    """The 2-D mesh ("fsdp", "tensor") of ``devices`` devices, ``tensor`` along the tensor axis: neighbours in the
+    data mesh's order share a tensor group."""
+    import numpy as np
+    import torch_xla.distributed.spmd as xs
+
+    return xs.Mesh(np.arange(devices), (devices // tensor, tensor), ("fsdp", "tensor"))
+
+
+def shard_mesh_2d(model: torch.nn.Module, blocks: Sequence[torch.nn.Module], split: dict[int, str],
+                  tensor: int) -> Callable[[], None]:  # fmt: skip
+    """FSDP x tensor parallel on a 2-D SPMD mesh: each parameter in ``split`` (by ``id``) sharded column-wise (a projection
+    whose output features split over "tensor", its input over "fsdp") or row-wise (the reverse), every other
+    one as FSDPv2 shards it (its largest dimension over "fsdp", whole along "tensor"); the blocks' backward
+    barriers as ``shard_parameters`` puts them. Returns the undo (the barriers' hooks removed)."""
+    import torch_xla.distributed.spmd as xs
+    from torch_xla.experimental.spmd_fully_sharded_data_parallel import _prepare_spmd_partition_spec
+
+    mesh = _mesh_2d(global_device_count(), tensor)
+    column, row = ("tensor", "fsdp"), ("fsdp", "tensor")
+    for param in model.parameters():
+        kind = split.get(id(param))
+        if kind is None:
+            spec = _prepare_spmd_partition_spec(param, shard_maximal=True)
+        elif param.dim() > 1:  # a weight (out features, in features)
+            spec = column if kind == "column" else row
+        else:  # a bias: a column projection's split with its outputs, a row projection's whole
+            spec = ("tensor",) if kind == "column" else (None,)
+        xs.mark_sharding(param, mesh, spec)
+    return _barriers(model, blocks)
 
 
 def _returns(model: torch.nn.Module, kind: Any) -> bool:
@@ -924,6 +965,9 @@ class XlaSharding(Sharding):
 
     is_spmd = staticmethod(is_spmd)
 
+    def over_mesh(self) -> bool:
+        return True
+
     def shard_batch(self, tensors: Sequence[torch.Tensor]) -> None:
         if is_spmd():
             import torch_xla.distributed.spmd as xs
@@ -937,6 +981,8 @@ class XlaSharding(Sharding):
 
     def shard_parameters(self, model: torch.nn.Module, blocks: Sequence[torch.nn.Module]) -> Callable[[], None]:
         return shard_parameters(model, blocks)
+
+    shard_mesh_2d = staticmethod(shard_mesh_2d)
 
     def shard_optimizer_state(self, optimizer: torch.optim.Optimizer) -> None:
         """Gives whole state tensors (a checkpoint's, just loaded: torch moves them to the device replicated) the

@@ -39,10 +39,9 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from .. import backend, remote
-from ..checkpoint import save_atomic, to_cpu
+from ..checkpoint import to_cpu
 from ..compiler import Compile
 from ..data.loaders import LoaderSpec, unpack_loader
-from ..environment import choose_start_method, is_interactive
 from ..files import exists, join
 from .callbacks import GradientCheckpointing
 from .chunked import ChunkedLoss
@@ -52,13 +51,13 @@ from .agreement import ReplicaAgreement
 from .events import Events, check_callbacks
 from .history import History
 from .metrics import METRICS, CrossEntropy, accuracy, check_loss_fn, per_sample_loss, resolve_metrics
-from .memory import MemoryPlan, auto_shards, first_length, memory_plan, refuse_host_shortage, refuse_replicating
+from .memory import MemoryPlan, first_length, memory_plan, refuse_host_shortage, refuse_replicating
 from .monitor import Mode, StopRule, parse_duration, resolve_mode
 from .optimizers import OPTIMIZERS, named_optimizer
 from .precision import Precision, PrecisionName
 from .topology import available_cores, resolve_cores
 from .schedule import LrSchedule, OneCycle, ScheduleName, check_warmup, is_default
-from .strategies import FSDP, StrategyName, choose, choose_strategy
+from .strategies import FSDP, Strategy, StrategyName, choose, choose_strategy
 from .trainer import FitPlan, Steps, train
 
 __all__ = ["one_cycle_fit", "resolve_optimizer", "resolve_cores", "choose_strategy", "available_cores",
@@ -399,11 +398,8 @@ def one_cycle_fit(
         seed=check_seed(seed), progress=progress,
     )  # fmt: skip
     factory, plan = plan_fit(checked)
-    if not plan.strategy.launches:
-        trained, history = train(model if factory is None else factory(), plan)
-        history.model = trained
-        return history
-    return _fit_multiprocess(model, factory, plan)
+    return plan.strategy.run(_train, (model, plan), what="training", pack=_packed,
+                             unpack=lambda state: _unpacked(state, model if factory is None else factory()))  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -462,16 +458,14 @@ def plan_fit(a: FitArguments) -> tuple[Callable[[], nn.Module] | None, FitPlan]:
     a resume and every replica must agree on; a model that cannot fit is named before any launch, compile or epoch."""
     model, factory, precision, callbacks = a.model, a.factory, a.precision, a.callbacks
     chosen = choose(a.cores, a.strategy)
-    n_cores, processes = chosen.cores, chosen.cores if chosen.launches else 1
+    n_cores, processes = chosen.cores, chosen.processes()
     train_spec, valid_spec = _with_workers(a.data, a.num_workers, processes)
     memory = None
     if factory is None:  # a model that cannot fit: said now, not after minutes of compiling
         memory = _memory_plan(model, a, chosen, precision, train_spec, callbacks)
-        if chosen.may_shard:  # strategy="auto" over a mesh: the plan may choose to shard
-            why = auto_shards(memory)
-            chosen = chosen.sharded(why) if why else chosen
-        refuse_replicating(model, memory, batch_size=train_spec.batch_size, sharded=chosen.shards)
-        if chosen.shards:  # the host holds it whole before it is sharded, and each save
+        chosen = chosen.settled(memory)  # strategy="auto" over a mesh: sharded where one replica cannot fit
+        refuse_replicating(model, memory, batch_size=train_spec.batch_size, column=chosen.column())
+        if chosen.column() == "sharded":  # the host holds it whole before it is sharded, and each save
             refuse_host_shortage(model, a.optimizer.given, processes=processes, checkpoints=a.checkpoint_dir is not None)
     if valid_spec is not None:
         per_sample_loss(a.steps.loss_fn)  # fail now, not after the first epoch
@@ -511,7 +505,7 @@ def _memory_plan(model: nn.Module, a: FitArguments, chosen: Any, precision: Prec
     and fsdp options (their checkpointing), and its activations where the chip's memory is known and the data are
     tokens (their first row's length; traced where it can be: ``memory_plan``)."""
     run = dict(cores=chosen.cores, batch_size=train.batch_size, optimizer=a.optimizer.given, precision=precision,
-               fsdp=chosen.options)  # fmt: skip
+               fsdp=chosen.sharding())  # fmt: skip
     plan = memory_plan(model, **run, method="estimate")
     if plan.usable is None:  # nothing to check it against: no sample is read
         return plan
@@ -678,22 +672,23 @@ def _with_workers(specs: tuple[LoaderSpec, LoaderSpec | None], num_workers: int 
     return train_spec, valid_spec
 
 
-def _fit_multiprocess(model: Any, factory: Any, plan: FitPlan) -> History:
-    """Launches one process per chip; the master sends back weights and history."""
-    if backend.current().sharding.is_spmd():
-        raise RuntimeError(
-            "strategy='multiprocess' cannot run in a process already switched to SPMD (setup_tpu does "
-            "that when several XLA devices are visible). Call setup_tpu(spmd=False) first thing, or use "
-            "strategy='spmd'."
-        )
-    with tempfile.TemporaryDirectory(prefix="tpu_utility_") as tmp:
-        result = os.path.join(tmp, "result.pt")
-        start = choose_start_method(is_interactive())
-        backend.launch(_mp_worker, (model, plan, result), plan.cores, start)
-        if not os.path.exists(result):
-            raise RuntimeError("the launched training processes ended without a result; see their output above")
-        state = torch.load(result, map_location="cpu", weights_only=True)
-    target = model if factory is None else factory()
+def _train(strategy: Strategy, model: Any, plan: FitPlan) -> History:
+    """One process's run under ``strategy`` (this process's, or, launched, its replica's): ``model`` or a factory."""
+    trained, history = train(model if isinstance(model, nn.Module) else model(), dataclasses.replace(plan, strategy=strategy))
+    history.model = trained
+    return history
+
+
+def _packed(history: History) -> dict[str, Any]:
+    """A launched run's answer as the master sends it back: tensors and plain values."""
+    return {"model": to_cpu(history.model.state_dict()), "history": history.to_dicts(), "summary": history.summary,
+            "stop_reason": history.stop_reason, "best_epoch": history.best_epoch or 0,
+            "schedule": [history.step_lrs, history.step_momenta, history.steps_per_epoch],
+            "momentum_name": history.momentum_name}  # fmt: skip
+
+
+def _unpacked(state: dict[str, Any], target: nn.Module) -> History:
+    """The master's answer as this process's ``History``, its weights loaded into ``target``."""
     target.load_state_dict(state["model"])
     history = History.from_dicts(state["history"])
     history.summary, history.model, history.stop_reason = state["summary"], target, state["stop_reason"]
@@ -701,21 +696,3 @@ def _fit_multiprocess(model: Any, factory: Any, plan: FitPlan) -> History:
     history.step_lrs, history.step_momenta, history.steps_per_epoch = state["schedule"]
     history.momentum_name = state["momentum_name"]
     return history
-
-
-def _mp_worker(index: int, model: Any, plan: FitPlan, result: str) -> None:
-    from ..environment import setup_tpu
-
-    if backend.current().lazy:
-        setup_tpu(verbose=False)  # this process's own compile-cache folder
-    replica_plan = dataclasses.replace(plan, strategy=plan.strategy.replica())  # one process of the launch
-    trained, history = train(model if isinstance(model, nn.Module) else model(), replica_plan)
-    if backend.is_master():
-        save_atomic(
-            {"model": to_cpu(trained.state_dict()), "history": history.to_dicts(), "summary": history.summary,
-             "stop_reason": history.stop_reason, "best_epoch": history.best_epoch or 0,
-             "schedule": [history.step_lrs, history.step_momenta, history.steps_per_epoch],
-             "momentum_name": history.momentum_name},
-            result,
-        )  # fmt: skip
-    backend.current().processes.barrier("tpu_utility.fit.done")

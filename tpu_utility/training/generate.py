@@ -43,7 +43,7 @@ from ..data.buckets import _check_buckets, choose_buckets, group_batches
 from ..huggingface import base_model, is_transformers_model
 from ..progress import progress_bar
 from .runner import Runner
-from .strategies import Single, choose
+from .strategies import choose
 
 _MASK32 = 0xFFFFFFFF
 MEMORY_HEADROOM = 0.9  # of a device's memory left over by the weights, the share a KV cache may take
@@ -531,12 +531,9 @@ def generate(
     prompts = prompt_ids(data)
     check_token_ids(prompts, vocabulary(inner))
     lengths = [len(p) for p in prompts]
-    chosen = choose(cores)
-    if chosen.launches or chosen.shards:
-        raise ValueError(f"generate runs on one device, or on all XLA devices as one program (SPMD); cores={cores!r} "
-                         f"asks the {backend.current().name} backend for {chosen.cores} processes: use cores=1")  # fmt: skip
-    if chosen.in_job and not _same_prompts_everywhere(prompts):
-        chosen = Single()  # each replica given prompts of its own generates them all, alone
+    chosen = choose(cores).one_program(f"generate (cores={cores!r})")
+    if chosen.job_size() > 1 and not _same_prompts_everywhere(prompts):
+        chosen = chosen.alone()  # each replica given prompts of its own generates them all, alone
     runner = Runner(inner, "fp32", chosen, compile_setting)
     try:
         # the rows of a batch: the global batch of one program over the mesh, else this process's own

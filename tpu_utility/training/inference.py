@@ -7,17 +7,14 @@ device, dtype and train/eval mode afterwards.
 from __future__ import annotations
 
 import dataclasses
-import os
-import tempfile
+from dataclasses import dataclass
 from typing import Any, Callable, Literal, Sequence
 
 import torch
 from torch import nn
 
 from .. import backend
-from ..checkpoint import save_atomic
 from ..compiler import Compile
-from ..environment import choose_start_method, is_interactive
 from . import agreement
 from ..data.loaders import LabelCheck, LoaderSpec, refuse_uncounted, unpack_loader
 from ..huggingface import is_causal_lm
@@ -25,7 +22,7 @@ from .metrics import CrossEntropy, MetricSet, check_loss_fn, resolve_metrics
 from .precision import PrecisionName
 from .runner import Runner
 from .steps import EvalStep, default_eval_step, default_predict_step
-from .strategies import FSDP, Single, Strategy, StrategyName, choose
+from .strategies import FSDP, Strategy, StrategyName, choose
 
 
 def _strategy(model: nn.Module, cores: int | str, strategy: Any) -> Strategy:
@@ -40,47 +37,26 @@ def _strategy(model: nn.Module, cores: int | str, strategy: Any) -> Strategy:
 
 def _runner(model: nn.Module, precision: str, spec: LoaderSpec, what: str, chosen: Strategy, compiling: Compile) -> Runner:
     """The Runner for ``predict`` or ``evaluate`` under ``chosen``; the replicas of a job given different data each run
-    alone (``predict``: each gets its own rows) or are refused (``evaluate``: no one figure is asked for; and
-    ``strategy="fsdp"``: each batch runs through every process's shard of the model)."""
+    alone (``predict``: each gets its own rows) or are refused (``evaluate``: no one figure is asked for; and a
+    sharded model, whose every batch runs through all the processes' shards)."""
     # several processes of a job only (on XLA, "fsdp" is one process, whose runtime must not start before SPMD is on)
-    several = chosen.in_job and backend.current().processes.world_size() > 1
+    several = chosen.job_size() > 1
     differ = agreement.data_differences(spec.dataset, backend.current().devices.device()) if several else []
-    if differ and chosen.shards:
+    alone = chosen.alone() if differ else chosen
+    if alone is None:
         raise agreement.ReplicaMismatch(
-            f"{what} with strategy='fsdp' runs one model sharded over the {len(differ)} processes, each batch "
+            f"{what} with strategy='{chosen.name}' runs one model sharded over the {len(differ)} processes, each batch "
             f"through all of them, but the processes were given different data ({agreement.by_rank(differ)}). "
-            f"Give every process the same dataset, or {what} without strategy='fsdp' for each process's own data"
+            f"Give every process the same dataset, or {what} without sharding for each process's own data"
         )
-    if differ:
-        if what == "evaluate":
-            raise agreement.ReplicaMismatch(
-                f"evaluate splits one dataset over the {len(differ)} replicas and sums their figures, but the "
-                f"replicas were given different data ({agreement.by_rank(differ)}), so its figures would be of "
-                f"no replica's data. Give every replica the same dataset; for each replica's own figures, "
-                f"predict(model, its_data) gives every replica its own rows to score"
-            )
-        chosen = Single()  # each replica predicts its own data, every row of it, alone
-    # natively, processes the caller would launch for replicas: inference runs in this one (FSDP's launch: above)
-    return Runner(model, precision, Single() if chosen.launches else chosen, compiling)
-
-
-def _in_sharded_processes(what: str, model: nn.Module, data: Any, options: dict[str, Any], cores: int) -> Any:
-    """``predict``/``evaluate`` run by ``cores`` launched processes that shard the model (FSDP2 natively, as
-    ``one_cycle_fit`` launches them); the master's result comes back through a file. ``model`` is left as given."""
-    with tempfile.TemporaryDirectory(prefix="tpu_utility_") as tmp:
-        result = os.path.join(tmp, "result.pt")
-        backend.launch(_sharded_worker, (what, model, data, options, result), cores, choose_start_method(is_interactive()))
-        if not os.path.exists(result):
-            raise RuntimeError(f"the launched {what} processes ended without a result; see their output above")
-        return torch.load(result, map_location="cpu", weights_only=True)["result"]
-
-
-def _sharded_worker(index: int, what: str, model: nn.Module, data: Any, options: dict[str, Any], result: str) -> None:
-    """One launched process of ``_in_sharded_processes``: the same call, as one process of the job."""
-    answer = (predict if what == "predict" else evaluate)(model, data, **options)
-    if backend.is_master():
-        save_atomic({"result": answer}, result)
-    backend.current().processes.barrier(f"tpu_utility.{what}.done")
+    if differ and what == "evaluate":
+        raise agreement.ReplicaMismatch(
+            f"evaluate splits one dataset over the {len(differ)} replicas and sums their figures, but the "
+            f"replicas were given different data ({agreement.by_rank(differ)}), so its figures would be of "
+            f"no replica's data. Give every replica the same dataset; for each replica's own figures, "
+            f"predict(model, its_data) gives every replica its own rows to score"
+        )
+    return Runner(model, precision, alone, compiling)  # each replica given data of its own predicts every row, alone
 
 
 def predict(
@@ -165,16 +141,31 @@ def predict(
         raise TypeError(f"tta must be a list of batch transforms (callables), but given {tta!r}")
     spec = _every_sample_once(unpack_loader(data, batch_size, "data"))
     compiling = Compile.of(compile)
-    chosen = _strategy(model, cores, strategy)
-    if chosen.launches and chosen.shards:  # natively: processes launched to hold the shards, as one_cycle_fit's
-        options = dict(cores=cores, batch_size=batch_size, precision=precision, strategy=strategy, compile=compiling,
-                       predict_step=predict_step, tta=tta, progress=progress)  # fmt: skip
-        return _in_sharded_processes("predict", model, data, options, chosen.cores)
-    runner = _runner(model, precision, spec, "predict", chosen, compiling)
+    chosen = _strategy(model, cores, strategy)  # it runs the work here, or in the processes holding the shards
+    call = _Call(precision, compiling, predict_step, tta=tta, progress=progress)
+    return chosen.infer(_predict, (model, spec, call), what="predict")
+
+
+@dataclass(frozen=True)
+class _Call:
+    """``predict``'s or ``evaluate``'s checked settings, as the strategy hands them to the work (here, or launched)."""
+
+    precision: str
+    compiling: Compile
+    step: Callable | None  # predict_step, or eval_step
+    tta: Sequence[Callable] | None = None
+    progress: bool = False
+    table: dict[str, Any] | None = None  # evaluate's metrics
+    loss_fn: Callable | None = None
+
+
+def _predict(chosen: Strategy, model: nn.Module, spec: LoaderSpec, call: _Call) -> torch.Tensor:
+    """``predict``'s work under ``chosen`` (this process's strategy, or a launched process's)."""
+    runner = _runner(model, call.precision, spec, "predict", chosen, call.compiling)
     try:
         loader = runner.eval_loader(spec)
         runner.compile_for(len(loader))
-        return runner.predict(loader, predict_step or default_predict_step, tta, progress)
+        return runner.predict(loader, call.step or default_predict_step, call.tta, call.progress)
     finally:
         runner.restore_model()
 
@@ -237,12 +228,15 @@ def evaluate(
     spec = unpack_loader(data, batch_size, "data")
     table = resolve_metrics(metrics, loss_fn is None)
     compiling = Compile.of(compile)
-    chosen = _strategy(model, cores, strategy)
-    if chosen.launches and chosen.shards:  # natively: processes launched to hold the shards, as one_cycle_fit's
-        options = dict(metrics=metrics, loss_fn=loss_fn, cores=cores, batch_size=batch_size, precision=precision,
-                       strategy=strategy, compile=compiling, eval_step=eval_step)  # fmt: skip
-        return _in_sharded_processes("evaluate", model, data, options, chosen.cores)
-    runner = _runner(model, precision, spec, "evaluate", chosen, compiling)
+    chosen = _strategy(model, cores, strategy)  # it runs the work here, or in the processes holding the shards
+    call = _Call(precision, compiling, eval_step, table=table, loss_fn=loss_fn)
+    return chosen.infer(_evaluate, (model, spec, call), what="evaluate")
+
+
+def _evaluate(chosen: Strategy, model: nn.Module, spec: LoaderSpec, call: _Call) -> dict[str, float]:
+    """``evaluate``'s work under ``chosen`` (this process's strategy, or a launched process's)."""
+    runner = _runner(model, call.precision, spec, "evaluate", chosen, call.compiling)
+    table, loss_fn, eval_step = call.table, call.loss_fn, call.step
     try:
         metric_set = MetricSet(table, loss_fn or CrossEntropy(), runner.device)
         loader, step = runner.eval_loader(spec), eval_step or default_eval_step

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import random
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Callable, Literal
 
@@ -26,7 +27,7 @@ from .fit import check_number, check_seed, resolve_optimizer
 from .history import closed_figure
 from .metrics import CrossEntropy, check_loss_fn
 from .runner import Placement
-from .strategies import FSDP, choose
+from .strategies import FSDP, Strategy, choose
 from .trainer import FitPlan, Steps, train
 
 
@@ -172,6 +173,33 @@ def find_lr(
         optimizer_name=name, optimizer_args={}, metrics={}, seed=check_seed(seed), progress=False, builtins=[sweep],
         cores=chosen.cores, strategy=chosen, compile=compile_setting,
     )  # fmt: skip
+    # the strategy runs the sweep: here, or (natively sharded) in the processes holding the shards
+    swept = chosen.run(_swept, (model, plan, sweep), what="find_lr", pack=dataclasses.asdict,
+                       unpack=lambda fields: _Swept(**fields))  # fmt: skip
+    if not swept.lrs and swept.not_finite is not None:
+        lr, loss = swept.not_finite
+        raise ValueError(
+            f"the loss was {loss} from the sweep's first step (lr {lr:.2e}, too small to be the cause), so there is no "
+            f"curve to read: the data or the model gives a non-finite loss at any learning rate. Look for nan or inf "
+            f"in the inputs (torch.isfinite(x).all()) and for targets the loss cannot take, then run find_lr again"
+        )
+    return LRFinderResult(swept.lrs, swept.losses, suggest_lr(swept.lrs, swept.losses), swept.diverged)
+
+
+@dataclass
+class _Swept:
+    """What one sweep found (the master's, where the strategy launched processes): plain values."""
+
+    lrs: list[float]
+    losses: list[float]
+    diverged: bool
+    not_finite: tuple[float, float] | None
+
+
+def _swept(chosen: Strategy, model: nn.Module, plan: FitPlan, sweep: _Sweep) -> _Swept:
+    """The sweep, as one_cycle_fit's loop with ``sweep`` as its schedule, under ``chosen``; the model, the random
+    state and the device's left as they were found."""
+    plan = dataclasses.replace(plan, strategy=chosen, builtins=[sweep])
     found, saved = Placement.of(model), {k: v.detach().clone() for k, v in model.state_dict().items()}
     python_state, xla_state = random.getstate(), backend.current().devices.rng_state() if backend.current().lazy else None
     cuda = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
@@ -187,15 +215,8 @@ def find_lr(
             random.setstate(python_state)
             if xla_state is not None:
                 backend.current().devices.set_rng_state(xla_state)
-    if not sweep.result.losses and sweep.smoother.not_finite is not None:
-        lr, loss = sweep.smoother.not_finite
-        raise ValueError(
-            f"the loss was {loss} from the sweep's first step (lr {lr:.2e}, too small to be the cause), so there is no "
-            f"curve to read: the data or the model gives a non-finite loss at any learning rate. Look for nan or inf "
-            f"in the inputs (torch.isfinite(x).all()) and for targets the loss cannot take, then run find_lr again"
-        )
-    sweep.result.suggested_lr = suggest_lr(sweep.result.lrs, sweep.result.losses)
-    return sweep.result
+    result = sweep.result
+    return _Swept(result.lrs, result.losses, result.diverged, sweep.smoother.not_finite)
 
 
 @dataclass

@@ -28,8 +28,10 @@ from ..backend.hardware import memory_override, tpu_device_memory
 from ..huggingface import base_model
 from ..quantization import Int8Linear
 from .precision import Precision, PrecisionName
-from ..sharding import FSDP, block_classes
+from ..sharding import FSDP, largest_block
 from .optimizers import optimizer_states
+from .strategies import Spmd, Strategy, sharding_of
+from .strategies.base import Column, shard_bytes
 from .trace import TracedStep, TraceUnavailable, trace_step
 
 # the share of a chip's memory a plan may fill: XLA's own buffers, fragmentation and the compiler's temporaries
@@ -44,16 +46,6 @@ HOST_MEMORY_ENV = "TPU_UTILITY_HOST_MEMORY_GB"  # the host's available RAM in Gi
 
 
 # ----------------------------------------------------------------- pure math
-def shard_bytes(numel: int, itemsize: int, shards: int) -> int:
-    """Bytes one of ``shards`` devices holds of a tensor split on its first dimension, padded to divide evenly.
-
-    Example:
-        >>> shard_bytes(10, 4, 4), shard_bytes(10, 4, 1)
-        (12, 40)
-    """
-    return math.ceil(numel / shards) * itemsize
-
-
 def host_bytes(params: int, state: int, copies: int, checkpoints: bool) -> int:
     """Host RAM a sharded run needs at its peak: ``copies`` whole models before they are sharded (one per process
     that builds one), or, with checkpoints, the whole parameters and optimizer state a save gathers on the host.
@@ -226,7 +218,7 @@ def memory_plan(
     precision: PrecisionName | Precision = "fp32",
     checkpointing: bool | None = None,
     device_memory: int | float | str | None = None,
-    fsdp: FSDP | None = None,
+    fsdp: Any = None,
     method: PlanMethod = "trace",
     chunked_loss: Any = None,
 ) -> MemoryPlan:
@@ -253,8 +245,9 @@ def memory_plan(
         device_memory: One chip's bytes (16e9; less than a GB is refused as a unit slip), a size ("16GB",
             "16 GiB") or a TPU kind ("v5e", "v4", "v5p", "v6e"); None asks the backend (its hardware table,
             a GPU's own memory, or ``TPU_UTILITY_DEVICE_MEMORY_GB``).
-        fsdp: The sharded run's ``FSDP(...)`` options, as ``strategy="fsdp"`` is given them (None: the defaults,
-            which checkpoint each block).
+        fsdp: The sharded run's options, as ``strategy=`` is given them: ``FSDP(...)`` (None: its defaults, which
+            checkpoint each block), or another sharded strategy's (``Mesh2D(...)``); the sharded column is what one
+            device of that strategy holds (``strategies``: each says it).
         method: "trace" (one step of a transformers causal LM traced on fake tensors, ``trace_step``; where it
             cannot run, the formulas, and the plan says why) or "estimate" (the formulas alone: instant).
         chunked_loss: The run's ``ChunkedLoss(...)`` callback, or None: the loss's logits rows count one chunk's
@@ -286,9 +279,8 @@ def memory_plan(
     precision = Precision.named(precision)
     if method not in get_args(PlanMethod):
         raise ValueError(f"method must be one of {get_args(PlanMethod)}, but given {method!r}")
-    if fsdp is not None and not isinstance(fsdp, FSDP):
-        raise TypeError(f"fsdp must be FSDP(...) options or None, but given {fsdp!r}")
-    fsdp = fsdp or FSDP()
+    # the two columns: one replica on every chip, and what one chip of the sharded strategy holds (its own figures)
+    columns = (Strategy(), fsdp if isinstance(fsdp, Strategy) else sharding_of(FSDP() if fsdp is None else fsdp, shards))
     # read, not imported: ChunkedLoss is a train step's callback, a layer above the plan
     loss_chunk = getattr(chunked_loss, "chunk_tokens", None)
     if chunked_loss is not None and not (isinstance(loss_chunk, int) and type(chunked_loss).__name__ == "ChunkedLoss"):
@@ -296,61 +288,26 @@ def memory_plan(
     states, opt_name = optimizer_states(optimizer)
     params = list({id(p): p for p in model.parameters()}.values())  # tied weights once
     trainable = [p for p in params if p.requires_grad]
-    whole = lambda ps, k: sum(p.numel() * p.element_size() * k for p in ps)  # noqa: E731
-    split = lambda ps, k: sum(shard_bytes(p.numel(), p.element_size(), shards) * k for p in ps)  # noqa: E731
-    terms = [
-        Term("parameters", whole(params, 1), split(params, 1)),
-        Term("gradients", whole(trainable, 1), split(trainable, 1)),
-        Term(f"optimizer state ({opt_name}, {states} per parameter)", whole(trainable, states), split(trainable, states)),
-    ]
+    row = lambda name, ps, k: Term(name, *(c.held(model, ps) * k for c in columns))  # noqa: E731
+    terms = [row("parameters", params, 1), row("gradients", trainable, 1),
+             row(f"optimizer state ({opt_name}, {states} per parameter)", trainable, states)]  # fmt: skip
     dequantized = max((m.weight.numel() * m.weight_scale.element_size() for m in model.modules()
                        if isinstance(m, Int8Linear)), default=0)  # fmt: skip
     if dequantized:  # an int8 base (quantize_base): each matmul makes its layer's weight float for a moment
         terms.append(Term("one layer dequantized (transient)", dequantized, dequantized))
-    size, state = whole(params, 1), whole(trainable, states)
-    notes = [f"host RAM: {_gb(size)} to hold the model whole before it is sharded, "
-             f"{_gb(host_bytes(size, state, 1, True))} while a checkpoint gathers its parameters and optimizer state"]
-    frozen = len(params) - len(trainable)
-    if frozen:
-        notes.append(f"{sum(p.numel() for p in trainable):,} of {sum(p.numel() for p in params):,} parameters train "
-                     f"({frozen} frozen tensors keep no gradient or optimizer state)")  # fmt: skip
+    notes = _state_notes(params, trainable, states)
     how, checkpointed, if_checkpointed = "parameters, gradients and optimizer state only", None, None
     shape = TransformerShape.of(getattr(model, "config", None)) if getattr(model, "config", None) is not None else None
     if shape is not None and seq_len is not None:
         inner = base_model(model)  # transformers 5 renamed the flag; the old name warns
         own = bool(getattr(inner, "is_activation_checkpointing", None) or getattr(inner, "gradient_checkpointing", False))
-        repl_ckpt = own if checkpointing is None else checkpointing
-        shard_ckpt = (fsdp.checkpoint or own) if checkpointing is None else checkpointing  # fsdp's own default: on
-        shard_ckpt = shard_ckpt if shards > 1 else repl_ckpt  # one core: the sharded column is the replicated one
-        checkpointed = (repl_ckpt, shard_ckpt)
-        steps, why = {}, None
-        if method == "trace":
-            try:
-                for ckpt in {repl_ckpt, shard_ckpt}:
-                    steps[ckpt] = trace_step(model, tokens=(batch_size, seq_len), optimizer=optimizer,
-                                             precision=precision, checkpointing=ckpt and not own,
-                                             loss=chunked_loss.traced_loss() if chunked_loss else None)  # fmt: skip
-            except TraceUnavailable as error:
-                steps, why = {}, str(error)
-        else:
-            why = "method='estimate'"
-        if steps:
-            seconds = sum(step.seconds for step in steps.values())
-            chunks = f", the loss in chunks of {loss_chunk}" if loss_chunk else ""
-            how = f"traced one step ({batch_size} x {seq_len} tokens{chunks} on fake tensors, {seconds:.1f} s)"
-            if dequantized:  # the traced step holds each layer's dequantized weight as its matmul makes it
-                terms = [t for t in terms if not t.name.startswith("one layer dequantized")]
-            terms.append(Term("activations and temporaries at the step's peak (traced)",
-                              _traced_row(steps[repl_ckpt], terms[1].replicated, 1),
-                              _traced_row(steps[shard_ckpt], terms[1].sharded, shards)))  # fmt: skip
-            notes.append(f"saved for backward: {_gb(steps[repl_ckpt].saved)} replicated, "
-                         f"{_gb(steps[shard_ckpt].saved)} sharded (of the peak's activations)")  # fmt: skip
-        else:
-            how = f"estimate (formulas): {why}"
-            estimate = functools.partial(_estimate, model, shape, batch_size * seq_len, precision, loss_chunk=loss_chunk)
-            chunks = f", the loss in chunks of {loss_chunk}" if loss_chunk else ""
-            terms.append(Term(f"activations and temporaries ({batch_size} x {seq_len} tokens{chunks}, estimate)",
-                              estimate(repl_ckpt), estimate(shard_ckpt)))  # fmt: skip
+        checkpointed = tuple(c.checkpoints(own) if checkpointing is None else checkpointing for c in columns)
+        run = _Run(model, shape, batch_size, seq_len, optimizer, precision, own, chunked_loss)
+        how, rows, more = _activations(run, columns, checkpointed, terms[1], method)
+        if dequantized and how.startswith("traced"):  # the traced step holds each layer's dequantized weight
+            terms = [t for t in terms if not t.name.startswith("one layer dequantized")]
+        terms.append(rows)
+        notes += more
         with_ckpt = _estimate(model, shape, batch_size * seq_len, precision, True, loss_chunk)
         if_checkpointed = Term("activations with each block checkpointed (estimate)", with_ckpt, with_ckpt)
         terms.append(Term(f"allocator rounding and workspaces ({MARGIN:.0%})",
@@ -359,20 +316,80 @@ def memory_plan(
         if backend.current().lazy:  # the compiler schedules the step's buffers, not torch's allocator
             notes.append("XLA schedules a step's memory itself: its buffer assignment of a small Llama's step on "
                          "XLA:CPU peaked 1.3-1.45x the traced step (docs/large_models.md): leave room on XLA")
-        notes.append(f"activations: checkpointing {'on' if repl_ckpt else 'off'} replicated, "
-                     f"{'on' if shard_ckpt else 'off'} sharded"
-                     + (" (strategy='fsdp' checkpoints each block by default: FSDP(checkpoint=False) turns it off)"
-                        if checkpointing is None and shard_ckpt != repl_ckpt else ""))  # fmt: skip
+        notes.append(f"activations: checkpointing {'on' if checkpointed[0] else 'off'} replicated, "
+                     f"{'on' if checkpointed[1] else 'off'} sharded"
+                     + (f" (strategy='{columns[1].name}' checkpoints each block by default: FSDP(checkpoint=False) turns it "
+                        f"off)" if checkpointing is None and checkpointed[1] != checkpointed[0] else ""))  # fmt: skip
     else:
         notes.append("activations not counted: " + ("give seq_len" if shape is not None else
                                                      "no transformers decoder config to estimate them from"))
-    if shards > 1:
-        block = _largest_block(model)
-        if block:
-            gathered = whole(block, 1) + whole([p for p in block if p.requires_grad], 1)  # weights, then gradients
-            terms.append(Term("one block gathered (sharded only)", 0, gathered))
+    gathered = columns[1].gathered(model)  # a sharded block's weights and gradients, whole for a moment
+    if gathered:
+        terms.append(Term("one block gathered (sharded only)", 0, gathered))
     return MemoryPlan(tuple(terms), shards, _device_memory(device_memory), tuple(notes), how, checkpointed,
                       if_checkpointed)
+
+
+def _state_notes(params: list[nn.Parameter], trainable: list[nn.Parameter], states: int) -> list[str]:
+    """The plan's notes on the model's state: the host RAM a sharded run needs, the frozen parameters."""
+    whole = lambda ps, k: sum(p.numel() * p.element_size() * k for p in ps)  # noqa: E731
+    size, state = whole(params, 1), whole(trainable, states)
+    notes = [f"host RAM: {_gb(size)} to hold the model whole before it is sharded, "
+             f"{_gb(host_bytes(size, state, 1, True))} while a checkpoint gathers its parameters and optimizer state"]
+    frozen = len(params) - len(trainable)
+    if frozen:
+        notes.append(f"{sum(p.numel() for p in trainable):,} of {sum(p.numel() for p in params):,} parameters train "
+                     f"({frozen} frozen tensors keep no gradient or optimizer state)")  # fmt: skip
+    return notes
+
+
+@dataclass(frozen=True)
+class _Run:
+    """The step a plan's activations are for: the model, its decoder's sizes, the batch, optimizer and precision."""
+
+    model: nn.Module
+    shape: TransformerShape
+    batch_size: int
+    seq_len: int
+    optimizer: Any
+    precision: Precision
+    own: bool  # the model checkpoints its blocks itself
+    chunked_loss: Any  # the run's ChunkedLoss, or None
+
+    @property
+    def loss_chunk(self) -> int | None:
+        return getattr(self.chunked_loss, "chunk_tokens", None)
+
+
+def _activations(run: _Run, columns: tuple[Strategy, Strategy], checkpointed: tuple[bool, ...], gradients: Term,
+                 method: str) -> tuple[str, Term, list[str]]:  # fmt: skip
+    """The activations' row of each column (a traced step where it can be, else the formulas): how they were found,
+    the row, and the notes."""
+    steps, why = {}, None
+    if method == "trace":
+        try:
+            for ckpt in set(checkpointed):
+                steps[ckpt] = trace_step(run.model, tokens=(run.batch_size, run.seq_len), optimizer=run.optimizer,
+                                         precision=run.precision, checkpointing=ckpt and not run.own,
+                                         loss=run.chunked_loss.traced_loss() if run.chunked_loss else None)  # fmt: skip
+        except TraceUnavailable as error:
+            steps, why = {}, str(error)
+    else:
+        why = "method='estimate'"
+    chunks = f", the loss in chunks of {run.loss_chunk}" if run.loss_chunk else ""
+    tokens = f"{run.batch_size} x {run.seq_len} tokens"
+    if steps:
+        seconds = sum(step.seconds for step in steps.values())
+        rows = [_traced_row(steps[ckpt], getattr(gradients, c.column() if i else "replicated"), c.cores if i else 1)
+                for i, (c, ckpt) in enumerate(zip(columns, checkpointed))]  # fmt: skip
+        saved = [_gb(steps[ckpt].saved) for ckpt in checkpointed]
+        return (f"traced one step ({tokens}{chunks} on fake tensors, {seconds:.1f} s)",
+                Term("activations and temporaries at the step's peak (traced)", *rows),
+                [f"saved for backward: {saved[0]} replicated, {saved[1]} sharded (of the peak's activations)"])  # fmt: skip
+    estimate = functools.partial(_estimate, run.model, run.shape, run.batch_size * run.seq_len, run.precision,
+                                 loss_chunk=run.loss_chunk)  # fmt: skip
+    return (f"estimate (formulas): {why}",
+            Term(f"activations and temporaries ({tokens}{chunks}, estimate)", *(estimate(c) for c in checkpointed)), [])
 
 
 @dataclass(frozen=True)
@@ -450,11 +467,7 @@ def auto_shards(plan: MemoryPlan) -> str:
         >>> auto_shards(memory_plan(nn.Linear(4, 4), cores=4))   # the CPU: no chip memory to compare with
         ''
     """
-    if plan.fits_replicated or not plan.fits_sharded:
-        return ""
-    return (f"strategy='auto' chose fsdp: one replica needs {_gb(plan.replicated)} per chip, more than the "
-            f"{_gb(plan.usable)} usable of {_gb(plan.device_memory)}; sharded over {plan.cores}: "
-            f"{_gb(plan.sharded)}")  # fmt: skip
+    return Spmd(plan.cores, may_shard=True).settled(plan).why  # the strategy decides what "auto" becomes, and why
 
 
 def fitting_batch_size(state: float, activations: float, batch_size: int, usable: float) -> int:
@@ -470,9 +483,9 @@ def fitting_batch_size(state: float, activations: float, batch_size: int, usable
     return max(0, min(batch_size, int(room // per_row))) if per_row > 0 else batch_size
 
 
-def refuse_replicating(model: nn.Module, plan: MemoryPlan, batch_size: int, sharded: bool = False) -> None:
-    """Refuses, before anything compiles, a run that cannot fit one chip (replicated, or ``sharded`` over
-    ``cores``), naming the figures and the ways out: sharding, a batch size or checkpointing that would fit,
+def refuse_replicating(model: nn.Module, plan: MemoryPlan, batch_size: int, column: Column = "replicated") -> None:
+    """Refuses, before anything compiles, a run that cannot fit one chip (its strategy's ``column()`` of the plan:
+    replicated, or sharded over ``cores``), naming the figures and the ways out: sharding, a batch size or checkpointing that would fit,
     LoRA, bf16, more chips.
 
     ``plan``: the run's (``memory_plan`` of its cores, ``batch_size`` per chip, optimizer and precision), with
@@ -483,10 +496,9 @@ def refuse_replicating(model: nn.Module, plan: MemoryPlan, batch_size: int, shar
     Raises:
         ValueError: the plan's replicated (or sharded) figure, the chip's memory, and the ways out.
     """
-    cores = plan.cores
+    cores, sharded = plan.cores, column == "sharded"
     if plan.fits_sharded if sharded else plan.fits_replicated:
         return
-    column = "sharded" if sharded else "replicated"
     act = next((t for t in plan.terms if t.name.startswith("activations")), None)
     smaller = []
     if act is not None:  # the batch and the checkpointing that would fit, where activations are planned
@@ -665,7 +677,7 @@ def _saved_estimate(model: nn.Module, shape: TransformerShape, tokens: int, prec
     weights, itemsize = _itemsizes(model, precision)
     copies = 0
     if itemsize < weights:
-        block = _largest_block(model)
+        block = largest_block(model)
         copies = shape.vocab * shape.hidden + (0 if checkpointing else shape.layers * sum(p.numel() for p in block if p.dim() > 1))
     return activation_bytes(shape, tokens, itemsize, checkpointing, weights, loss_chunk) + copies * itemsize
 
@@ -675,16 +687,6 @@ def _itemsizes(model: nn.Module, precision: Precision) -> tuple[int, int]:
     in bf16 whatever the precision."""
     weights = max((p.element_size() for p in model.parameters() if p.is_floating_point()), default=4)
     return weights, min(precision.itemsize, weights)
-
-
-def _largest_block(model: nn.Module) -> list[nn.Parameter]:
-    """The parameters of the largest module of the block class FSDP wraps (``block_classes``), or []."""
-    try:
-        classes = block_classes(model)
-    except ValueError:
-        return []
-    blocks = [m for m in model.modules() if isinstance(m, classes)]
-    return max((list(m.parameters()) for m in blocks), key=lambda ps: sum(p.numel() for p in ps), default=[])
 
 
 __all__ = ["memory_plan", "MemoryPlan", "device_bytes", "DeviceBytes", "first_length", "fitting_batch_size", "loss_bytes", "MARGIN", "auto_shards", "refuse_replicating", "refuse_host_shortage", "host_bytes",

@@ -32,7 +32,7 @@ from ..progress import progress_bar
 from .metrics import MetricSet
 from .precision import Precision
 from .steps import Batch, Step
-from .strategies import Single, Strategy
+from .strategies import Strategy
 
 PREDICT_CHUNK = 16  # batches of outputs kept on the device between host transfers
 
@@ -90,7 +90,7 @@ class Runner:
         self.decision = CompileDecision(False, "")  # decided for the run's length (compile_for)
         self._compiled_model: nn.Module | None = None
         self.found = Placement.of(model)
-        self.strategy = strategy if strategy is not None else Single()
+        self.strategy = strategy if strategy is not None else Strategy()  # one process, the whole model
         self.topology = self.strategy.topology()
         self.device = get_device()
         self.model = model

@@ -3,9 +3,13 @@ replica of the model on its own share of the data, gradients averaged every step
 
 from __future__ import annotations
 
-from ...sharding import FSDP
-from .base import InJob, Strategy
+from typing import Any, Callable, TypeVar
+
+from ...backend.base import Backend
+from .base import InJob, Launching, Strategy
 from .single import Single
+
+T = TypeVar("T")
 
 
 class Replica(InJob, Strategy):
@@ -13,18 +17,23 @@ class Replica(InJob, Strategy):
 
     name = "replica"
 
+    def alone(self) -> Strategy:
+        return Single()  # given data of its own: every row of it, on its own device
 
-class Multiprocess(Strategy):
-    """The caller launches ``cores`` processes, each running ``Replica``."""
+
+class Multiprocess(Launching, Strategy):
+    """``run`` launches ``cores`` processes, each running ``Replica``."""
 
     name = "multiprocess"
-    launches = True
 
     @classmethod
-    def choose(cls, cores: int, native: bool, options: FSDP | None) -> Strategy:
-        if native and cores == 1:  # natively one process per device: one device, nothing to launch
+    def choose(cls, cores: int, on: Backend, options: Any) -> Strategy:
+        if cores == 1 and not on.sharding.over_mesh():  # one process per device: one device, nothing to launch
             return Single()
-        return super().choose(cores, native, options)
+        return super().choose(cores, on, options)
 
     def replica(self) -> Strategy:
         return Replica(self.cores)
+
+    def infer(self, work: Callable[..., T], args: tuple, *, what: str) -> T:
+        return work(Single(), *args)  # replicas add nothing to inference: this process, its device
