@@ -5,7 +5,6 @@ and DataLoader settings kept."""
 from __future__ import annotations
 
 import collections.abc
-import dataclasses
 
 import os
 import sys

@@ -38,7 +38,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from .. import backend, remote
+from .. import remote
 from ..checkpoint import to_cpu
 from ..compiler import Compile
 from ..data.loaders import LoaderSpec, unpack_loader
