@@ -22,6 +22,7 @@ from conftest import run_python
 from test_native import WARM, _ranks, _torchrun
 from tpu_utility.sharding import FSDP
 from tpu_utility.backend.native import NativeBackend
+from tpu_utility.backend.xla import XlaBackend
 from tpu_utility.training.strategies import Fsdp, FsdpProcess, choose_strategy
 
 MODEL = """
@@ -165,10 +166,10 @@ def test_fsdp_is_launched_natively_joined_in_a_job_and_refused_on_one_core():
     assert launched.replica() == FsdpProcess(2, FSDP())  # each of them holds a shard
     joined = choose_strategy("fsdp", 1, in_launch=True, **native)  # a torchrun process shards with the job
     assert (type(joined), joined.name, joined.launches, joined.in_job) == (FsdpProcess, "fsdp", False, True)
-    on_xla = choose_strategy("fsdp", 4, in_launch=False)  # XLA: one process over the mesh
+    on_xla = choose_strategy("fsdp", 4, in_launch=False, on=XlaBackend())  # XLA: one process over the mesh
     assert (type(on_xla), on_xla.launches, on_xla.shards, on_xla.in_job) == (Fsdp, False, True, False)
     with pytest.raises(ValueError, match="this process is one replica of a multi-process launch"):
-        choose_strategy("fsdp", 4, in_launch=True)  # XLA's one-process SPMD cannot run inside a launch
+        choose_strategy("fsdp", 4, in_launch=True, on=XlaBackend())  # XLA's one-process SPMD cannot run inside a launch
     with pytest.raises(ValueError, match=r"given cores=1; give cores=N with N >= 2"):
         choose_strategy("fsdp", 1, in_launch=False, **native)
 
