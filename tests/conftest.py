@@ -244,6 +244,7 @@ TORCH_RELEASE = {  # code whose behaviour moved between torch/torch_xla 2.8 and 
     "test_notebook.py": "the quickstart notebook end to end",
     "test_porter.py": "ported 1.x kernels and CUDA loops run on this torch_xla (the API table's premise)",
     "test_port_device.py": "ported programs run on this torch_xla: where parameters and batches land, --check's XLA graphs",
+    "test_mesh2d.py": "a 2-D SPMD mesh's shardings, and DTensor's parallelize_module under FSDP2, on this torch",
 }
 PYTHON_RELEASE = {  # code whose behaviour can change with the Python version
     "test_import.py": "imports with and without torch_xla",
