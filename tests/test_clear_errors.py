@@ -193,3 +193,19 @@ def test_a_cached_dataset_indexed_by_a_float_names_the_index(tmp_path):
     # was: TypeError: list indices must be integers or slices, not float
     with pytest.raises(TypeError, match=r"CachedDataset indices must be integers, but given 1.5 of type float"):
         cached[1.5]
+
+
+def test_a_bf16_model_given_float32_batches_on_xla_says_what_xla_refused_and_the_ways_on():
+    """XLA's HLO verifier refuses an operation mixing bf16 and fp32 ("mixed precision is disallowed"), deep in a
+    graph cut: the step says which mix it is and what to give (on the CPU PyTorch names the dtypes itself)."""
+    from tpu_utility import backend
+
+    if not backend.current().lazy:
+        pytest.skip("the XLA backend's own refusal")
+    x = torch.randn(64, 8)
+    data = TensorDataset(x, (x.sum(1) > 0).long())
+    build = lambda: nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2)).to(torch.bfloat16)  # noqa: E731
+    with pytest.raises(TypeError, match=r"mixes floating-point types .* precision='bf16'.* build or load it again"):
+        fit(build(), data, batch_size=16)
+    history = fit(build(), data, batch_size=16, precision="bf16")  # the way on
+    assert math.isfinite(history.records[0].train_loss)

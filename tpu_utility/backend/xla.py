@@ -233,6 +233,14 @@ CPU_BACKWARD_FIRST = (
     "the XLA runtime, and from then on CPU and XLA backward passes may come in any order."
 )
 _autograd_ready = False
+MIXED_FLOATS = (
+    "XLA refused to compile the step: one of its operations mixes floating-point types of different precisions, "
+    "which XLA does not promote (its HLO verifier: 'mixed precision is disallowed'), for example a model cast to "
+    "bfloat16 given float32 batches; on the CPU PyTorch refuses the same step ('mat1 and mat2 must have the same "
+    "dtype'). Give precision='bf16' (bf16 compute for the model as it is: autocast on a TPU, the batches' floats "
+    "cast on XLA:CPU), cast the batches to the model's dtype in your train_step, or keep the model in float32. "
+    "The model's weights went into the refused step and cannot be read back: build or load it again first."
+)
 
 
 def _check_autograd(dev: torch.device) -> None:
@@ -662,7 +670,12 @@ class XlaDevices(Devices):
             import torch_xla.debug.profiler as xp
 
             xp.set_tracer_marked_step(False)  # a cut left marked by an earlier loop is not this loop's
-            yield from batches
+            try:
+                yield from batches  # each batch cuts the graph of the step before it: a refused graph raises here
+            except ValueError as error:
+                if "mixed precision is disallowed" in str(error):
+                    raise TypeError(MIXED_FLOATS) from error
+                raise
             if relay.error is not None:
                 raise relay.error
 
