@@ -433,16 +433,23 @@ def _word_comparisons(source: str) -> list[int]:
     return lines
 
 
-def test_no_code_outside_the_strategies_room_compares_a_strategy_word():
-    """Callers ask the strategy object (launches, shards, in_job, topology()); only strategies/ reads the words."""
+def _outside_strategies(lines_of):
+    """``{file: lines}`` where ``lines_of(source)`` finds lines, in every module but strategies/ and the porter's
+    (whose rules name user code's words and flags)."""
     found = {}
     for path, unit, _ in _modules():
-        if unit == "training.strategies" or unit.startswith("diagnostics"):  # the porter's rules name user code's words
+        if unit == "training.strategies" or unit.startswith("diagnostics"):
             continue
         with open(path) as f:
-            lines = _word_comparisons(f.read())
+            lines = lines_of(f.read())
         if lines:
             found[os.path.relpath(path, PACKAGE)] = lines
+    return found
+
+
+def test_no_code_outside_the_strategies_room_compares_a_strategy_word():
+    """Callers ask the strategy object (launches, shards, in_job, topology()); only strategies/ reads the words."""
+    found = _outside_strategies(_word_comparisons)
     assert not found, f"strategy words compared outside training/strategies/: {found}"
     assert _word_comparisons('if mode in ("single", "x"):\n    pass\nok = word != "fsdp"\n') == [1, 3]
 
@@ -468,14 +475,7 @@ def _flag_reads(source: str) -> list[int]:
 def test_no_code_outside_the_strategies_room_reads_a_strategy_flag_or_builds_single():
     """Callers hand the strategy the work (run, infer, one_program, alone, settled, column); only strategies/ reads
     what a strategy is, and only it decides when one device, alone, is the answer."""
-    found = {}
-    for path, unit, _ in _modules():
-        if unit == "training.strategies" or unit.startswith("diagnostics"):  # the porter's plan.launches is user code's
-            continue
-        with open(path) as f:
-            lines = _flag_reads(f.read())
-        if lines:
-            found[os.path.relpath(path, PACKAGE)] = lines
+    found = _outside_strategies(_flag_reads)
     assert not found, f"strategy flags read (or Single() built) outside training/strategies/: {found}"
     seen = "if chosen.launches:\n    x = Single()\ny = plan.strategy.in_job or chosen.options\nz = self.compile.options\n"
     assert _flag_reads(seen) == [1, 2, 3]  # the check sees each kind (it can fail)

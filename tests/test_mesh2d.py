@@ -15,6 +15,21 @@ from native_jobs import WARM
 from tpu_utility import FSDP
 from tpu_utility.training.strategies import Mesh2D, choose_strategy, resolve_strategy
 
+# the models and data both scripts train: ROWS rows of 16 tokens
+MODELS = r"""
+sizes = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=64)
+torch.manual_seed(0)
+ids = torch.randint(0, 128, (ROWS, 16))
+data = [{"input_ids": row, "labels": row} for row in ids]
+options = Mesh2D(tensor=2, checkpoint=False)
+
+def qwen_lora():
+    torch.manual_seed(2)
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "o_proj", "down_proj"], lora_dropout=0.0)
+    return get_peft_model(Qwen2ForCausalLM(Qwen2Config(**sizes)), lora)
+"""
+
 SCRIPT = r"""
 import copy, json, os, tempfile
 import torch
@@ -25,12 +40,7 @@ from tpu_utility.backend import current
 from tpu_utility.training.strategies import Mesh2D
 from tpu_utility.training.strategies.mesh2d import projections
 
-sizes = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, max_position_embeddings=64)
-torch.manual_seed(0)
-ids = torch.randint(0, 128, (16, 16))
-data = [{"input_ids": row, "labels": row} for row in ids]
-options = Mesh2D(tensor=2, checkpoint=False)
+MODELS
 out = {}
 
 class Held(Callback):
@@ -66,15 +76,11 @@ def run(name, build, strategy):
     out[f"{name} {strategy if isinstance(strategy, str) else 'fsdp-tp'}"] = record
 
 llama = lambda: LlamaForCausalLM(LlamaConfig(**sizes))  # noqa: E731
-def qwen_lora():
-    torch.manual_seed(2)
-    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "o_proj", "down_proj"], lora_dropout=0.0)
-    return get_peft_model(Qwen2ForCausalLM(Qwen2Config(**sizes)), lora)
 for name, build in (("llama", llama), ("qwen2-lora", qwen_lora)):
     run(name, build, "spmd")
     run(name, build, options)
 print("RESULT" + json.dumps(out))
-"""
+""".replace("MODELS", MODELS.replace("ROWS", "16"))
 
 # natively: 4 gloo processes as 2x2, launched (forked, the script runs as a notebook cell) by one_cycle_fit;
 # the replicated run is one process with the job's global batch (2 rows x 2 FSDP ranks)
@@ -89,12 +95,7 @@ from tpu_utility.backend import current
 from tpu_utility.training.strategies import Mesh2D
 from tpu_utility.training.strategies.mesh2d import projections
 
-sizes = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, max_position_embeddings=64)
-torch.manual_seed(0)
-ids = torch.randint(0, 128, (8, 16))
-data = [{"input_ids": row, "labels": row} for row in ids]
-options = Mesh2D(tensor=2, checkpoint=False)
+MODELS
 out, folder = {}, tempfile.mkdtemp()
 os.environ["HELD_DIR"] = folder
 
@@ -116,10 +117,6 @@ class Held(Callback):
 def llama():
     torch.manual_seed(1)
     return LlamaForCausalLM(LlamaConfig(**sizes))
-def qwen_lora():
-    torch.manual_seed(2)
-    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "o_proj", "down_proj"], lora_dropout=0.0)
-    return get_peft_model(Qwen2ForCausalLM(Qwen2Config(**sizes)), lora)
 
 runs = (("llama", llama), ("qwen2-lora", qwen_lora))
 for name, build in runs:  # the launched runs first: a fork after this process computed (OpenMP's pool) would hang
@@ -138,7 +135,7 @@ for name, build in runs:
     planned = plan.term("parameters").sharded + next(t for t in plan.terms if t.name.startswith("optimizer")).sharded
     out[name].update(one=[r.train_loss for r in one.records], plan_ratio=planned / max(h["state"] for h in out[name]["held"]))
 print("RESULT" + json.dumps(out))
-"""
+""".replace("MODELS", MODELS.replace("ROWS", "8"))
 
 
 def _check(out, name, replicated, sharded):
