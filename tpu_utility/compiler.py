@@ -41,6 +41,8 @@ class Compile:
         dynamic: torch.compile's ``dynamic``: None lets it mark a dimension dynamic after it changed once;
             TorchTPU compiles static shapes (False) unless this says otherwise.
         backend: torch.compile's ``backend``; None: the device's (inductor; "tpu" under TorchTPU).
+        scan: Whether a Hugging Face decoder's layers are compiled once and looped (``scan.scan_layers``: torch_xla's
+            scan): "auto" for a decoder of 8 layers or more, True for any that can be, False never.
 
     Raises:
         ValueError, TypeError: a value outside those, named with what is allowed.
@@ -58,8 +60,11 @@ class Compile:
     fullgraph: bool = False
     dynamic: bool | None = None
     backend: str | None = None
+    scan: bool | CompileSetting = "auto"
 
     def __post_init__(self) -> None:
+        if not (isinstance(self.scan, bool) or self.scan == "auto"):
+            raise ValueError(f"scan must be True, False or 'auto', but given {self.scan!r}")
         if not (isinstance(self.enabled, bool) or self.enabled == "auto"):
             raise ValueError(f"Compile(enabled=...) must be True, False or 'auto', but given {self.enabled!r}")
         if self.mode is not None and self.mode not in MODES:
@@ -90,7 +95,7 @@ class Compile:
     def options(self) -> dict[str, Any]:
         """torch.compile's keyword arguments that differ from its defaults."""
         return {f.name: getattr(self, f.name) for f in fields(self)
-                if f.name != "enabled" and getattr(self, f.name) != f.default}  # fmt: skip
+                if f.name not in ("enabled", "scan") and getattr(self, f.name) != f.default}  # fmt: skip
 
     def settled(self, steps: int) -> Compile:
         """This setting with ``"auto"`` settled, True or False, for a run of ``steps`` steps: the one place that asks

@@ -866,6 +866,19 @@ class XlaCompute(Compute):
     def checkpoint_function(self) -> Callable[..., Any]:
         return checkpoint
 
+    def layer_scan(self) -> Callable[..., Any] | None:
+        """torch_xla's ``scan`` (``torch_xla.experimental.scan``, 2.6 and later): ``fn`` traced once by AOTAutograd,
+        its forward and backward each a loop body; its trace cached per function object (``is_fn_pure``), so a
+        caller keeps one function per kind of call. ``checkpoint``: min-cut rematerialization (scan's own policy)."""
+        from functorch.compile import default_partition, min_cut_rematerialization_partition
+        from torch_xla.experimental.scan import scan
+
+        def layer_scan(fn: Callable[..., Any], init: Any, xs: Any, checkpoint: bool = False) -> Any:
+            partition = min_cut_rematerialization_partition if checkpoint else default_partition
+            return scan(fn, init, xs, partition_fn=partition, is_fn_pure=True)
+
+        return layer_scan
+
     def segment_attention(self, device: torch.device) -> Callable[..., torch.Tensor] | None:
         """torch_xla's Pallas flash attention with segment ids, on one TPU device where the installed torch_xla has
         it (``flash_attention(..., q_segment_ids=, kv_segment_ids=)``, 2.8 and 2.9) and JAX is installed (its

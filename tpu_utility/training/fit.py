@@ -216,6 +216,7 @@ def one_cycle_fit(
     strategy: StrategyName | FSDP = "auto",
     precision: PrecisionName = "fp32",
     compile: bool | Literal["auto"] | Compile = "auto",
+    scan: bool | Literal["auto"] = "auto",
     metrics: str | Metric | Sequence[str | Metric] | dict[str, Any] | None = None,
     accumulate_steps: int = 1,
     max_grad_norm: float | None = None,
@@ -282,6 +283,11 @@ def one_cycle_fit(
             line says how long it compiled. The model is left as it is (checkpoints keep its own keys); a
             ``torch.compile(model)`` given is trained as it is. Under torch_xla every step is compiled by XLA
             whatever this says (docs/training.md).
+        scan: Under torch_xla, whether a Hugging Face decoder's layers are compiled once and looped (torch_xla's
+            scan over their stacked weights: the first compile no longer grows with depth): "auto" for 8 layers
+            or more, True for any decoder that can be, False never; said on the summary line, with why a model
+            runs unrolled. Checkpoints keep each layer's own keys and the model comes back unstacked
+            (docs/llm.md "Layers compiled once").
         metrics: Names ("accuracy"), functions ``(output, target) -> values`` (one
             per sample, or a per-batch mean), torchmetrics ``Metric`` objects, or a
             dict naming them. Default "accuracy" when ``loss_fn`` is the default.
@@ -385,7 +391,7 @@ def one_cycle_fit(
     checked = FitArguments(  # every argument checked once, here, before any launch, compile or epoch
         model=built, factory=factory, epochs=_positive("epochs", epochs, int),
         precision=Precision.of(precision),  # fp16 where the device has no float16 path: refused before any launch
-        compile=Compile.of(compile),
+        compile=_with_scan(Compile.of(compile), scan),
         steps=Steps(CrossEntropy() if loss_fn is None else loss_fn, train_step=train_step, eval_step=eval_step,
                     accumulate_steps=_positive("accumulate_steps", accumulate_steps, int), default_loss=loss_fn is None,
                     max_grad_norm=None if max_grad_norm is None else _positive("max_grad_norm", max_grad_norm)),
@@ -515,6 +521,17 @@ def _memory_plan(model: nn.Module, a: FitArguments, chosen: Any, precision: Prec
     ckpt = True if any(isinstance(c, GradientCheckpointing) for c in callbacks) else None
     chunked = next((c for c in callbacks if isinstance(c, ChunkedLoss)), None)
     return memory_plan(model, **run, seq_len=seq_len, checkpointing=ckpt, chunked_loss=chunked)
+
+
+def _with_scan(compile: Compile, scan: Any) -> Compile:
+    """``scan=`` folded into the ``Compile`` setting (whose ``scan`` field carries it to each process's Runner)."""
+    if scan == "auto" and isinstance(scan, str):
+        return compile
+    if not isinstance(scan, bool):
+        raise ValueError(f"scan must be True, False or 'auto', but given {scan!r}")
+    if compile.scan != "auto" and compile.scan != scan:
+        raise ValueError(f"scan={scan} and compile=Compile(scan={compile.scan}) disagree; give one of them")
+    return dataclasses.replace(compile, scan=scan)
 
 
 def _check_resume(checkpoint_dir: Any, resume: Any, overwrite: Any) -> None:

@@ -29,6 +29,7 @@ from ..huggingface import (base_model, check_transformers, give_back_checkpoint_
                            packed_attention, restore_masks, restore_packed_attention, static_masks,
                            use_checkpoint_function)
 from ..progress import progress_bar
+from ..scan import scan_for_run
 from .metrics import MetricSet
 from .precision import Precision
 from .steps import Batch, Step
@@ -103,6 +104,8 @@ class Runner:
         move_model(model, self.device)
         if self.precision.mode == "cast":
             model.to(torch.bfloat16)
+        # a decoder's layers compiled once and looped (XLA), their weights stacked for the run (given back after)
+        self.scanned, self.scan_words = scan_for_run(model, self.compile.scan) if self.lazy else (None, "")
         self.strategy.enter(model)  # a sharding strategy shards the parameters in place; a replicated one does nothing
         # a transformers model's masks built on the device: no host read per forward on XLA (given back after)
         self.found_attention = static_masks(model) if self.lazy else None
@@ -119,6 +122,7 @@ class Runner:
     def restore_model(self) -> None:
         """Puts the model back on the device, dtype and mode it was found in."""
         self.strategy.leave(self.model)
+        self.unstack_layers()
         self.found.restore(self.model)
         restore_masks(self.model, self.found_attention)
         restore_packed_attention(self.packed_attention)
@@ -126,6 +130,12 @@ class Runner:
         if self.found_weights is not None:
             self.model.load_state_dict(self.found_weights)
         self.stop_workers()
+
+    def unstack_layers(self) -> None:
+        """The scanned layers' trained weights written back into the plain layers (see ``scan.scan_layers``)."""
+        if self.scanned is not None:
+            self.scanned.undo()
+            self.scanned = None
 
     def stop_workers(self) -> None:
         """Stops the worker processes of the loaders built here, now (see ``data.loaders.stop_workers``)."""

@@ -254,6 +254,7 @@ def _train(model: nn.Module, plan: FitPlan) -> tuple[nn.Module, History]:
         restore_masks(model, loop.runner.found_attention)
         restore_packed_attention(loop.runner.packed_attention)
         loop.runner.strategy.leave(model)  # its hooks off: history.model is the plain model
+        loop.runner.unstack_layers()  # scanned layers' weights back in the layers
         loop.runner.stop_workers()  # persistent loaders' workers stopped now, not waited out at a garbage collection
 
 
@@ -489,6 +490,7 @@ def _summary(loop: Trainer) -> str:
         + (f"{plan.memory} | " if plan.memory else "")
         + "".join(f"{part} | " for part in schedule)
         + (f"{runner.decision.words} | " if runner.decision.words else "")
+        + (f"{runner.scan_words} | " if runner.scan_words else "")
         + f"{runner.precision.words(loop.model)} | {plan.optimizer_name}{' (torch_xla sync-free, fused)' if loop.fused else ''}"
         + (" (fused)" if loop.optimizer.defaults.get("fused") else "")
         + (f" | peak lr per param group x{[round(r, 6) for r in loop.lr_ratios]}" if set(loop.lr_ratios) != {1.0} else "")
