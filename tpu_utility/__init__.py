@@ -25,6 +25,7 @@ from .sharding import FSDP, shard_model
 from .huggingface import device_checkpointing, packed_attention, static_masks
 from .export import export_pretrained
 from .quantization import dequantize_base, load_quantized, quantize_base
+from .scan import scan_layers
 
 # data preparation: fixed shapes, caches, images shrunk once
 from .data import (BucketBatchSampler, BucketCollate, CachedDataset, PackedDataset, PresizeReport, cache_dataset,
@@ -104,6 +105,7 @@ __all__ = [
     "padding_waste",
     "predict",
     "quantize_base",
+    "scan_layers",
     "presize_images",
     "PresizeReport",
     "save_checkpoint",

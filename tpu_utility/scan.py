@@ -131,9 +131,10 @@ def scan_layers(model: nn.Module, layer_scan: Callable[..., Any] | None = None) 
     plan = scan_plan(model)
     if plan.layers is None:
         raise ValueError(f"scan_layers: {type(model).__name__} cannot be scanned: {plan.why}")
-    layer_scan = layer_scan or backend.current().compute.layer_scan()
     if layer_scan is None:
-        raise ValueError(f"scan_layers: the {backend.current().name} backend has no scan primitive (torch_xla's)")
+        layer_scan, why = backend.current().compute.layer_scan()
+        if layer_scan is None:
+            raise ValueError(f"scan_layers: no scan here: {why}")
     return ScannedLayers(model, plan, layer_scan)
 
 
@@ -417,9 +418,9 @@ def scan_for_run(model: nn.Module, setting: bool | str) -> tuple[ScannedLayers |
     decoder = plan.layers is not None or not plan.why.startswith("not a Hugging Face decoder")
     if not decoder or setting is False:
         return None, "layers unrolled (scan=False)" if decoder and setting is False else ""
-    layer_scan = backend.current().compute.layer_scan()
+    layer_scan, why = backend.current().compute.layer_scan()
     if layer_scan is None:
-        return None, "scan=True: layers run one after the other (scan is torch_xla's)" if setting is True else ""
+        return None, f"layers unrolled ({why})" if setting is True or plan.layers is not None else ""
     if plan.layers is None:
         if setting is True:
             raise ValueError(f"scan=True, but {type(model).__name__} cannot be scanned: {plan.why}; give scan='auto' "

@@ -278,15 +278,16 @@ class Compute(Group):
 
         return checkpoint
 
-    def layer_scan(self) -> Callable[..., Any] | None:
-        """The loop that compiles one decoder layer and runs it over stacked weights (``scan.scan_layers``), or
-        None where layers run one after the other anyway (eagerly, or traced by torch.compile), as here.
+    def layer_scan(self) -> tuple[Callable[..., Any] | None, str]:
+        """The loop that compiles one decoder layer and runs it over stacked weights (``scan.scan_layers``), and
+        why there is none ("" where there is one): here layers run one after the other anyway (eagerly, or traced
+        by torch.compile).
 
         The function is ``layer_scan(fn, init, xs, checkpoint) -> (carry, ys)``: ``fn(carry, x) -> (carry, y)``
         applied along the leading dimension of every tensor of ``xs``, as ``jax.lax.scan``; ``checkpoint``
         recomputes each iteration's activations in the backward instead of keeping them.
         """
-        return None
+        return None, "scan is torch_xla's"
 
     def segment_attention(self, device: torch.device) -> Callable[..., torch.Tensor] | None:
         """A fused kernel for causal attention within segments (the samples of packed rows) on ``device``, or

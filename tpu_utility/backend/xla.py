@@ -866,10 +866,15 @@ class XlaCompute(Compute):
     def checkpoint_function(self) -> Callable[..., Any]:
         return checkpoint
 
-    def layer_scan(self) -> Callable[..., Any] | None:
+    def layer_scan(self) -> tuple[Callable[..., Any] | None, str]:
         """torch_xla's ``scan`` (``torch_xla.experimental.scan``, 2.6 and later): ``fn`` traced once by AOTAutograd,
         its forward and backward each a loop body; its trace cached per function object (``is_fn_pure``), so a
-        caller keeps one function per kind of call. ``checkpoint``: min-cut rematerialization (scan's own policy)."""
+        caller keeps one function per kind of call. ``checkpoint``: min-cut rematerialization (scan's own policy).
+        Under SPMD its backward shards the gradients like the inputs through JAX's ``shard_alike``, which needs
+        JAX with a TPU client: elsewhere (XLA:CPU's devices) there is none."""
+        if self.backend.sharding.is_spmd() and not (module_installed("jax") and runtime_device_type() == "TPU"):
+            return None, ("under SPMD torch_xla's scan shards its backward through JAX, which needs JAX on a TPU "
+                          "(pip install 'torch_xla[pallas]')")  # fmt: skip
         from functorch.compile import default_partition, min_cut_rematerialization_partition
         from torch_xla.experimental.scan import scan
 
@@ -877,7 +882,7 @@ class XlaCompute(Compute):
             partition = min_cut_rematerialization_partition if checkpoint else default_partition
             return scan(fn, init, xs, partition_fn=partition, is_fn_pure=True)
 
-        return layer_scan
+        return layer_scan, ""
 
     def segment_attention(self, device: torch.device) -> Callable[..., torch.Tensor] | None:
         """torch_xla's Pallas flash attention with segment ids, on one TPU device where the installed torch_xla has
