@@ -422,6 +422,12 @@ def shard_mesh_2d(model: torch.nn.Module, blocks: Sequence[torch.nn.Module], spl
     return _barriers(model, blocks)
 
 
+def scan_shards_backward() -> bool:
+    """Whether torch_xla's scan can run its backward under SPMD here: it shards each gradient as its input through
+    JAX's ``shard_alike`` (``shard_as``), which needs JAX and a TPU client (XLA:CPU raises 'Jax is required')."""
+    return module_installed("jax") and runtime_device_type() == "TPU"
+
+
 def _returns(model: torch.nn.Module, kind: Any) -> bool:
     """Whether ``model`` (or the model inside a peft wrapper) is of ``kind``, found without importing its library."""
     inner = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
@@ -872,7 +878,7 @@ class XlaCompute(Compute):
         caller keeps one function per kind of call. ``checkpoint``: min-cut rematerialization (scan's own policy).
         Under SPMD its backward shards the gradients like the inputs through JAX's ``shard_alike``, which needs
         JAX with a TPU client: elsewhere (XLA:CPU's devices) there is none."""
-        if self.backend.sharding.is_spmd() and not (module_installed("jax") and runtime_device_type() == "TPU"):
+        if self.backend.sharding.is_spmd() and not scan_shards_backward():
             return None, ("under SPMD torch_xla's scan shards its backward through JAX, which needs JAX on a TPU "
                           "(pip install 'torch_xla[pallas]')")  # fmt: skip
         from functorch.compile import default_partition, min_cut_rematerialization_partition
