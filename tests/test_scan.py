@@ -118,9 +118,11 @@ def test_one_cycle_fit_scans_a_deep_decoder_by_default_and_trains_as_the_unrolle
                                unrolled.model.state_dict()["model.layers.5.mlp.up_proj.weight"].cpu(), atol=1e-5, rtol=1e-5)
 
 
-def test_lora_with_gradient_checkpointing_and_packed_rows_scan_as_unrolled():
+def test_lora_with_gradient_checkpointing_packed_rows_and_buckets_scan_as_unrolled():
     pytest.importorskip("peft")
-    from tpu_utility import PackedDataset
+    from torch.utils.data import DataLoader
+
+    from tpu_utility import BucketCollate, PackedDataset
 
     data = counting(32, seed=0)
     runs = {scan: fit(lora(decoder("llama", 4)), data, scan=scan, callbacks=[GradientCheckpointing()]) for scan in (False, True)}
@@ -134,6 +136,12 @@ def test_lora_with_gradient_checkpointing_and_packed_rows_scan_as_unrolled():
     packed = {scan: fit(decoder("qwen2", 4), PackedDataset(rows, 32), scan=scan) for scan in (False, True)}
     assert [r.train_loss for r in packed[True].records] == pytest.approx([r.train_loss for r in packed[False].records], rel=1e-5)
     assert [r.host_syncs for r in packed[True].records] == [0, 0]
+    # buckets: a graph for each row length, scan's trace kept for each
+    loader = DataLoader([{k: v[: 5 + i % 12] for k, v in s.items()} for i, s in enumerate(counting(32, seed=4))],
+                        batch_size=BATCH, collate_fn=BucketCollate([8, 16]))  # fmt: skip
+    bucketed = {scan: fit(decoder("llama", 4), loader, scan=scan) for scan in (False, True)}
+    assert [r.train_loss for r in bucketed[True].records] == pytest.approx([r.train_loss for r in bucketed[False].records], rel=1e-5)
+    assert bucketed[True].records[1].compiles == bucketed[True].records[0].compiles
 
 
 def test_generate_through_scanned_layers_runs_each_on_its_slice_and_gives_the_plain_tokens():
