@@ -226,6 +226,7 @@ TORCH_RELEASE = {  # code whose behaviour moved between torch/torch_xla 2.8 and 
     "test_setup.py": "the version check, 2.8's jax warning probe, platform detection",
     "test_errors.py": "the version-mismatch and PJRT_DEVICE errors",
     "test_graphs.py": "torch_xla's CompileTime and TensorsGraphSize samples, read for each graph's seconds and size",
+    "test_scan.py": "torch_xla's scan (AOTAutograd's trace of a layer, its SPMD backward's sharding hint)",
     "test_device.py": "torch.accelerator's device choice",
     "test_loop.py": "the device loader, launch, use_all_cores and step_optimizer's graph cut",
     "test_amp.py": "autocast and GradScaler",
@@ -273,6 +274,7 @@ HF_RELEASE = {  # code whose behaviour moved between transformers releases, or p
     "test_fsdp.py": "a Llama's blocks sharded and saved with save_pretrained",
     "test_porter.py": "ported Hugging Face and peft loops (the course loop, LoRA, the legacy LM script)",
     "test_quantization.py": "peft's LoRA over an nn.Linear subclass, from_config under init_empty_weights, shards",
+    "test_scan.py": "each family's decoder-layer call (cache or past_key_values, GPT-2's tuple and mask buffer in 5.0)",
 }
 
 

@@ -112,13 +112,15 @@ def test_one_cycle_fit_scans_a_deep_decoder_by_default_and_trains_as_the_unrolle
     assert type(scanned.model.model.layers).__name__ == "ModuleList"
     for key, value in unrolled.model.state_dict().items():
         torch.testing.assert_close(scanned.model.state_dict()[key].cpu(), value.cpu(), atol=1e-5, rtol=1e-5)
+    scanned.model.save_pretrained(tmp_path / "hf")  # what export_pretrained writes: the plain model's own files
+    type(scanned.model).from_pretrained(tmp_path / "hf")
     saved = torch.load(tmp_path / "last.pt", map_location="cpu", weights_only=True)["model"]
     decoder("llama", layers).load_state_dict(saved)  # strict
     torch.testing.assert_close(saved["model.layers.5.mlp.up_proj.weight"],
                                unrolled.model.state_dict()["model.layers.5.mlp.up_proj.weight"].cpu(), atol=1e-5, rtol=1e-5)
 
 
-def test_lora_with_gradient_checkpointing_packed_rows_and_buckets_scan_as_unrolled():
+def test_lora_with_gradient_checkpointing_packed_rows_bf16_and_buckets_scan_as_unrolled():
     pytest.importorskip("peft")
     from torch.utils.data import DataLoader
 
@@ -136,6 +138,10 @@ def test_lora_with_gradient_checkpointing_packed_rows_and_buckets_scan_as_unroll
     packed = {scan: fit(decoder("qwen2", 4), PackedDataset(rows, 32), scan=scan) for scan in (False, True)}
     assert [r.train_loss for r in packed[True].records] == pytest.approx([r.train_loss for r in packed[False].records], rel=1e-5)
     assert [r.host_syncs for r in packed[True].records] == [0, 0]
+    # bf16 (cast on XLA:CPU): the stacked weights are the cast ones, the model comes back in float32
+    cast = {scan: fit(decoder("llama", 4), data, scan=scan, precision="bf16") for scan in (False, True)}
+    assert [r.train_loss for r in cast[True].records] == pytest.approx([r.train_loss for r in cast[False].records], rel=1e-3)
+    assert {p.dtype for p in cast[True].model.parameters()} == {torch.float32}
     # buckets: a graph for each row length, scan's trace kept for each
     loader = DataLoader([{k: v[: 5 + i % 12] for k, v in s.items()} for i, s in enumerate(counting(32, seed=4))],
                         batch_size=BATCH, collate_fn=BucketCollate([8, 16]))  # fmt: skip

@@ -284,6 +284,7 @@ def _run(loop: Trainer, model: nn.Module, plan: FitPlan) -> tuple[nn.Module, His
         done = history.records[-1].epoch if history.records else loop.start_epoch
         history.stop_reason = f"completed {done} of {plan.epochs} epochs"
     loop.events.fire("on_fit_end", loop)
+    loop.runner.unstack_layers()  # the layers' own parameters back first: their dtypes are given back by name
     if loop.runner.precision.mode == "cast":  # trained in bf16: the model goes back in the dtypes it came in
         loop.runner.found.restore_dtypes(loop.model)
     return model, history
