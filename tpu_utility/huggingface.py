@@ -373,6 +373,12 @@ def packed_attention(model: nn.Module, kernel: Any = None) -> Any:
     ``one_cycle_fit``, ``evaluate`` and ``predict`` do this for the run; in a hand loop it is
     one line.
 
+    Parted rows (``PackedDataset(..., chunks=...)``) carry ``packed_parts``: the model's call
+    takes it off (a pre-hook on ``model``) and the decoder's forward runs each group of equal
+    parts as a batch of its own, ``(rows x parts, part length)``, with that group's masks, then
+    puts the hidden states back in row order: attention over each part, not the whole row; the
+    layout is in the shapes, so one graph and no host read.
+
     Where the backend has a fused kernel for attention within segments (``segment_attention``:
     torch_xla's flash attention with segment ids, on one TPU) and the model's attention is plain
     (SDPA, no sliding window, soft-cap or attention dropout), packed rows run it instead of the

@@ -26,6 +26,14 @@ Rows of several lengths (``length=[128, 256, 512, 1024]``) make each row as shor
 longest sample allows, its tail filled with shorter samples, and train through
 ``packed.loader(batch_size)``, one graph per row length; ``split=True`` cuts a sample longer
 than a row into pieces instead of refusing it.
+
+Parted rows (``chunks="auto"`` or a list) keep one row length and one layout, and still pay
+attention over short spans: a row is a first part of ``length`` tokens and chunks after it, no
+sample crossing from one part into the next; ``packed_attention`` runs each group of equal parts
+as a batch of its own, so a part attends over its own length, in one step shape::
+
+    packed = PackedDataset(train_ds, length=1024, chunks="auto")   # rows of ~4,000-7,000 tokens
+    history = one_cycle_fit(model, packed, batch_size=1, ...)       # about 8 x 1,024 tokens a step
 """
 
 from __future__ import annotations
@@ -172,8 +180,8 @@ def auto_chunks(lengths: Sequence[int], length: int, *, seed: int = 0) -> tuple[
     a wider model's attention weighs less). The chunks are the parts after the first.
 
     Example:
-        >>> auto_chunks([16, 16, 8, 8, 8, 8, 2, 2, 2, 2], 16)
-        (8, 8, 2, 2, 1, 1, 1)
+        >>> auto_chunks([16, 16, 8, 8, 8, 8, 2, 2, 2, 2], 16)   # one row of 64 holds them all, each in a part
+        (16, 8, 8, 8, 8, 2, 2, 2, 2)
     """
     sizes = _check_sizes(lengths, length)
     rooms = sorted({length * k // 16 for k in (1, 2, 3, 4, 6, 8, 12) if length * k // 16 >= 1} | {length})
@@ -369,12 +377,22 @@ class PackedDataset(Dataset):
             which sits in another row or behind a mask, so positions continuing from it would
             claim a context the model does not see; one target is lost per cut). The summary says
             how many were cut. Default: refused.
+        chunks: Parted rows: the lengths of the parts after a row's first (``length``), each at most
+            ``length`` (``[512, 256, 256]``: rows of 2,048 tokens), or ``"auto"`` (``auto_chunks``: in
+            the data's proportions). Every row then has this one layout, no sample crossing a part,
+            and carries ``packed_parts``, each group of equal parts' positions ``(parts, part
+            length)``, from which ``packed_attention`` runs each group apart (attention over the part,
+            not the row). Default: plain rows.
 
     Attributes:
         rows: The sample indices in each row, in row order (with ``split``, indices of pieces:
             ``origin[i]`` is the sample piece ``i`` comes from).
         real_tokens: Tokens of the data, over all rows.
         fill: ``real_tokens / (rows x length)``: the share of a step's tokens that are data.
+        starts: Where each sample of a row starts in it (in ``rows``' order).
+        parts: A row's parts: ``(length,)`` for plain rows; the first part and the chunks (longest
+            first) for parted rows, whose ``length`` is then their sum.
+        chunks: The chunks of parted rows (``parts[1:]``); None for plain rows.
 
     Raises:
         ValueError, TypeError, KeyError: a sample longer than a row, padded (attention mask
