@@ -420,6 +420,12 @@ def test_parted_rows_give_each_sample_its_loss_run_alone_each_part_attending_as_
             seen.clear()
             on_cpu = parted_losses(model, packed, samples, "cpu")
             assert seen == [(4, 24), (8, 12), (4, 8)], "each group of parts a batch of its own"
+            if kind == "llama":
+                with pytest.raises(ValueError, match=r"a batch of parted rows \(packed_parts\) runs with its position_ids "
+                                                     r"and without an attention_mask"):  # fmt: skip
+                    one = torch.utils.data.default_collate([packed[0]])
+                    model(input_ids=one["input_ids"], position_ids=one["position_ids"], packed_parts=one["packed_parts"],
+                          attention_mask=torch.ones(1, 56))  # fmt: skip
             device = get_device()
             on_xla = move_model(copy.deepcopy(model), device)
             backend.current().devices.sync()

@@ -490,7 +490,8 @@ def _parted_forward(decoder: nn.Module, forward: Any, handle: _PackedHandle, *ar
                 value = value[:, at : at + count * size].reshape(rows * count, size, *value.shape[2:])
             call[name] = value
         call["position_ids"] = group.reshape(rows * count, size)
-        call.update({k: None for k in ("cache_position",) if k in call})
+        if "cache_position" in call:  # the decoder's own, from 0 to the part's length
+            call["cache_position"] = None
         if "use_cache" in signature.parameters:
             call["use_cache"] = False
         masked = _packed_attention_hook(decoder, (), call)
