@@ -10,7 +10,11 @@ log-normal: median 150, sigma 0.8, clipped to 16..1,024 tokens), batch 8, shaped
 - packed: ``PackedDataset(samples, 1024)`` (first-fit decreasing, the default), block-diagonal attention on the device;
 - packed rows of 128/256/512/1024: ``PackedDataset(samples, [128, 256, 512, 1024])``
   (``.loader(8)``:
-  a row as short as its longest sample allows, the tails filled; one graph per row length, as buckets).
+  a row as short as its longest sample allows, the tails filled; one graph per row length, as buckets);
+- parted rows: ``PackedDataset(samples, 1024, chunks="auto")``: every row one layout, a first part of 1,024
+  then chunks of 512/256/128 in the data's proportions, no sample crossing a part; each part attends within
+  itself (its own length, not the row's): one shape, one train-step graph. Batches of about as many tokens
+  as 8 rows of 1,024 (the rows are longer: ``round(8 x 1,024 / row length)`` rows).
 
 A packed row of 1,024 pays attention over all of it (a dense mask: no segment-aware kernel on XLA:CPU),
 a bucketed row its bucket's length: where attention outweighs the projections (a tiny width) short
@@ -36,11 +40,13 @@ import sys
 os.environ.setdefault("PJRT_DEVICE", "CPU")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-SAMPLES, ROW, BATCH, EPOCHS, ROUNDS, VOCAB, WIDTHS = 160, 1024, 8, 2, 2, 128, (64, 512, 1024)
+SAMPLES, ROW, BATCH, EPOCHS, ROUNDS, VOCAB, WIDTHS = 160, 1024, 8, 3, 2, 128, (64, 512, 1024)
 LENGTHS = [128, 256, 512, 1024]
 KINDS = {"padded": "padded to 1,024", "bucketed": "BucketCollate 128/256/512/1024 + BucketBatchSampler",
          "packed": "PackedDataset rows of 1,024 (the default)",
-         "rows": "PackedDataset rows of 128/256/512/1024, .loader(8)"}  # fmt: skip
+         "rows": "PackedDataset rows of 128/256/512/1024, .loader(8)",
+         "parted": "PackedDataset rows of 1,024 + chunks='auto' (one layout)"}  # fmt: skip
+FASTER = ("packed", "rows", "parted")  # the kinds whose speed-up over each kind the table gives
 
 
 def samples(n: int, seed: int = 0) -> list[dict]:
@@ -88,17 +94,28 @@ def one_run(kind: str, width: int) -> dict:
 
     data = samples(SAMPLES)
     real = sum(len(s["input_ids"]) for s in data)
-    if kind in ("packed", "rows"):
-        train = PackedDataset(data, ROW if kind == "packed" else LENGTHS)
-        tokens_per_item, share = real / len(train), train.fill
+    batch = BATCH
+    if kind in ("packed", "rows", "parted"):
+        train = PackedDataset(data, LENGTHS if kind == "rows" else ROW, chunks="auto" if kind == "parted" else None)
+        share = train.fill
+        per_row = [sum(len(data[i]["input_ids"]) for i in row) for row in train.rows]
         if kind == "rows":  # a pass leaves out its short last batch, of the longest (fullest) rows: count what trains
-            per_row = [sum(len(data[i]["input_ids"]) for i in row) for row in train.rows]
             train = train.loader(BATCH)
             tokens_per_item = []
             for epoch in range(EPOCHS):
                 drawn = train.batch_sampler.reshard(BATCH, 1, 0)  # the same draw as the run's, epoch by epoch
                 drawn.set_epoch(epoch)
-                rows = [r for batch in drawn for r in batch]
+                rows = [r for b in drawn for r in b]
+                tokens_per_item.append(sum(per_row[r] for r in rows) / len(rows))
+        else:  # rows of one shape, drawn as one_cycle_fit draws a dataset: count the rows each epoch trains
+            from torch.utils.data import DistributedSampler
+
+            batch = max(1, round(BATCH * ROW / train.length))
+            drawn = DistributedSampler(train, num_replicas=1, rank=0, shuffle=True, seed=0)
+            tokens_per_item = []
+            for epoch in range(EPOCHS):
+                drawn.set_epoch(epoch)
+                rows = list(drawn)[: len(train) // batch * batch]
                 tokens_per_item.append(sum(per_row[r] for r in rows) / len(rows))
     elif kind == "padded":
         train = [{"input_ids": s["input_ids"] + [0] * (ROW - len(s["input_ids"])),
@@ -110,7 +127,7 @@ def one_run(kind: str, width: int) -> dict:
         sampler = BucketBatchSampler([len(s["input_ids"]) for s in data], collate.buckets, batch_size=BATCH)
         train = DataLoader(data, batch_sampler=sampler, collate_fn=collate)
         tokens_per_item, share = real / len(data), None
-    history = one_cycle_fit(model(width), train, epochs=EPOCHS, max_lr=1e-3, batch_size=None if kind == "rows" else BATCH,
+    history = one_cycle_fit(model(width), train, epochs=EPOCHS, max_lr=1e-3, batch_size=None if kind == "rows" else batch,
                             progress=False)  # fmt: skip
     if kind == "bucketed":
         share = collate.real_tokens / (collate.real_tokens + collate.padded_tokens)
@@ -118,7 +135,8 @@ def one_run(kind: str, width: int) -> dict:
     per_epoch = tokens_per_item if isinstance(tokens_per_item, list) else [tokens_per_item] * EPOCHS
     return {"tokens_per_s": [r.samples_per_s * t for r, t in zip(history.records, per_epoch)], "share": share,
             "compiles": [b - a for a, b in zip([0] + compiles, compiles)], "host_syncs": [r.host_syncs for r in history.records],
-            "seconds": [r.seconds for r in history.records]}  # fmt: skip
+            "seconds": [r.seconds for r in history.records], "batch": batch, "row": ROW if kind != "parted" else train.length,
+            "train_shapes": len({str(g.shapes) for g in history.graphs if g.graph == "train step"})}  # fmt: skip
 
 
 def _fresh_process(kind: str, width: int) -> dict:
@@ -143,17 +161,18 @@ def _table(kinds: dict[str, str], width: int) -> None:
     print(f"\nLoRA on a Llama {width} wide (2 layers; attention {attention_share(width):.0%} of a packed step's FLOPs), "
           f"XLA:CPU: {SAMPLES} samples of 16-1,024 tokens (log-normal, median 150), batch {BATCH}, {EPOCHS} epochs; "
           f"{ROUNDS} rounds interleaved, each run a fresh process")  # fmt: skip
-    print("| batches | real tokens / computed | graphs compiled per epoch | host syncs per epoch | real tokens/s, "
-          "later epochs (median) | packed (1,024) is this many times faster | packed rows of 4 lengths is this many "
-          "times faster (median, range over rounds) |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|")
+    print("| batches | real tokens / computed | graphs compiled per epoch | train-step shapes | host syncs per epoch | "
+          "real tokens/s, later epochs (median) | packed (1,024) is this many times faster | packed rows of 4 lengths "
+          "is this many times faster | parted rows is this many times faster (median, range over rounds) |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|")
     for kind, name in kinds.items():
         first = runs[kind][0]
         ratios = []
-        for faster in ("packed", "rows"):
+        for faster in FASTER:
             ratio = [p / s for p, s in zip(steady[faster], steady[kind])]
             ratios.append(f"{statistics.median(ratio):.2f}x ({min(ratio):.2f}-{max(ratio):.2f})")
-        print(f"| {name} | {first['share']:.2f} | {', '.join(map(str, first['compiles']))} | "
+        name = f"{name}: {first['batch']} x {first['row']}" if kind == "parted" else name
+        print(f"| {name} | {first['share']:.2f} | {', '.join(map(str, first['compiles']))} | {first['train_shapes']} | "
               f"{', '.join(map(str, first['host_syncs']))} | {statistics.median(steady[kind]):,.0f} | "
               f"{' | '.join(ratios)} |", flush=True)  # fmt: skip
 

@@ -379,3 +379,90 @@ def test_samples_padded_to_one_length_get_tokens_per_second_of_their_real_tokens
     flops = training_flops_per_token(history.model, round(sum(n * n for n in lengths) / sum(lengths)))
     assert record.mfu == pytest.approx(record.tokens_per_s * flops / 197e12)
     assert f"{record.tokens_per_s:,.0f} tokens/s" in record.line(1)
+
+
+def parted_losses(model, packed, samples, device):
+    """Each sample's mean loss over its targets, from the logits of a batch of every parted row (``packed.starts``)."""
+    batch = torch.utils.data.default_collate([packed[r] for r in range(len(packed))])
+    labels = batch.pop("labels")
+    logits = model(**{k: v.to(device) if torch.is_tensor(v) else [g.to(device) for g in v] for k, v in batch.items()}).logits
+    ce = torch.nn.functional.cross_entropy(logits[:, :-1].cpu().float().transpose(1, 2), labels[:, 1:], reduction="none")
+    losses = {}
+    for r, (row, starts) in enumerate(zip(packed.rows, packed.starts)):
+        for i, at in zip(row, starts):
+            counted = labels[r, at + 1 : at + len(samples[i]["input_ids"])] != -100
+            losses[i] = (ce[r, at : at + len(samples[i]["input_ids"]) - 1][counted].sum() / counted.sum()).item()
+    return [losses[i] for i in range(len(samples))]
+
+
+def test_parted_rows_give_each_sample_its_loss_run_alone_each_part_attending_as_a_row_of_its_own():
+    """Rows of one layout (a first part, then chunks; no sample crossing a part): each group of equal parts runs
+    as a batch of its own (attention over the part, not the row), on the CPU and on XLA with 0 host syncs."""
+    samples = instructions(10, seed=0)
+    packed = PackedDataset(samples, length=24, chunks=[8, 12, 12])
+    assert packed.parts == (24, 12, 12, 8) and packed.length == 56 and len(packed) * 56 * packed.fill == 111
+    row = packed[0]
+    assert [tuple(g.shape) for g in row["packed_parts"]] == [(1, 24), (2, 12), (1, 8)]
+    assert torch.equal(torch.cat([g.flatten() for g in row["packed_parts"]]), row["position_ids"])
+    for r in range(len(packed)):  # each part starts a sample, or is all padding: no sample crosses into it
+        assert all(packed[r]["position_ids"][at] == 0 for at in (0, 24, 36, 48))
+    assert "into 4 rows of 56 (24, then chunks 2 x 12 + 1 x 8)" in packed.summary()
+    for kind in ("llama", "gemma2", "gpt2"):
+        model = MODELS[kind]().eval()
+        seen = []
+        attention = next(m for m in model.modules() if type(m).__name__.endswith("Attention"))
+        attention.register_forward_pre_hook(lambda m, a, k: seen.append(tuple((a[0] if a else k["hidden_states"]).shape[:2])),
+                                            with_kwargs=True)  # fmt: skip
+        with torch.no_grad():
+            alone = [model(input_ids=torch.tensor([s["input_ids"]]), labels=torch.tensor([s["labels"]])).loss.item()
+                     for s in samples]  # fmt: skip
+            handle = packed_attention(model)
+            seen.clear()
+            on_cpu = parted_losses(model, packed, samples, "cpu")
+            assert seen == [(4, 24), (8, 12), (4, 8)], "each group of parts a batch of its own"
+            if kind == "llama":
+                with pytest.raises(ValueError, match=r"a batch of parted rows \(packed_parts\) runs with its position_ids "
+                                                     r"and without an attention_mask"):  # fmt: skip
+                    one = torch.utils.data.default_collate([packed[0]])
+                    model(input_ids=one["input_ids"], position_ids=one["position_ids"], packed_parts=one["packed_parts"],
+                          attention_mask=torch.ones(1, 56))  # fmt: skip
+            device = get_device()
+            on_xla = move_model(copy.deepcopy(model), device)
+            backend.current().devices.sync()
+            syncs = backend.host_sync_count()
+            on_xla = parted_losses(on_xla, packed, samples, device)
+            assert backend.host_sync_count() == syncs, "no read of the layout on the host: it is in the shapes"
+            handle.remove()
+            assert "forward" not in vars(model.base_model), "the decoder's forward given back"
+        assert on_cpu == pytest.approx(alone, abs=1e-5), kind
+        assert on_xla == pytest.approx(alone, abs=1e-5), kind
+
+
+def test_a_parted_run_compiles_one_train_step_with_no_host_syncs_and_its_parted_valid_loss_is_the_unpacked_one():
+    train = PackedDataset(instructions(48, seed=1), length=24, chunks="auto")
+    valid = counting(12, seed=2, ignored=3)  # 12 samples of 16: rows of two parts of 16, one sample each
+    valid_parted = PackedDataset([{k: s[k] for k in ("input_ids", "labels")} for s in valid], length=16, chunks=[16])
+    assert train.chunks and max(train.chunks) <= 24 and valid_parted.fill == 1.0
+    history = one_cycle_fit(lora(causal_lm("llama")), train, valid_data=valid_parted, epochs=2, max_lr=3e-3, batch_size=2,
+                            progress=False)  # fmt: skip
+    assert [r.host_syncs for r in history.records] == [0, 0]
+    assert history.records[1].compiles == history.records[0].compiles  # flat after epoch 1
+    assert len({str(g.shapes) for g in history.graphs if g.graph == "train step"}) == 1, "one train-step shape"
+    assert f"rows of {train.length} (24, then chunks" in history.summary
+    assert history.records[-1].valid_loss == pytest.approx(evaluate(history.model, valid, batch_size=4)["loss"], rel=1e-5)
+    assert "forward" not in vars(history.model.get_base_model().model), "given back after"
+
+
+def test_parted_rows_refuse_bad_chunks_by_name():
+    samples = [{"input_ids": [1, 2, 3]}, {"input_ids": [4]}]
+    for chunks, message in (([9], r"every chunk must be at most length=8 .*given chunks=\[9\]"),
+                            ([], r"chunks must be 'auto' or a non-empty list of chunk lengths .*given chunks=\[\]"),
+                            ("some", r"given chunks='some'"), ([0], r"every chunk must be an int >= 1, but given 0")):  # fmt: skip
+        with pytest.raises(ValueError, match=message):
+            PackedDataset(samples, length=8, chunks=chunks)
+    with pytest.raises(TypeError, match=r"every chunk must be an int, but given 2.5"):
+        PackedDataset(samples, length=8, chunks=[2.5])
+    with pytest.raises(ValueError, match=r"chunks takes rows of one length .*given length=\[4, 8\]"):
+        PackedDataset(samples, length=[4, 8], chunks=[2])
+    with pytest.raises(ValueError, match=r"give the PackedDataset itself with batch_size"):
+        PackedDataset(samples, length=8, chunks=[4]).loader(2)

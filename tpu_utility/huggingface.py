@@ -18,6 +18,7 @@ Example:
 
 from __future__ import annotations
 
+import inspect
 import re
 import sys
 import warnings
@@ -228,6 +229,7 @@ def restore_masks(model: nn.Module, implementation: str | None) -> None:
 
 # ------------------------------------------------------------ packed rows (PackedDataset)
 PACKED_HOOK = "_tpu_utility_packed_attention"
+PACKED_PARTS = "packed_parts"  # PackedDataset's key of a parted row's layout (data/packing.py: the same name)
 SEGMENT_ATTENTION = "tpu_utility_segment_attention"
 _MASKED_IMPLEMENTATIONS = ("sdpa", STATIC_SDPA, "eager")  # take a 4-D mask; flash_attention_* read position_ids themselves
 
@@ -280,6 +282,8 @@ def _packed_attention_hook(module: nn.Module, args: tuple, kwargs: dict) -> tupl
     under the segment-id kernel (``SEGMENT_ATTENTION``) the rows' segment ids in their place."""
     position_ids = kwargs.get("position_ids")
     if position_ids is None or kwargs.get("attention_mask") is not None or position_ids.dim() != 2:
+        return None
+    if getattr(module.__dict__.get(PACKED_HOOK), "parts", None) is not None:  # parted rows: each part's own, later
         return None
     if kwargs.get("past_key_values") is not None or kwargs.get("cache") is not None:  # decoding: not packed
         return None
@@ -369,6 +373,12 @@ def packed_attention(model: nn.Module, kernel: Any = None) -> Any:
     ``one_cycle_fit``, ``evaluate`` and ``predict`` do this for the run; in a hand loop it is
     one line.
 
+    Parted rows (``PackedDataset(..., chunks=...)``) carry ``packed_parts``: the model's call
+    takes it off (a pre-hook on ``model``) and the decoder's forward runs each group of equal
+    parts as a batch of its own, ``(rows x parts, part length)``, with that group's masks, then
+    puts the hidden states back in row order: attention over each part, not the whole row; the
+    layout is in the shapes, so one graph and no host read.
+
     Where the backend has a fused kernel for attention within segments (``segment_attention``:
     torch_xla's flash attention with segment ids, on one TPU) and the model's attention is plain
     (SDPA, no sliding window, soft-cap or attention dropout), packed rows run it instead of the
@@ -411,28 +421,95 @@ def packed_attention(model: nn.Module, kernel: Any = None) -> Any:
         AttentionMaskInterface.register(SEGMENT_ATTENTION, _always_built_sdpa_mask)  # other forwards: static SDPA masks
         found = base.config._attn_implementation
         base.set_attn_implementation(SEGMENT_ATTENTION)
-    handle = decoder.register_forward_pre_hook(_packed_attention_hook, with_kwargs=True)
-    setattr(decoder, PACKED_HOOK, handle)
-    return _PackedHandle(decoder, handle, base, found, kernel)
+    return _PackedHandle(model, decoder, base, found, kernel)
 
 
 class _PackedHandle:
-    """What ``packed_attention`` changed; ``attention`` names the attention packed rows run."""
+    """What ``packed_attention`` changed (a pre-hook on the decoder, which gives packed rows their masks; a pre-hook
+    on the model, which takes a parted batch's ``packed_parts``; the decoder's forward, which runs parted rows part
+    group by part group); ``attention`` names the attention packed rows run."""
 
-    def __init__(self, decoder: nn.Module, handle: Any, model: nn.Module, found: str | None, kernel: Any = None) -> None:
-        self.decoder, self.handle, self.model, self.found = decoder, handle, model, found
+    def __init__(self, model: nn.Module, decoder: nn.Module, base: nn.Module, found: str | None, kernel: Any) -> None:
+        self.decoder, self.model, self.found = decoder, base, found
+        self.parts: list[torch.Tensor] | None = None  # a parted batch's layout, from the model's call to the decoder's
+        self.hooks = [decoder.register_forward_pre_hook(_packed_attention_hook, with_kwargs=True),
+                      model.register_forward_pre_hook(self._take_parts, with_kwargs=True)]  # fmt: skip
+        self.found_forward = decoder.__dict__.get("forward")  # an instance's own forward (accelerate's), else None
+        decoder.forward = partial(_parted_forward, decoder, decoder.forward, self)
+        setattr(decoder, PACKED_HOOK, self)
         if found is not None:
             self.attention = f"packed rows attend through the segment-id kernel {getattr(kernel, '__name__', kernel)}"
         else:
-            implementation = getattr(model.config, "_attn_implementation", None)
+            implementation = getattr(base.config, "_attn_implementation", None)
             implementation = "sdpa" if implementation == STATIC_SDPA else implementation
             self.attention = f"packed rows attend through {implementation} with block-diagonal masks"
 
+    def _take_parts(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        self.parts = kwargs.pop(PACKED_PARTS, None)  # the model never sees it: its decoder's forward reads it here
+        return args, kwargs
+
     def remove(self) -> None:
-        self.handle.remove()
+        for hook in self.hooks:
+            hook.remove()
         self.decoder.__dict__.pop(PACKED_HOOK, None)
+        self.decoder.__dict__.pop("forward", None)
+        if self.found_forward is not None:
+            self.decoder.forward = self.found_forward
+        self.parts = None
         if self.found is not None:
             self.model.set_attn_implementation(self.found)
+
+
+def _parted_forward(decoder: nn.Module, forward: Any, handle: _PackedHandle, *args: Any, **kwargs: Any) -> Any:
+    """The decoder's forward on a batch of parted rows (``PackedDataset(..., chunks=...)``): each group of equal
+    parts runs as a batch of its own, ``(rows x parts, part length)``, with its packed masks; the hidden states are
+    put back in row order. Attention then runs within each part, over the part's length; everything else in a
+    decoder is per token, so this is the row's forward, exactly. Any other call runs ``forward`` as it is."""
+    parts, handle.parts = handle.parts, None
+    if parts is None:
+        return forward(*args, **kwargs)
+    signature = inspect.signature(forward)
+    bound = signature.bind(*args, **kwargs).arguments
+    for name, parameter in signature.parameters.items():
+        if parameter.kind is inspect.Parameter.VAR_KEYWORD:
+            bound.update(bound.pop(name, {}))
+    position_ids = bound.get("position_ids")
+    if position_ids is None or bound.get("attention_mask") is not None or bound.get("past_key_values") is not None:
+        raise ValueError(f"a batch of parted rows ({PACKED_PARTS}) runs with its position_ids and without an "
+                         f"attention_mask or a cache, as PackedDataset(..., chunks=...) gives it")  # fmt: skip
+    rows, length = position_ids.shape
+    if sum(group.shape[-2] * group.shape[-1] for group in parts) != length:
+        raise ValueError(f"{PACKED_PARTS} of shapes {[tuple(g.shape) for g in parts]} do not make rows of {length} "
+                         f"tokens")  # fmt: skip
+    pieces, outputs, at = [], [], 0
+    for group in parts:
+        count, size = group.shape[-2:]
+        call = {}
+        for name, value in bound.items():  # the tokens (ids, embeddings) of this group's parts, one part a row
+            if isinstance(value, torch.Tensor) and value.dim() >= 2 and tuple(value.shape[:2]) == (rows, length):
+                value = value[:, at : at + count * size].reshape(rows * count, size, *value.shape[2:])
+            call[name] = value
+        call["position_ids"] = group.reshape(rows * count, size)
+        if "cache_position" in call:  # the decoder's own, from 0 to the part's length
+            call["cache_position"] = None
+        if "use_cache" in signature.parameters:
+            call["use_cache"] = False
+        masked = _packed_attention_hook(decoder, (), call)
+        output = forward(**(masked[1] if masked is not None else call))
+        outputs.append(output)
+        pieces.append(output[0].reshape(rows, count * size, -1))
+        at += count * size
+    output = outputs[0]
+    hidden = torch.cat(pieces, 1)
+    if isinstance(output, tuple):
+        return (hidden,) + (None,) * (len(output) - 1)
+    output["last_hidden_state"] = hidden
+    if getattr(output, "hidden_states", None) is not None:
+        output["hidden_states"] = tuple(torch.cat([o.hidden_states[j].reshape(rows, -1, o.hidden_states[j].shape[-1])
+                                                   for o in outputs], 1) for j in range(len(output.hidden_states)))  # fmt: skip
+    if getattr(output, "attentions", None) is not None:  # each part's own (parts, heads, size, size): no row's
+        output["attentions"] = None
+    return output
 
 
 def restore_packed_attention(handle: Any) -> None:

@@ -26,10 +26,19 @@ Rows of several lengths (``length=[128, 256, 512, 1024]``) make each row as shor
 longest sample allows, its tail filled with shorter samples, and train through
 ``packed.loader(batch_size)``, one graph per row length; ``split=True`` cuts a sample longer
 than a row into pieces instead of refusing it.
+
+Parted rows (``chunks="auto"`` or a list) keep one row length and one layout, and still pay
+attention over short spans: a row is a first part of ``length`` tokens and chunks after it, no
+sample crossing from one part into the next; ``packed_attention`` runs each group of equal parts
+as a batch of its own, so a part attends over its own length, in one step shape::
+
+    packed = PackedDataset(train_ds, length=1024, chunks="auto")   # rows of ~4,000-7,000 tokens
+    history = one_cycle_fit(model, packed, batch_size=1, ...)       # about 8 x 1,024 tokens a step
 """
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Mapping
 from typing import Any, Iterable, Sequence
@@ -41,6 +50,7 @@ from .buckets import BucketBatchSampler, _check_int
 from .loaders import IGNORE_INDEX, LABELS
 
 INPUT_IDS = "input_ids"
+PACKED_PARTS = "packed_parts"  # a parted row's layout, read by packed_attention (huggingface.py)
 # the columns a row is made of: token ids, their labels (else the ids themselves), an all-ones mask
 PACKED_COLUMNS = (INPUT_IDS, LABELS, "attention_mask")
 
@@ -81,28 +91,140 @@ def first_fit_decreasing(lengths: Sequence[int], capacity: int | Sequence[int], 
     sizes = _check_sizes(lengths, capacities[-1])
     if not sizes:
         return []
+    bins = _FirstFit(len(sizes))
+    for i in _longest_first(sizes, seed):
+        if bins.place(i, sizes[i]) is None:  # no open bin has room: open the smallest that holds it
+            bins.place(i, sizes[i], opened=[next(c for c in capacities if c >= sizes[i])])
+    return bins.bins
+
+
+def _longest_first(sizes: Sequence[int], seed: int) -> list[int]:
+    """Sample indices, longest first, equal lengths in an order drawn from ``seed``."""
     tie = torch.randperm(len(sizes), generator=torch.Generator().manual_seed(seed)).tolist()
-    order = sorted(range(len(sizes)), key=lambda i: (-sizes[i], tie[i]))
-    leaves = 1
-    while leaves < len(sizes):
-        leaves *= 2
-    room = [0] * (2 * leaves)  # room[1] the root; a node holds the largest free room below it (0: unopened)
-    bins: list[list[int]] = []
-    for i in order:
-        size, node = sizes[i], 1
-        if room[1] < size:  # no open bin has room: open the smallest that holds it, right of the others
-            node = leaves + len(bins)
-            room[node] = next(c for c in capacities if c >= size)
-            bins.append([])
-        while node < leaves:  # the leftmost bin with room
-            node = 2 * node if room[2 * node] >= size else 2 * node + 1
-        bins[node - leaves].append(i)
-        room[node] -= size
+    return sorted(range(len(sizes)), key=lambda i: (-sizes[i], tie[i]))
+
+
+class _FirstFit:
+    """Bins in the order opened, and the leftmost one with room for a size in log time: a segment tree over the
+    bins' free room (a node holds the largest free room below it; 0: unopened)."""
+
+    def __init__(self, most: int) -> None:
+        self.leaves = 1
+        while self.leaves < most:
+            self.leaves *= 2
+        self.room = [0] * (2 * self.leaves)
+        self.bins: list[list[int]] = []
+
+    def place(self, index: int, size: int, opened: Sequence[int] = ()) -> int | None:
+        """Puts ``index`` (of ``size``) into the leftmost bin with room, after opening bins of the rooms ``opened``
+        (right of the others); the bin's number, or None (nothing placed) when none has room."""
+        for room in opened:
+            self._set(self.leaves + len(self.bins), room)
+            self.bins.append([])
+        if self.room[1] < size:
+            return None
+        node = 1
+        while node < self.leaves:  # the leftmost bin with room
+            node = 2 * node if self.room[2 * node] >= size else 2 * node + 1
+        self.bins[node - self.leaves].append(index)
+        self._set(node, self.room[node] - size)
+        return node - self.leaves
+
+    def _set(self, node: int, room: int) -> None:
+        self.room[node] = room
         node //= 2
         while node:
-            room[node] = max(room[2 * node], room[2 * node + 1])
+            self.room[node] = max(self.room[2 * node], self.room[2 * node + 1])
             node //= 2
-    return bins
+
+
+def parted_rows(lengths: Sequence[int], parts: Sequence[int], *, seed: int = 0) -> list[list[list[int]]]:
+    """Rows of one layout, parts of ``parts`` tokens one after the other (the first the longest): first-fit
+    decreasing over the parts of every open row, in order.
+
+    A sample goes into the first part with room (of any row, a row's parts in order), a new row
+    when none has room; a sample longer than a part never goes into it, so the longest go into
+    first parts and the short ones fill what is left. No sample crosses from one part into the
+    next: a part's attention runs within it, over its own length, not the row's.
+
+    Args:
+        lengths: Every sample's length; each at most ``parts[0]``.
+        parts: The tokens of each part of a row, the first the longest (``[1024, 512, 256, 256]``).
+        seed: Orders samples of equal length.
+
+    Returns:
+        The rows, each ``len(parts)`` lists of sample indices: what each part holds.
+
+    Example:
+        >>> parted_rows([7, 2, 3, 6, 2], parts=[8, 3, 3])   # rows: 7 | 3 | 2 and 6+2 | - | -
+        [[[0], [2], [1]], [[3, 4], [], []]]
+    """
+    sizes = _check_sizes(lengths, parts[0])
+    bins = _FirstFit(len(sizes) * len(parts))
+    for i in _longest_first(sizes, seed):
+        if bins.place(i, sizes[i]) is None:
+            bins.place(i, sizes[i], opened=parts)
+    rows, k = bins.bins, len(parts)
+    return [rows[r : r + k] for r in range(0, len(rows), k)]
+
+
+def auto_chunks(lengths: Sequence[int], length: int, *, seed: int = 0) -> tuple[int, ...]:
+    """Chunks for rows whose first part is ``length``, in the proportions of the data.
+
+    First-fit decreasing into rows of ``length`` and of 3/4, 1/2, 3/8, 1/4, 3/16, 1/8 and 1/16
+    of it (each row as short as its longest sample allows) says how many parts of each length the
+    data fills; scaled to rows of about ``4 x length`` tokens (one part of ``length`` at least)
+    and rounded, those counts start a search that adds or removes one part at a time while the
+    packed rows (``parted_rows``) cost less per real token, a part of ``s`` tokens costing
+    ``s^2 + s x length / 8`` (its attention, and its tokens' other work: a small model's balance;
+    a wider model's attention weighs less). The chunks are the parts after the first.
+
+    Example:
+        >>> auto_chunks([16, 16, 8, 8, 8, 8, 2, 2, 2, 2], 16)   # one row of 64 holds them all, each in a part
+        (16, 8, 8, 8, 8, 2, 2, 2, 2)
+    """
+    sizes = _check_sizes(lengths, length)
+    rooms = sorted({length * k // 16 for k in (1, 2, 3, 4, 6, 8, 12) if length * k // 16 >= 1} | {length})
+    bins = first_fit_decreasing(sizes, rooms, seed=seed)
+    filled = Counter(next(r for r in rooms if r >= sizes[b[0]]) for b in bins)
+    scale = 4 * length / sum(filled[r] * r for r in rooms)
+    counts = {r: round(filled[r] * scale) for r in rooms}
+    counts[length] = max(counts[length], 1)
+    real = sum(sizes)
+
+    def parts_of(counts: dict[int, int]) -> tuple[int, ...]:
+        return tuple(r for r in reversed(rooms) for _ in range(counts[r]))
+
+    def cost(counts: dict[int, int]) -> float:
+        parts = parts_of(counts)
+        return len(parted_rows(sizes, parts, seed=seed)) * sum(p * p + p * length / 8 for p in parts) / real
+
+    best, tries, better = cost(counts), 0, True
+    while better and tries < 40:
+        better = False
+        for room in rooms:
+            for step in (1, -1):
+                trial = {**counts, room: counts[room] + step}
+                if trial[room] < (room == length) or sum(r * k for r, k in trial.items()) > 8 * length:
+                    continue
+                tries += 1
+                value = cost(trial)
+                if value < best:
+                    best, counts, better = value, trial, True
+    return parts_of(counts)[1:]
+
+
+def _chunks(chunks: Any, length: int) -> tuple[int, ...]:
+    """``chunks`` checked: a non-empty sequence of ints from 1 to ``length``."""
+    if isinstance(chunks, (str, bytes)) or not isinstance(chunks, Sequence) or not chunks:
+        raise ValueError(f"chunks must be 'auto' or a non-empty list of chunk lengths (ints up to length={length}), "
+                         f"but given chunks={chunks!r}")  # fmt: skip
+    for n in chunks:
+        _check_int("every chunk", n, 1)
+        if n > length:
+            raise ValueError(f"every chunk must be at most length={length} (a row's first part, its longest), but "
+                             f"given chunks={list(chunks)}")  # fmt: skip
+    return tuple(chunks)
 
 
 def _row_lengths(length: Any, name: str = "length", low: int = 2) -> tuple[int, ...]:
@@ -255,12 +377,22 @@ class PackedDataset(Dataset):
             which sits in another row or behind a mask, so positions continuing from it would
             claim a context the model does not see; one target is lost per cut). The summary says
             how many were cut. Default: refused.
+        chunks: Parted rows: the lengths of the parts after a row's first (``length``), each at most
+            ``length`` (``[512, 256, 256]``: rows of 2,048 tokens), or ``"auto"`` (``auto_chunks``: in
+            the data's proportions). Every row then has this one layout, no sample crossing a part,
+            and carries ``packed_parts``, each group of equal parts' positions ``(parts, part
+            length)``, from which ``packed_attention`` runs each group apart (attention over the part,
+            not the row). Default: plain rows.
 
     Attributes:
         rows: The sample indices in each row, in row order (with ``split``, indices of pieces:
             ``origin[i]`` is the sample piece ``i`` comes from).
         real_tokens: Tokens of the data, over all rows.
         fill: ``real_tokens / (rows x length)``: the share of a step's tokens that are data.
+        starts: Where each sample of a row starts in it (in ``rows``' order).
+        parts: A row's parts: ``(length,)`` for plain rows; the first part and the chunks (longest
+            first) for parted rows, whose ``length`` is then their sum.
+        chunks: The chunks of parted rows (``parts[1:]``); None for plain rows.
 
     Raises:
         ValueError, TypeError, KeyError: a sample longer than a row, padded (attention mask
@@ -274,9 +406,14 @@ class PackedDataset(Dataset):
     """
 
     def __init__(self, data: Any, length: int | Sequence[int], *, pad_token_id: int = 0, seed: int = 0,
-                 split: bool = False) -> None:  # fmt: skip
+                 split: bool = False, chunks: Sequence[int] | str | None = None) -> None:  # fmt: skip
         self.lengths = _row_lengths(length)
         self.length = self.lengths[-1]
+        if chunks is not None and len(self.lengths) > 1:
+            raise ValueError(f"chunks takes rows of one length (their first part), but given length={list(length)}; "
+                             f"give one length, or leave chunks out")  # fmt: skip
+        if chunks is not None and chunks != "auto":
+            chunks = _chunks(chunks, self.length)
         self.pad_token_id = _check_int("pad_token_id", pad_token_id, 0)
         self.seed = _check_int("seed", seed, 0)
         ids, labels, masks = _columns(data)
@@ -304,27 +441,46 @@ class PackedDataset(Dataset):
             self.split = {i: n for i, n in Counter(self.origin).items() if n > 1}
         sizes = [len(t) for t in tokens]
         _check_sizes(sizes, self.length)  # an empty or too long sample, by index
-        self.rows = first_fit_decreasing(sizes, self.lengths, seed=self.seed)
-        self.row_lengths = [next(n for n in self.lengths if n >= sizes[row[0]]) for row in self.rows]
+        if chunks == "auto":
+            chunks = auto_chunks(sizes, self.length, seed=self.seed)
+        # a row's parts: one (the row) for plain rows; the first part and its chunks for parted rows
+        self.parts: tuple[int, ...] = (self.length, *sorted(chunks or (), reverse=True))
+        self.chunks = self.parts[1:] if chunks is not None else None
+        if self.chunks is not None:
+            parted = parted_rows(sizes, self.parts, seed=self.seed)
+            self.rows = [[i for part in row for i in part] for row in parted]
+            self.length = sum(self.parts)  # a row's tokens: its first part and every chunk
+            self.row_lengths = [self.length] * len(self.rows)
+        else:
+            parted = [[row] for row in first_fit_decreasing(sizes, self.lengths, seed=self.seed)]
+            self.rows = [row[0] for row in parted]
+            self.row_lengths = [next(n for n in self.lengths if n >= sizes[row[0]]) for row in self.rows]
         count = len(self.rows)
         self._ids = torch.full((count, self.length), self.pad_token_id, dtype=torch.int64)
         self._labels = torch.full((count, self.length), IGNORE_INDEX, dtype=torch.int64)
         self._positions = torch.zeros((count, self.length), dtype=torch.int64)
-        for r, row in enumerate(self.rows):
-            at = 0
-            for i in row:
-                n = len(tokens[i])
-                self._ids[r, at : at + n] = tokens[i]
-                self._labels[r, at : at + n] = targets[i]
-                self._labels[r, at] = IGNORE_INDEX  # never the target of the previous sample's last token
-                self._positions[r, at : at + n] = torch.arange(n)
-                at += n
-            self._positions[r, at:] = torch.arange(self.length - at)  # the tail: a segment of its own
+        self.starts: list[list[int]] = []  # where each sample of a row starts in it (rows' order)
+        for r, row in enumerate(parted):
+            starts, part_at = [], 0
+            for part, room in zip(row, self.parts if self.chunks is not None else (self.length,)):
+                at = part_at
+                for i in part:
+                    n = len(tokens[i])
+                    self._ids[r, at : at + n] = tokens[i]
+                    self._labels[r, at : at + n] = targets[i]
+                    self._labels[r, at] = IGNORE_INDEX  # never the target of the previous sample's last token
+                    self._positions[r, at : at + n] = torch.arange(n)
+                    starts.append(at)
+                    at += n
+                part_at += room
+                self._positions[r, at:part_at] = torch.arange(part_at - at)  # the tail: a segment of its own
+            self.starts.append(starts)
         self.real_tokens = sum(sizes)
         computed = sum(self.row_lengths)
         self.fill = self.real_tokens / computed
-        # the row length a computed token's attention runs over, on average: T for one length
-        self.attention_length = sum(n * n for n in self.row_lengths) / computed
+        # the part length a computed token's attention runs over, on average: T for one length
+        self.attention_length = (sum(n * n for n in self.row_lengths) / computed if self.chunks is None else
+                                 sum(p * p for p in self.parts) / self.length)  # fmt: skip
 
     def loader(self, batch_size: int, **options: Any) -> DataLoader:
         """A DataLoader of batches of rows of one length, for rows of several lengths (``length=[...]``).
@@ -345,6 +501,9 @@ class PackedDataset(Dataset):
             (2, 4) (2, 8)
             >>> # one_cycle_fit(model, packed.loader(8), epochs=2, max_lr=2e-4)   # was: batch_size=8
         """
+        if self.chunks is not None:
+            raise ValueError("rows with chunks all have one length and one layout: give the PackedDataset itself "
+                             "with batch_size (one_cycle_fit(model, packed, batch_size=...)), not packed.loader()")
         sampler = BucketBatchSampler(self.row_lengths, self.lengths, batch_size, **options)
         return DataLoader(self, batch_sampler=sampler, collate_fn=self.collate)
 
@@ -363,9 +522,17 @@ class PackedDataset(Dataset):
     def __len__(self) -> int:
         return len(self.rows)
 
-    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+    def __getitem__(self, index: int) -> dict[str, Any]:
         n = self.row_lengths[index]
-        return {INPUT_IDS: self._ids[index, :n], LABELS: self._labels[index, :n], "position_ids": self._positions[index, :n]}
+        row: dict[str, Any] = {INPUT_IDS: self._ids[index, :n], LABELS: self._labels[index, :n],
+                               "position_ids": self._positions[index, :n]}  # fmt: skip
+        if self.chunks is not None:  # each group of equal parts' positions, (parts, tokens): the layout, in shapes
+            row[PACKED_PARTS], at = [], 0
+            for size in sorted(set(self.parts), reverse=True):
+                k = self.parts.count(size)
+                row[PACKED_PARTS].append(self._positions[index, at : at + k * size].view(k, size))
+                at += k * size
+        return row
 
     def summary(self) -> str:
         """The packing in one line: samples, rows, real-token share.
@@ -380,6 +547,9 @@ class PackedDataset(Dataset):
                 f"tokens")  # fmt: skip
 
     def _rows(self) -> str:
+        if self.chunks is not None:
+            chunks = " + ".join(f"{self.parts.count(n)} x {n}" for n in sorted(set(self.chunks), reverse=True)) or "none"
+            return f"{len(self)} rows of {self.length} ({self.parts[0]}, then chunks {chunks})"
         if len(self.lengths) == 1:
             return f"{len(self)} rows of {self.length}"
         counts = "/".join(str(self.row_lengths.count(n)) for n in self.lengths)
