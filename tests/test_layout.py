@@ -19,7 +19,7 @@ LAYERS = [
     {"backend.api"},
     {"backend", "diagnostics.rules"},
     {"arguments", "remote", "files", "progress", "device", "environment", "diagnostics.port", "diagnostics.fixers",
-     "huggingface", "quantization"},
+     "huggingface", "quantization", "scan"},
     {"optim", "sharding", "amp", "checkpoint", "compiler", "export", "data.buckets", "data.cache", "data.presize", "training.schedule",
      "training.optimizers", "training.topology", "training.precision",
      "training.monitor", "training.history", "training.graphs", "training.events", "training.strategies",
