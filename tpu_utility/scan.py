@@ -201,7 +201,6 @@ class ScannedLayers(nn.Module):
         self.period, self.groups, self.count = period, groups, len(layers)
         self.scanned = range(period, period + groups * period)
         object.__setattr__(self, "_layers", layers)
-        object.__setattr__(self, "_model", model)
         object.__setattr__(self, "_scan", layer_scan)
         self.stacks = nn.ModuleList([_Stack([layers[period + g * period + j] for g in range(groups)])
                                      for j in range(period)])  # fmt: skip
@@ -212,10 +211,10 @@ class ScannedLayers(nn.Module):
             entry = _Proxy(self, i, layer) if i in self.scanned else layer
             self._entries.append(entry)
             self.add_module(str(i), entry)
-        self._parked: dict[int, list[tuple[nn.Parameter, torch.Tensor]]] = {}
-        for i in self.scanned:  # the layers' own tensors freed; undo() gives them the trained weights
-            self._parked[i] = [(p, p.data) for p in layers[i].parameters()]
-            for p in layers[i].parameters():
+        self._parked: dict[int, list[nn.Parameter]] = {}
+        for i in self.scanned:  # the layers' own tensors freed (the stacks hold the weights); undo() gives them back
+            self._parked[i] = list(layers[i].parameters())
+            for p in self._parked[i]:
                 p.data = torch.empty(0, dtype=p.dtype, device=p.device)
         for template in self._templates:  # a layer's own checkpointing cannot run inside the scan's trace
             if getattr(template, "gradient_checkpointing", None) is True:
@@ -352,7 +351,7 @@ class ScannedLayers(nn.Module):
         for i in self.scanned:
             j, g = (i - self.period) % self.period, (i - self.period) // self.period
             weights = self.stacks[j].weights()
-            for (param, _), name in zip(self._parked[i], self.stacks[j].names):
+            for param, name in zip(self._parked[i], self.stacks[j].names):
                 param.data = weights[name].detach()[g].clone()
         for template, flag in zip(self._templates, self._checkpointing):
             if flag is not None:
