@@ -1,9 +1,9 @@
 # Two commands for a new user: `make demo` and `make test`. CI runs `make test-all`.
 #
 #   make test       the pinned stack (.venv): builds it if needed, runs the whole suite (three pytest
-#                   workers), the strict docs build among its tests. 438 s from a fresh clone here.
+#                   workers), the strict docs build among its tests. 492 s from a fresh clone here.
 #   make test-all   CI's matrix: `make test`, then one lane per other stack, each running only what
-#                   can differ there (below). 1,108 s from a fresh clone here; each part's time printed.
+#                   can differ there (below). 1,534 s from a fresh clone here (4 min of it a hung fork, killed); each part's time printed.
 #
 # The stacks, each in its own venv, built the same way:
 #   .venv           pinned: Python 3.11, torch/torch_xla 2.9.0, torchvision 0.24.0 (requirements.txt)
