@@ -30,6 +30,17 @@ def alpaca_lengths(n, seed=0):
     return np.clip(np.round(rng.lognormal(np.log(150), 0.8, n)), 16, 1024).astype(int).tolist()
 
 
+
+def _on_xla_with_no_host_read(model, losses, packed, samples, what):
+    """``losses`` of a copy of ``model`` on XLA, with no host read while they are computed (``what`` is not read)."""
+    device = get_device()
+    moved = move_model(copy.deepcopy(model), device)
+    backend.current().devices.sync()
+    syncs = backend.host_sync_count()
+    found = losses(moved, packed, samples, device)
+    assert backend.host_sync_count() == syncs, f"no read of {what} on the host"
+    return found
+
 def test_first_fit_decreasing_fills_rows_of_alpaca_like_lengths_and_refuses_a_sample_longer_than_a_row():
     lengths = alpaca_lengths(3000)
     bins = first_fit_decreasing(lengths, 1024, seed=0)
@@ -142,12 +153,7 @@ def test_per_sample_losses_of_packed_rows_equal_each_sample_run_alone_on_the_cpu
         handle = packed_attention(model)
         assert packed_attention(model) is None, "once"
         on_cpu = per_sample_losses(model, packed, samples, "cpu")
-        device = get_device()
-        on_xla = move_model(copy.deepcopy(model), device)
-        backend.current().devices.sync()
-        syncs = backend.host_sync_count()
-        on_xla = per_sample_losses(on_xla, packed, samples, device)
-        assert backend.host_sync_count() == syncs, "no read of the positions on the host"
+        on_xla = _on_xla_with_no_host_read(model, per_sample_losses, packed, samples, "the positions")
         handle.remove()
         crossing = per_sample_losses(model, packed, samples, "cpu")
     assert on_cpu == pytest.approx(alone, abs=1e-5)
@@ -426,12 +432,7 @@ def test_parted_rows_give_each_sample_its_loss_run_alone_each_part_attending_as_
                     one = torch.utils.data.default_collate([packed[0]])
                     model(input_ids=one["input_ids"], position_ids=one["position_ids"], packed_parts=one["packed_parts"],
                           attention_mask=torch.ones(1, 56))  # fmt: skip
-            device = get_device()
-            on_xla = move_model(copy.deepcopy(model), device)
-            backend.current().devices.sync()
-            syncs = backend.host_sync_count()
-            on_xla = parted_losses(on_xla, packed, samples, device)
-            assert backend.host_sync_count() == syncs, "no read of the layout on the host: it is in the shapes"
+            on_xla = _on_xla_with_no_host_read(model, parted_losses, packed, samples, "the layout (in the shapes)")
             handle.remove()
             assert "forward" not in vars(model.base_model), "the decoder's forward given back"
         assert on_cpu == pytest.approx(alone, abs=1e-5), kind
